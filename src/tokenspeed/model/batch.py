@@ -1,0 +1,92 @@
+"""The layout of one packed forward step: which tokens belong to which request."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+
+class BatchError(ValueError):
+    """A forward step whose inputs do not describe a valid packed batch."""
+
+
+@attrs.frozen(eq=False)
+class ForwardBatch:
+    """A packed batch of B requests and T new tokens.
+
+    Request i owns tokens cu_seqlens[i]:cu_seqlens[i+1] of the step (seq_lens[i] of them) and
+    already has prefix_lens[i] tokens in its state. The same layout serves full prefill
+    (prefix 0), extension of a cached prefix, decode (1 new token) and verification (a few).
+    """
+
+    seq_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    cu_seqlens: torch.Tensor  # [B + 1] int64
+    positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+
+    @classmethod
+    def build(
+        cls,
+        seq_lens: Sequence[int],
+        prefix_lens: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+    ) -> ForwardBatch:
+        seq_lens = tuple(int(n) for n in seq_lens)
+        prefix_lens = tuple(0 for _ in seq_lens) if prefix_lens is None else tuple(
+            int(n) for n in prefix_lens
+        )
+        if not seq_lens:
+            raise BatchError("a forward step needs at least one request")
+        if len(prefix_lens) != len(seq_lens):
+            raise BatchError(
+                f"{len(seq_lens)} seq_lens but {len(prefix_lens)} prefix_lens; need one each"
+            )
+        empty = [i for i, n in enumerate(seq_lens) if n <= 0]
+        if empty:
+            raise BatchError(f"requests {empty} have no new tokens; empty sequences are invalid")
+        negative = [i for i, n in enumerate(prefix_lens) if n < 0]
+        if negative:
+            raise BatchError(f"requests {negative} have negative prefix lengths")
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        cu[1:] = lens.cumsum(0)
+        starts = torch.repeat_interleave(torch.tensor(prefix_lens, dtype=torch.int64), lens)
+        offsets = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+        return cls(
+            seq_lens=seq_lens,
+            prefix_lens=prefix_lens,
+            cu_seqlens=cu.to(device),
+            positions=(starts + offsets).to(device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def total_lens(self) -> tuple[int, ...]:
+        """Tokens in each request's state after this step."""
+        return tuple(p + n for p, n in zip(self.prefix_lens, self.seq_lens, strict=True))
+
+    @property
+    def uniform_len(self) -> int | None:
+        """The common number of new tokens when every request has the same, else None."""
+        first = self.seq_lens[0]
+        return first if all(n == first for n in self.seq_lens) else None
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """[B] index of each request's last new token in the packed step."""
+        return self.cu_seqlens[1:] - 1
+
+    def segments(self):
+        """(request index, slice of the packed tokens) pairs."""
+        cu = self.cu_seqlens.tolist()
+        for i in range(self.batch_size):
+            yield i, slice(cu[i], cu[i + 1])

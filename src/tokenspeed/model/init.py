@@ -1,0 +1,49 @@
+"""Random weights for models built from a config (tests, benchmarks, the `tiny` demo).
+
+Scales keep activations O(1) through every layer so that tests compare meaningful numbers and a
+random model's greedy output does not collapse onto one token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .kimi import KimiForCausalLM
+from .layers.kda import KdaAttention
+from .layers.moe import Router
+
+
+@torch.no_grad()
+def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalLM:
+    """Fill every parameter and buffer of `model` in place from a seeded generator."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen) * std + mean)
+
+    def uniform(t: torch.Tensor, low: float, high: float) -> None:
+        t.copy_(torch.rand(t.shape, generator=gen) * (high - low) + low)
+
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            normal(param, 0.1, mean=1.0)
+        elif param.dim() in (2, 3):  # linear [out, in] or stacked experts [E, out, in]
+            normal(param, 1.0 / math.sqrt(param.shape[-1]))
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            normal(module.weight, 1.0)
+        elif isinstance(module, KdaAttention):
+            # Decay rates exp(A_log) in [1, 16] and dt = softplus(dt_bias) in [1e-3, 1e-1], as
+            # Kimi models are initialised; conv taps O(1/sqrt(W)).
+            uniform(module.A_log, 0.0, math.log(16.0))
+            dt = torch.empty_like(module.dt_bias)
+            uniform(dt, math.log(1e-3), math.log(1e-1))
+            dt = dt.exp()
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            normal(module.conv_weight, 1.0 / math.sqrt(module.conv_weight.shape[-1]))
+        elif isinstance(module, Router):
+            normal(module.e_score_correction_bias, 0.05)
+    return model

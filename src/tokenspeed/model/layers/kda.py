@@ -1,0 +1,97 @@
+"""Kimi Delta Attention layer over a packed batch with explicit per-request state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..batch import ForwardBatch
+from ..config import KdaConfig
+from ..ops.conv import causal_conv, causal_conv_update
+from ..ops.kda import kda_chunked, kda_gate, kda_recurrent
+from ..ops.norm import l2_norm
+from ..state import KdaState
+from .norm import GatedRMSNorm
+
+# Requests with at most this many new tokens (decode, verify) take the recurrent form; longer
+# ones (prefill, extend) take the chunked form. Both give the same results.
+RECURRENT_MAX_TOKENS = 4
+
+
+class KdaAttention(nn.Module):
+    """q/k/v projections, short conv + SiLU, L2-normalised q/k, the decay gate and beta, the
+    delta-rule recurrence, a gated per-head RMSNorm and the output projection.
+
+    forward(x [T, D], batch, state) -> (out [T, D], new state). `state` is not modified.
+    """
+
+    def __init__(self, hidden: int, config: KdaConfig, eps: float):
+        super().__init__()
+        self.config = config
+        proj, dim, heads = config.projection_size, config.head_dim, config.num_heads
+        self.q_proj = nn.Linear(hidden, proj, bias=False)
+        self.k_proj = nn.Linear(hidden, proj, bias=False)
+        self.v_proj = nn.Linear(hidden, proj, bias=False)
+        # Depthwise conv taps for the stacked q|k|v channels: [3 * H * K, W].
+        self.conv_weight = nn.Parameter(torch.zeros(config.conv_channels, config.conv_kernel))
+        self.f_a_proj = nn.Linear(hidden, dim, bias=False)
+        self.f_b_proj = nn.Linear(dim, proj, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.dt_bias = nn.Parameter(torch.zeros(proj))
+        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        if config.full_rank_output_gate:
+            self.g_proj = nn.Linear(hidden, proj, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, dim, bias=False)
+            self.g_b_proj = nn.Linear(dim, proj, bias=False)
+        self.o_norm = GatedRMSNorm(dim, eps)
+        self.o_proj = nn.Linear(proj, hidden, bias=False)
+
+    def _conv(self, qkv: torch.Tensor, batch: ForwardBatch, state: KdaState):
+        """qkv: [T, 3P] -> (conv output [T, 3P], new conv state [B, 3P, W-1])."""
+        if batch.uniform_len == 1:
+            return causal_conv_update(qkv, state.conv, self.conv_weight)
+        outs, states = [], []
+        for i, seg in batch.segments():
+            y, conv = causal_conv(qkv[seg], self.conv_weight, state.conv[i])
+            outs.append(y)
+            states.append(conv)
+        return torch.cat(outs), torch.stack(states)
+
+    def _recurrence(self, q, k, v, g, beta, batch: ForwardBatch, state: KdaState):
+        """q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H] -> (o [T, H, V], state [B, H, K, V])."""
+        n = batch.uniform_len
+        if n is not None:
+            # Equal lengths: one batched call over [B, n, ...].
+            def fold(x):
+                return x.reshape(batch.batch_size, n, *x.shape[1:])
+
+            kda = kda_recurrent if n <= RECURRENT_MAX_TOKENS else kda_chunked
+            o, final = kda(fold(q), fold(k), fold(v), fold(g), fold(beta),
+                           initial_state=state.recurrent)
+            return o.reshape(-1, *o.shape[2:]), final
+        outs, finals = [], []
+        for i, seg in batch.segments():
+            kda = kda_recurrent if batch.seq_lens[i] <= RECURRENT_MAX_TOKENS else kda_chunked
+            o, final = kda(q[seg][None], k[seg][None], v[seg][None], g[seg][None],
+                           beta[seg][None], initial_state=state.recurrent[i : i + 1])
+            outs.append(o[0])
+            finals.append(final)
+        return torch.cat(outs), torch.cat(finals)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, state: KdaState
+    ) -> tuple[torch.Tensor, KdaState]:
+        c = self.config
+        tokens = x.shape[0]
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed, conv_state = self._conv(qkv, batch, state)
+        q, k, v = (t.reshape(tokens, c.num_heads, c.head_dim) for t in mixed.chunk(3, dim=-1))
+        q, k = l2_norm(q), l2_norm(k)
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(tokens, c.num_heads, c.head_dim)
+        g = kda_gate(f, self.A_log, self.dt_bias, c.gate, c.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, recurrent = self._recurrence(q, k, v, g, beta, batch, state)
+        gate = self.g_proj(x) if c.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o, gate.reshape(o.shape))
+        return self.o_proj(o.reshape(tokens, -1)), KdaState(conv_state, recurrent)

@@ -1,0 +1,81 @@
+"""Mixture of experts with a sigmoid router, optionally at a latent width (K3's latent MoE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ActivationConfig, MoeConfig
+from ..ops.moe import route, routed_experts
+from .mlp import GluMlp, make_glu
+from .norm import RMSNorm
+
+
+class Router(nn.Module):
+    """Sigmoid router; weight [E, D] and e_score_correction_bias [E] stay fp32."""
+
+    def __init__(self, hidden: int, config: MoeConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
+        c = self.config
+        return route(
+            x, self.weight, self.e_score_correction_bias, c.top_k, c.num_groups,
+            c.topk_groups, c.renormalize, c.routed_scaling_factor,
+        )
+
+
+class Experts(nn.Module):
+    """E gated experts stored stacked: w1 (gate), w3 (up): [E, I, D]; w2 (down): [E, D, I]."""
+
+    def __init__(self, num_experts: int, width: int, intermediate: int, act: ActivationConfig):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
+        self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
+        self.w3 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
+        self.glu = make_glu(act)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return routed_experts(x, weights, ids, self.w1, self.w2, self.w3, self.glu)
+
+
+class MoE(nn.Module):
+    """Routed experts (at the latent width when configured) plus shared experts on the hidden.
+
+    Latent path: route on x; h = down(x); y = sum_k w_k expert_k(h); y = norm(y); y = up(y).
+    The router always reads the full hidden x. x: [T, D] -> [T, D].
+    """
+
+    def __init__(self, hidden: int, config: MoeConfig, act: ActivationConfig, eps: float):
+        super().__init__()
+        width = config.latent_size or hidden
+        self.gate = Router(hidden, config)
+        self.experts = Experts(config.num_experts, width, config.expert_intermediate_size, act)
+        self.routed_expert_down_proj = None
+        self.routed_expert_up_proj = None
+        self.routed_expert_norm = None
+        if config.latent_size is not None:
+            self.routed_expert_down_proj = nn.Linear(hidden, width, bias=False)
+            self.routed_expert_up_proj = nn.Linear(width, hidden, bias=False)
+            if config.latent_norm:
+                self.routed_expert_norm = RMSNorm(width, eps)
+        self.shared_experts = None
+        if config.num_shared_experts:
+            shared = config.expert_intermediate_size * config.num_shared_experts
+            self.shared_experts = GluMlp(hidden, shared, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        h = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
+        y = self.experts(h, weights, ids)
+        if self.routed_expert_norm is not None:
+            y = self.routed_expert_norm(y)
+        if self.routed_expert_up_proj is not None:
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

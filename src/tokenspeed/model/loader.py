@@ -1,0 +1,216 @@
+"""Load a Hugging Face layout checkpoint (config.json + safetensors shards [+ index json]) of Kimi
+Linear or Kimi K3 into `KimiForCausalLM`.
+
+All problems are collected before anything is loaded, and reported together: missing tensors,
+unexpected tensors and tensors of the wrong shape, each by its checkpoint name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .hf_config import from_hf_config, load_config_json, text_config_of
+from .kimi import KimiForCausalLM
+from .weight_map import TensorSpec, check_part_shape, combine_parts, tensor_specs
+
+INDEX_FILE = "model.safetensors.index.json"
+# Multimodal parts of K3 checkpoints that the text model does not use.
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; lists every offending tensor by name."""
+
+    def __init__(self, missing=(), unexpected=(), mis_shaped=(), other=()):
+        self.missing, self.unexpected = sorted(missing), sorted(unexpected)
+        self.mis_shaped, self.other = sorted(mis_shaped), list(other)
+        lines = ["checkpoint does not match the model:"]
+        for title, items in (
+            ("missing tensors", self.missing),
+            ("unexpected tensors", self.unexpected),
+            ("mis-shaped tensors", self.mis_shaped),
+            ("other problems", self.other),
+        ):
+            if items:
+                more = [f"... and {len(items) - 50} more"] if len(items) > 50 else []
+                lines.append(f"  {title} ({len(items)}):")
+                lines.extend(f"    {item}" for item in items[:50] + more)
+        super().__init__("\n".join(lines))
+
+
+def normalize_name(name: str) -> str:
+    """Checkpoint name -> the text-model name (K3 wraps it in `language_model.`)."""
+    for prefix, replacement in (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+        ("language_model.", "model."),
+    ):
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+@attrs.frozen
+class CheckpointIndex:
+    """Which file holds each tensor: normalised name -> (file, name inside the file)."""
+
+    root: Path
+    entries: dict[str, tuple[str, str]]
+    ignored: tuple[str, ...]
+
+    @classmethod
+    def open(cls, root: str | Path) -> CheckpointIndex:
+        root = Path(root)
+        index_path = root / INDEX_FILE
+        if index_path.is_file():
+            with index_path.open() as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            files = sorted(root.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(other=[f"no *.safetensors files in {root}"])
+            weight_map = {}
+            for file in files:
+                with safe_open(file, "pt") as handle:
+                    weight_map.update(dict.fromkeys(handle.keys(), file.name))
+        entries, ignored = {}, []
+        for name, file in weight_map.items():
+            normal = normalize_name(name)
+            if normal.startswith(IGNORED_PREFIXES) or name.startswith(IGNORED_PREFIXES):
+                ignored.append(name)
+                continue
+            entries[normal] = (file, name)
+        return cls(root=root, entries=entries, ignored=tuple(ignored))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every tensor, read from the safetensors headers only."""
+        by_file: dict[str, list[str]] = {}
+        for normal, (file, _) in self.entries.items():
+            by_file.setdefault(file, []).append(normal)
+        shapes = {}
+        for file, names in by_file.items():
+            with safe_open(self.root / file, "pt") as handle:
+                for normal in names:
+                    shapes[normal] = tuple(handle.get_slice(self.entries[normal][1]).get_shape())
+        return shapes
+
+
+@attrs.frozen
+class _Plan:
+    """For each spec, the checkpoint names of its parts."""
+
+    sources: dict[str, list[str]]
+
+
+def _plan(specs: Iterable[TensorSpec], index: CheckpointIndex, strict: bool) -> _Plan:
+    shapes = index.shapes()
+    missing, mis_shaped, used, sources = [], [], set(), {}
+    for spec in specs:
+        names = []
+        for candidates in spec.parts:
+            found = next((n for n in candidates if n in shapes), None)
+            if found is None:
+                missing.append(candidates[0])
+                continue
+            used.add(found)
+            names.append(found)
+            if not check_part_shape(spec, shapes[found]):
+                mis_shaped.append(
+                    f"{found}: shape {list(shapes[found])}, expected {list(spec.part_shape)}"
+                )
+        sources[spec.target] = names
+    unexpected = sorted(set(shapes) - used) if strict else []
+    if missing or mis_shaped or unexpected:
+        raise CheckpointError(missing, unexpected, mis_shaped)
+    return _Plan(sources)
+
+
+def _check_quantization(raw: dict) -> None:
+    quant = raw.get("quantization_config") or text_config_of(raw).get("quantization_config")
+    if quant:
+        fmt = quant.get("format") or quant.get("quant_method")
+        raise CheckpointError(
+            other=[
+                f"quantized checkpoints ({fmt}) are not supported by the reference loader; "
+                "load a bf16/fp32 export"
+            ]
+        )
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, raw: dict) -> torch.dtype:
+    """`dtype` as given, or the checkpoint's own (`dtype` / `torch_dtype`), else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        text = text_config_of(raw)
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: torch.dtype | str | None = "auto",
+    device: torch.device | str = "cpu",
+    config: ModelConfig | None = None,
+    strict: bool = True,
+) -> KimiForCausalLM:
+    """Build `KimiForCausalLM` from a checkpoint directory.
+
+    dtype: the model's dtype ("auto" takes the checkpoint's); decay rates and the router stay
+    fp32. strict: unexpected tensors are an error (multimodal towers are always skipped).
+    Raises CheckpointError listing missing, unexpected and mis-shaped tensors by name.
+    """
+    root = Path(path)
+    raw = load_config_json(root)
+    _check_quantization(raw)
+    config = config or from_hf_config(raw)
+    dtype = resolve_dtype(dtype, raw)
+    index = CheckpointIndex.open(root)
+    specs = tensor_specs(config)
+    plan = _plan(specs, index, strict)
+
+    tensors: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    handles = {}
+    try:
+        for spec in specs:
+            parts = []
+            for name in plan.sources[spec.target]:
+                file, stored = index.entries[name]
+                if file not in handles:
+                    handles[file] = safe_open(root / file, "pt", device="cpu")
+                parts.append(handles[file].get_tensor(stored))
+            if spec.combine == "a_log":
+                padding = parts[0].reshape(-1)[spec.shape[0] :]
+                if padding.numel() and bool(padding.ne(0).any()):
+                    problems.append(
+                        f"{plan.sources[spec.target][0]}: has {parts[0].numel()} entries for "
+                        f"{spec.shape[0]} heads and the extra ones are not zero padding"
+                    )
+            target_dtype = torch.float32 if spec.keep_fp32 else dtype
+            tensors[spec.target] = combine_parts(spec, parts).to(device=device, dtype=target_dtype)
+    finally:
+        handles.clear()
+    if problems:
+        raise CheckpointError(other=problems)
+
+    if config.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = KimiForCausalLM(config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+

@@ -1,0 +1,113 @@
+"""Explicit per-request decoder state, passed into a forward step and handed back by it.
+
+The model owns no cache: a caller (a test, the runtime's cache) keeps these and decides where
+they live. KDA layers carry a conv window and a recurrent state per request; MLA layers carry
+the latent rows of every token seen so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from .config import ModelConfig
+
+
+@attrs.define(eq=False)
+class KdaState:
+    """One KDA layer's state for a batch of B requests.
+
+    conv: [B, 3*H*K, W-1] the last W-1 q/k/v inputs (model dtype);
+    recurrent: [B, H, K, V] fp32.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def select(self, index: int) -> KdaState:
+        return KdaState(self.conv[index : index + 1], self.recurrent[index : index + 1])
+
+
+@attrs.define(eq=False)
+class DecoderState:
+    """The state of B requests: per KDA layer a `KdaState`, per MLA layer a list of B latent
+    tensors [L_i, kv_lora_rank + qk_rope_head_dim], and the tokens seen by each request."""
+
+    kda: dict[int, KdaState]
+    mla: dict[int, list[torch.Tensor]]
+    num_tokens: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_tokens)
+
+    @classmethod
+    def empty(
+        cls,
+        config: ModelConfig,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> DecoderState:
+        """Fresh state for requests that have seen no tokens."""
+        kda_cfg, mla_cfg = config.kda, config.mla
+        kda = {
+            layer: KdaState(
+                conv=torch.zeros(
+                    batch_size, kda_cfg.conv_channels, kda_cfg.conv_kernel - 1,
+                    dtype=dtype, device=device,
+                ),
+                recurrent=torch.zeros(
+                    batch_size, kda_cfg.num_heads, kda_cfg.head_dim, kda_cfg.head_dim,
+                    dtype=torch.float32, device=device,
+                ),
+            )
+            for layer in config.kda_layers
+        }
+        mla = {
+            layer: [
+                torch.zeros(0, mla_cfg.latent_width, dtype=dtype, device=device)
+                for _ in range(batch_size)
+            ]
+            for layer in config.mla_layers
+        }
+        return cls(kda=kda, mla=mla, num_tokens=[0] * batch_size)
+
+    @classmethod
+    def concat(cls, states: Sequence[DecoderState]) -> DecoderState:
+        """One batch state from several (in order)."""
+        if not states:
+            raise ValueError("concat needs at least one state")
+        first = states[0]
+        kda = {
+            layer: KdaState(
+                conv=torch.cat([s.kda[layer].conv for s in states]),
+                recurrent=torch.cat([s.kda[layer].recurrent for s in states]),
+            )
+            for layer in first.kda
+        }
+        mla = {layer: [row for s in states for row in s.mla[layer]] for layer in first.mla}
+        return cls(kda=kda, mla=mla, num_tokens=[n for s in states for n in s.num_tokens])
+
+    def split(self) -> list[DecoderState]:
+        """One single-request state per request."""
+        return [
+            DecoderState(
+                kda={layer: s.select(i) for layer, s in self.kda.items()},
+                mla={layer: [rows[i]] for layer, rows in self.mla.items()},
+                num_tokens=[self.num_tokens[i]],
+            )
+            for i in range(self.batch_size)
+        ]
+
+    def clone(self) -> DecoderState:
+        return DecoderState(
+            kda={
+                layer: KdaState(s.conv.clone(), s.recurrent.clone())
+                for layer, s in self.kda.items()
+            },
+            mla={layer: [r.clone() for r in rows] for layer, rows in self.mla.items()},
+            num_tokens=list(self.num_tokens),
+        )

@@ -1,0 +1,142 @@
+"""Checkpoint loading and saving in the Hugging Face layout."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenspeed.model import ForwardBatch, KimiForCausalLM, get_preset
+from tokenspeed.model.checkpoint import save_checkpoint
+from tokenspeed.model.init import init_random_weights
+from tokenspeed.model.loader import INDEX_FILE, CheckpointError, load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=11).eval()
+
+
+def _logits(model, n=40, seed=0):
+    ids = torch.randint(0, model.config.vocab_size, (n,),
+                        generator=torch.Generator().manual_seed(seed))
+    return model(ids, ForwardBatch.build([n]), model.empty_state()).logits
+
+
+@pytest.mark.parametrize("layout", ["k3", "kimi_linear"])
+def test_tiny_k3_round_trips_with_identical_outputs(tiny, tmp_path, layout):
+    save_checkpoint(tiny, tmp_path, layout=layout, max_shard_bytes=256 << 10)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1
+    index = json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"]
+    prefix = "language_model." if layout == "k3" else ""
+    assert f"{prefix}model.layers.1.block_sparse_moe.experts.15.w2.weight" in index
+    assert f"{prefix}model.layers.0.self_attn.q_conv1d.weight" in index
+    assert f"{prefix}model.layers.4.self_attention_res_proj.weight" in index
+    assert f"{prefix}model.output_attn_res_norm.weight" in index
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == tiny.config
+    assert torch.equal(_logits(loaded), _logits(tiny))
+    for (name, a), (_, b) in zip(tiny.state_dict().items(), loaded.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_dtype_choice_keeps_decay_rates_and_router_in_fp32(tiny, tmp_path):
+    save_checkpoint(tiny, tmp_path)
+    model = load_checkpoint(tmp_path, dtype="bfloat16")
+    layers = model.model.layers
+    assert layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert layers[1].mlp.experts.w1.dtype == torch.bfloat16
+    assert layers[0].self_attn.A_log.dtype == torch.float32
+    assert layers[0].self_attn.dt_bias.dtype == torch.float32
+    assert layers[1].mlp.gate.weight.dtype == torch.float32
+    assert layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    out = _logits(model)
+    assert out.dtype == torch.bfloat16
+    # bf16 rounding (and the expert-selection flips it causes in a random model, whose router
+    # has no margins) moves logits, but they stay those of the same model: compare directions.
+    # Unrelated logits have cosine ~0.
+    reference = _logits(tiny).flatten()
+    assert torch.nn.functional.cosine_similarity(out.float().flatten(), reference, 0) > 0.8
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_checkpoint(tmp_path, dtype="float8")
+
+
+def _flat(tmp_path, tiny, edit):
+    """Save tiny, then rewrite it as one flat file after `edit(tensors, config)`."""
+    src = tmp_path / "src"
+    save_checkpoint(tiny, src, layout="kimi_linear")
+    tensors = {}
+    for shard in src.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    config = json.loads((src / "config.json").read_text())
+    edit(tensors, config)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_errors_list_missing_unexpected_and_mis_shaped_tensors_by_name(tiny, tmp_path):
+    def edit(tensors, config):
+        del tensors["model.layers.2.self_attn.k_conv1d.weight"]
+        del tensors["model.layers.5.block_sparse_moe.experts.7.w3.weight"]
+        tensors["model.layers.0.self_attn.unknown.weight"] = torch.zeros(3)
+        tensors["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(5, 5)
+
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(_flat(tmp_path, tiny, edit))
+    err = info.value
+    assert err.missing == [
+        "model.layers.2.self_attn.k_conv1d.weight",
+        "model.layers.5.block_sparse_moe.experts.7.w3.weight",
+    ]
+    assert err.unexpected == ["model.layers.0.self_attn.unknown.weight"]
+    assert len(err.mis_shaped) == 1 and "model.layers.3.self_attn.kv_b_proj.weight" in str(err)
+    assert "shape [5, 5], expected [128, 32]" in str(err)
+
+
+def test_non_strict_load_ignores_unexpected_tensors(tiny, tmp_path):
+    def edit(tensors, config):
+        tensors["model.mtp.0.weight"] = torch.zeros(2)
+
+    path = _flat(tmp_path, tiny, edit)
+    with pytest.raises(CheckpointError, match="model.mtp.0.weight"):
+        load_checkpoint(path)
+    assert torch.equal(_logits(load_checkpoint(path, strict=False)), _logits(tiny))
+
+
+def test_k3_multimodal_towers_are_skipped_and_padded_a_log_accepted(tiny, tmp_path):
+    heads, dim = tiny.config.kda.num_heads, tiny.config.kda.head_dim
+
+    def edit(tensors, config):
+        for name in [n for n in tensors if n.endswith("A_log")]:
+            tensors[name] = torch.cat([tensors[name].reshape(-1), torch.zeros(dim - heads)])
+        tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
+
+    assert torch.equal(_logits(load_checkpoint(_flat(tmp_path, tiny, edit))), _logits(tiny))
+
+
+def test_a_log_padding_must_be_zero(tiny, tmp_path):
+    def edit(tensors, config):
+        name = "model.layers.0.self_attn.A_log"
+        tensors[name] = torch.cat([tensors[name].reshape(-1), torch.ones(3)])
+
+    with pytest.raises(CheckpointError, match="A_log: has 7 entries for 4 heads"):
+        load_checkpoint(_flat(tmp_path, tiny, edit))
+
+
+def test_quantized_checkpoints_are_refused_with_a_reason(tiny, tmp_path):
+    def edit(tensors, config):
+        config["quantization_config"] = {"format": "mxfp4-pack-quantized"}
+
+    with pytest.raises(CheckpointError, match="quantized checkpoints .mxfp4-pack-quantized."):
+        load_checkpoint(_flat(tmp_path, tiny, edit))
+
+
+def test_empty_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_linear"}))
+    with pytest.raises(Exception, match="lacks|no \\*.safetensors"):
+        load_checkpoint(tmp_path)
