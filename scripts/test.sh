@@ -11,5 +11,5 @@ else
 fi
 TOKENSPEED_EXTRAS="$extras" source "$here/setup.sh"
 cd "$here/.."
-ruff check src tests benchmarks
+ruff check .
 exec python -m pytest -q "$@"
