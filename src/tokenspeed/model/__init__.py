@@ -15,7 +15,7 @@ from .config import (
 from .hf_config import from_hf_config, to_hf_config
 from .kimi import ForwardOutput, KimiForCausalLM
 from .presets import PRESETS, get_preset
-from .state import DecoderState, KdaState
+from .state import DecoderState, KdaState, PagedKda, PagedMla, PagedState
 
 __all__ = [
     "PRESETS",
@@ -31,6 +31,9 @@ __all__ = [
     "MlaConfig",
     "ModelConfig",
     "MoeConfig",
+    "PagedKda",
+    "PagedMla",
+    "PagedState",
     "from_hf_config",
     "get_preset",
     "to_hf_config",

@@ -19,12 +19,17 @@ class ForwardBatch:
     Request i owns tokens cu_seqlens[i]:cu_seqlens[i+1] of the step (seq_lens[i] of them) and
     already has prefix_lens[i] tokens in its state. The same layout serves full prefill
     (prefix 0), extension of a cached prefix, decode (1 new token) and verification (a few).
+
+    The tensor fields are all a CUDA graph needs: a graph runner builds one batch over static
+    buffers (`prefix_lens=None`, since the prefixes change between replays) and refills them.
     """
 
     seq_lens: tuple[int, ...]
-    prefix_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...] | None
     cu_seqlens: torch.Tensor  # [B + 1] int64
     positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+    token_request: torch.Tensor  # [T] int64, the request each token belongs to
+    context_lens: torch.Tensor  # [B] int64, tokens in each request's state after the step
 
     @classmethod
     def build(
@@ -50,15 +55,17 @@ class ForwardBatch:
         if negative:
             raise BatchError(f"requests {negative} have negative prefix lengths")
         lens = torch.tensor(seq_lens, dtype=torch.int64)
+        prefix = torch.tensor(prefix_lens, dtype=torch.int64)
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
         cu[1:] = lens.cumsum(0)
-        starts = torch.repeat_interleave(torch.tensor(prefix_lens, dtype=torch.int64), lens)
         offsets = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
         return cls(
             seq_lens=seq_lens,
             prefix_lens=prefix_lens,
             cu_seqlens=cu.to(device),
-            positions=(starts + offsets).to(device),
+            positions=(torch.repeat_interleave(prefix, lens) + offsets).to(device),
+            token_request=torch.repeat_interleave(torch.arange(len(seq_lens)), lens).to(device),
+            context_lens=(prefix + lens).to(device),
         )
 
     @property
@@ -71,7 +78,9 @@ class ForwardBatch:
 
     @property
     def total_lens(self) -> tuple[int, ...]:
-        """Tokens in each request's state after this step."""
+        """Tokens in each request's state after this step (host copy of context_lens)."""
+        if self.prefix_lens is None:
+            return tuple(self.context_lens.tolist())
         return tuple(p + n for p, n in zip(self.prefix_lens, self.seq_lens, strict=True))
 
     @property

@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .layers.attn_res import AttnResMix
 from .layers.decoder import DecoderLayer
 from .layers.norm import RMSNorm
-from .state import DecoderState
+from .state import DecoderState, PagedState
 
 
 @attrs.frozen(eq=False)
@@ -25,7 +25,7 @@ class ForwardOutput:
     """logits: [N, vocab] for the selected tokens (all T by default); state: after the step."""
 
     logits: torch.Tensor
-    state: DecoderState
+    state: DecoderState | PagedState
 
 
 class KimiModel(nn.Module):
@@ -39,9 +39,12 @@ class KimiModel(nn.Module):
             self.output_attn_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, state: DecoderState
-    ) -> tuple[torch.Tensor, DecoderState]:
-        """input_ids: [T] -> (final hidden states [T, D] after the output norm, new state)."""
+        self, input_ids: torch.Tensor, batch: ForwardBatch, state: DecoderState | PagedState
+    ) -> tuple[torch.Tensor, DecoderState | PagedState]:
+        """input_ids: [T] -> (final hidden states [T, D] after the output norm, new state).
+
+        A `PagedState` is updated in place and returned as the new state.
+        """
         hidden = self.embed_tokens(input_ids)
         kda, mla = {}, {}
         bank: list[torch.Tensor] = []
@@ -55,6 +58,8 @@ class KimiModel(nn.Module):
             (kda if layer.kind == "kda" else mla)[layer.index] = new
         if self.config.uses_attn_res:
             hidden = self.output_attn_res([*bank, hidden])
+        if isinstance(state, PagedState):
+            return self.norm(hidden), state
         new_state = DecoderState(kda=kda, mla=mla, num_tokens=list(batch.total_lens))
         return self.norm(hidden), new_state
 
@@ -74,7 +79,9 @@ class KimiForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def check_inputs(self, input_ids: torch.Tensor, batch: ForwardBatch, state: DecoderState):
+    def check_inputs(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, state: DecoderState | PagedState
+    ):
         """Raise BatchError naming the problem when the step's inputs are inconsistent."""
         if input_ids.dim() != 1:
             raise BatchError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
@@ -89,6 +96,8 @@ class KimiForCausalLM(nn.Module):
             if low < 0 or high >= vocab:
                 bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique().tolist()[:8]
                 raise BatchError(f"token ids {bad} are outside the vocabulary [0, {vocab})")
+        if isinstance(state, PagedState):
+            return  # the cache that built the pools and tables owns their consistency
         if state.batch_size != batch.batch_size:
             raise BatchError(
                 f"state holds {state.batch_size} requests but the batch has {batch.batch_size}"
@@ -104,10 +113,14 @@ class KimiForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         batch: ForwardBatch,
-        state: DecoderState,
+        state: DecoderState | PagedState,
         logits_indices: torch.Tensor | None = None,
+        check: bool = True,
     ) -> ForwardOutput:
-        self.check_inputs(input_ids, batch, state)
+        """check=False skips the input checks (they read values back from the device, which a
+        CUDA graph capture cannot do; the runner validates before filling its buffers)."""
+        if check:
+            self.check_inputs(input_ids, batch, state)
         hidden, new_state = self.model(input_ids, batch, state)
         if logits_indices is not None:
             hidden = hidden[logits_indices]

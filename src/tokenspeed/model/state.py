@@ -111,3 +111,38 @@ class DecoderState:
             mla={layer: [r.clone() for r in rows] for layer, rows in self.mla.items()},
             num_tokens=list(self.num_tokens),
         )
+
+
+@attrs.define(eq=False)
+class PagedKda:
+    """One KDA layer's state in shared slot pools, read and written in place.
+
+    conv: [S, 3*H*K, W-1]; recurrent: [S, H, K, V] fp32; slots: [B] the slot of each request
+    (padding rows may all point at one sink slot).
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    slots: torch.Tensor
+
+
+@attrs.define(eq=False)
+class PagedMla:
+    """One MLA layer's latent rows in a shared page pool, written in place.
+
+    pages: [NP, P, R + Dr]; page_table: [B, MP] the pages of each request in order (padding rows
+    and unused entries may point at a sink page). Token t of request i lives at row t % P of
+    page page_table[i, t // P].
+    """
+
+    pages: torch.Tensor
+    page_table: torch.Tensor
+
+
+@attrs.define(eq=False)
+class PagedState:
+    """The state of B requests held in a cache's pools (the runtime's device tier) rather than
+    in per-request tensors. A forward over it updates the pools in place and returns it."""
+
+    kda: dict[int, PagedKda]
+    mla: dict[int, PagedMla]

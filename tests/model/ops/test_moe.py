@@ -74,3 +74,25 @@ def test_routed_experts_weighted_sum():
         for t in range(7)
     ])
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_loop(dtype):
+    from tokenspeed.model.ops.moe import routed_experts_grouped
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 16, generator=gen)
+    w1, w3 = torch.randn(6, 8, 16, generator=gen), torch.randn(6, 8, 16, generator=gen)
+    w2 = torch.randn(6, 16, 8, generator=gen)
+    ids = torch.randint(0, 5, (13, 3), generator=gen)  # expert 5 gets no tokens
+    weights = torch.rand(13, 3, generator=gen)
+
+    def glu(g, u):
+        return F.silu(g) * u
+
+    args = [t.to(dtype) for t in (x,)] + [weights, ids] + [t.to(dtype) for t in (w1, w2, w3)]
+    got = routed_experts_grouped(*args, glu)
+    want = routed_experts(*args, glu)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert got.dtype == dtype
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()

@@ -10,7 +10,7 @@ from ..config import KdaConfig
 from ..ops.conv import causal_conv, causal_conv_update
 from ..ops.kda import kda_chunked, kda_gate, kda_recurrent
 from ..ops.norm import l2_norm
-from ..state import KdaState
+from ..state import KdaState, PagedKda
 from .norm import GatedRMSNorm
 
 # Requests with at most this many new tokens (decode, verify) take the recurrent form; longer
@@ -22,7 +22,8 @@ class KdaAttention(nn.Module):
     """q/k/v projections, short conv + SiLU, L2-normalised q/k, the decay gate and beta, the
     delta-rule recurrence, a gated per-head RMSNorm and the output projection.
 
-    forward(x [T, D], batch, state) -> (out [T, D], new state). `state` is not modified.
+    forward(x [T, D], batch, state) -> (out [T, D], new state). An explicit `KdaState` is not
+    modified (a new one is returned); a `PagedKda` is updated in place and returned.
     """
 
     def __init__(self, hidden: int, config: KdaConfig, eps: float):
@@ -80,6 +81,18 @@ class KdaAttention(nn.Module):
         return torch.cat(outs), torch.cat(finals)
 
     def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, state: KdaState | PagedKda
+    ) -> tuple[torch.Tensor, KdaState | PagedKda]:
+        if isinstance(state, PagedKda):
+            # Gather the batch's slots, advance them, scatter back: static shapes, no host sync.
+            current = KdaState(state.conv[state.slots], state.recurrent[state.slots])
+            out, new = self._forward(x, batch, current)
+            state.conv.index_copy_(0, state.slots, new.conv.to(state.conv.dtype))
+            state.recurrent.index_copy_(0, state.slots, new.recurrent)
+            return out, state
+        return self._forward(x, batch, state)
+
+    def _forward(
         self, x: torch.Tensor, batch: ForwardBatch, state: KdaState
     ) -> tuple[torch.Tensor, KdaState]:
         c = self.config

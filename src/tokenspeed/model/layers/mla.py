@@ -7,7 +7,8 @@ from torch import nn
 
 from ..batch import ForwardBatch
 from ..config import MlaConfig
-from ..ops.mla import mla_decode, mla_prefill, split_kv_b
+from ..ops.mla import gather_pages, mla_decode, mla_decode_paged, mla_prefill, split_kv_b
+from ..state import PagedMla
 from .norm import RMSNorm
 
 # The q and kv LoRA norms of Kimi checkpoints use eps 1e-6 whatever rms_norm_eps says.
@@ -20,8 +21,9 @@ ABSORBED_MAX_TOKENS = 4
 class GatedMla(nn.Module):
     """MLA without RoPE; K3 adds an output gate: o_proj(attn * sigmoid(g_proj(x))).
 
-    forward(x [T, D], batch, latents) -> (out [T, D], new latents). latents[i] holds request i's
-    cached rows [prefix_i, R + Dr]; the new list appends this step's rows (inputs untouched).
+    forward(x [T, D], batch, latents) -> (out [T, D], new latents). Explicit latents are a list
+    with request i's cached rows [prefix_i, R + Dr]; the new list appends this step's rows
+    (inputs untouched). A `PagedMla` gets this step's rows written into its pages in place.
     """
 
     def __init__(self, hidden: int, config: MlaConfig):
@@ -49,34 +51,71 @@ class GatedMla(nn.Module):
         compressed = self.kv_a_proj_with_mqa(x)
         return torch.cat([self.kv_a_layernorm(compressed[:, :rank]), compressed[:, rank:]], -1)
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, latents: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        tokens = x.shape[0]
         if c.q_lora_rank is None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(tokens, c.num_heads, c.qk_head_dim)
+        return q.reshape(x.shape[0], c.num_heads, c.qk_head_dim)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        return split_kv_b(self.kv_b_proj.weight, c.num_heads, c.qk_nope_head_dim, c.v_head_dim)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        o = o.reshape(x.shape[0], -1)
+        if self.config.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, latents: list[torch.Tensor] | PagedMla
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | PagedMla]:
+        if isinstance(latents, PagedMla):
+            return self._forward_paged(x, batch, latents), latents
+        c = self.config
+        q = self._queries(x)
         rows = self.latent_rows(x).to(latents[0].dtype)
-        new_latents = [
-            torch.cat([latents[i], rows[seg]]) for i, seg in batch.segments()
-        ]
+        new_latents = [torch.cat([latents[i], rows[seg]]) for i, seg in batch.segments()]
         cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
         cu_k[1:] = torch.tensor(batch.total_lens).cumsum(0)
         latent = torch.cat(new_latents).to(x.dtype)
         if max(batch.seq_lens) <= ABSORBED_MAX_TOKENS:
-            w_uk, w_uv = split_kv_b(
-                self.kv_b_proj.weight, c.num_heads, c.qk_nope_head_dim, c.v_head_dim
-            )
+            w_uk, w_uv = self._absorbed()
             o = mla_decode(q, latent, w_uk, w_uv, batch.cu_seqlens, cu_k, c.softmax_scale)
         else:
             o = mla_prefill(
                 q, latent, self.kv_b_proj.weight, batch.cu_seqlens, cu_k, c.v_head_dim,
                 c.softmax_scale,
             )
-        o = o.reshape(tokens, -1)
-        if c.output_gate:
-            o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o), new_latents
+        return self._output(o, x), new_latents
+
+    def _forward_paged(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedMla):
+        """Write this step's rows into their pages, then attend over the pages."""
+        c = self.config
+        q = self._queries(x)
+        pages = cache.pages
+        page_size = pages.shape[1]
+        positions = batch.positions
+        page = cache.page_table[batch.token_request, positions // page_size]
+        slot = page * page_size + positions % page_size
+        pages.view(-1, pages.shape[-1]).index_copy_(0, slot, self.latent_rows(x).to(pages.dtype))
+        n = batch.uniform_len
+        if n is not None and n <= ABSORBED_MAX_TOKENS:
+            w_uk, w_uv = self._absorbed()
+            o = mla_decode_paged(
+                q, pages, cache.page_table, batch.context_lens, w_uk, w_uv, c.softmax_scale
+            )
+        else:
+            # Prefill / extend (eager only): gather each request's rows and expand them.
+            lens = batch.total_lens
+            rows = gather_pages(pages, cache.page_table)
+            latent = torch.cat([rows[i, :n_rows] for i, n_rows in enumerate(lens)]).to(x.dtype)
+            cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
+            cu_k[1:] = torch.tensor(lens).cumsum(0)
+            o = mla_prefill(
+                q, latent, self.kv_b_proj.weight, batch.cu_seqlens, cu_k, c.v_head_dim,
+                c.softmax_scale,
+            )
+        return self._output(o, x)

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from ..config import ActivationConfig, MoeConfig
-from ..ops.moe import route, routed_experts
+from ..ops.dispatch import routed_experts
+from ..ops.moe import route
 from .mlp import GluMlp, make_glu
 from .norm import RMSNorm
 

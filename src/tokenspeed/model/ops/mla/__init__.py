@@ -1,5 +1,5 @@
 """Latent attention ops over a latent cache: expanded (prefill) and absorbed (decode) forms."""
 
-from .reference import mla_decode, mla_prefill, split_kv_b
+from .reference import gather_pages, mla_decode, mla_decode_paged, mla_prefill, split_kv_b
 
-__all__ = ["mla_decode", "mla_prefill", "split_kv_b"]
+__all__ = ["gather_pages", "mla_decode", "mla_decode_paged", "mla_prefill", "split_kv_b"]

@@ -100,3 +100,43 @@ def mla_decode(
         o_latent = torch.einsum("hnl,lr->nhr", probs, c)
         out[qs] = torch.einsum("nhr,hdr->nhd", o_latent, w_uv.float()).to(q.dtype)
     return out
+
+
+def gather_pages(pages: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """Rows of each request in order: pages [NP, P, W], page_table [B, MP] -> [B, MP * P, W]."""
+    batch, max_pages = page_table.shape
+    return pages[page_table].reshape(batch, max_pages * pages.shape[1], pages.shape[2])
+
+
+def mla_decode_paged(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed attention of n queries per request over a paged latent cache.
+
+    q: [B * n, H, Dn + Dr] (request-major, n the same for every request); pages: [NP, P, R + Dr];
+    page_table: [B, MP] the pages of each request in order (unused entries may point anywhere,
+    e.g. a sink page); context_lens: [B] rows of each request including this step's n, whose
+    queries sit at its last n positions. Shapes are static and nothing syncs with the host, so
+    this runs inside a CUDA graph. Returns [B * n, H, Dv] in q's dtype.
+    """
+    batch = page_table.shape[0]
+    n = q.shape[0] // batch
+    nope_dim, rank = w_uk.shape[1], w_uk.shape[2]
+    rows = gather_pages(pages, page_table).float()  # [B, L, W]
+    c, k_rope = rows[..., :rank], rows[..., rank:]
+    qf = q.float().reshape(batch, n, q.shape[1], q.shape[2])
+    q_latent = torch.einsum("bnhd,hdr->bnhr", qf[..., :nope_dim], w_uk.float())
+    scores = torch.einsum("bnhr,blr->bhnl", q_latent, c)
+    scores = scores + torch.einsum("bnhd,bld->bhnl", qf[..., nope_dim:], k_rope)
+    last = context_lens[:, None] - n + torch.arange(n, device=q.device)  # [B, n] last visible row
+    hidden = torch.arange(rows.shape[1], device=q.device)[None, None, :] > last[:, :, None]
+    probs = (scores * scale).masked_fill(hidden[:, None], float("-inf")).softmax(-1)
+    o_latent = torch.einsum("bhnl,blr->bnhr", probs, c)
+    out = torch.einsum("bnhr,hdr->bnhd", o_latent, w_uv.float())
+    return out.reshape(batch * n, q.shape[1], w_uv.shape[1]).to(q.dtype)
