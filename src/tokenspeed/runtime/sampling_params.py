@@ -1,0 +1,84 @@
+"""`SamplingParams`: how to pick tokens for one request, with the conventions vLLM users know."""
+
+from __future__ import annotations
+
+import attrs
+from attrs import field, frozen
+
+
+class SamplingError(ValueError):
+    """Sampling parameters that cannot be honoured; the message names the field."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise SamplingError(message)
+
+
+def _tuple(value) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, str | int):
+        return (value,)
+    return tuple(value)
+
+
+@frozen(kw_only=True)
+class SamplingParams:
+    """temperature 0 is greedy. top_k <= 0 and top_p 1.0 disable those filters. max_tokens counts
+    generated tokens. stop: strings that end the output (not included in it); stop_token_ids:
+    token ids that end it (included in token_ids, like EOS). ignore_eos keeps generating past the
+    model's EOS. seed makes a sampled request reproducible whatever it is batched with.
+    logprobs: also return the log-probability of each sampled token and of the top `logprobs`.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default=(), converter=_tuple)
+    stop_token_ids: tuple[int, ...] = field(default=(), converter=_tuple)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _check(
+            isinstance(self.temperature, int | float) and self.temperature >= 0,
+            f"SamplingParams.temperature must be >= 0, got {self.temperature!r}",
+        )
+        _check(
+            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
+            f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
+            f"SamplingParams.top_k must be an int, got {self.top_k!r}",
+        )
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"SamplingParams.stop_token_ids must hold token ids, got {self.stop_token_ids!r}",
+        )
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            f"SamplingParams.seed must be an int or None, got {self.seed!r}",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            f"SamplingParams.logprobs must be None or >= 0, got {self.logprobs!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def evolve(self, **changes) -> SamplingParams:
+        return attrs.evolve(self, **changes)
