@@ -74,10 +74,14 @@ def read_pat_str(source: str) -> str | None:
             continue
         value = node.value
         try:
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
-                if value.func.attr == "join" and len(value.args) == 1:
-                    sep = ast.literal_eval(value.func.value)
-                    return sep.join(ast.literal_eval(value.args[0]))
+            if (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Attribute)
+                and value.func.attr == "join"
+                and len(value.args) == 1
+            ):
+                sep = ast.literal_eval(value.func.value)
+                return sep.join(ast.literal_eval(value.args[0]))
             return ast.literal_eval(value)
         except (ValueError, TypeError):
             return None

@@ -1,0 +1,158 @@
+"""The host tier (L2) interface: a content-addressed store of pages and checkpoints.
+
+Objects are named by (kind, chained key). Because a key names a whole prefix, an object never
+changes once written, so writers need no coordination: writing a key that exists is a no-op.
+
+Contract every backend keeps:
+
+- No method raises because the backend failed (master gone, RPC error, timeout, full store):
+  lookups answer "absent", writes are dropped, reads return None, and `L2Stats.errors` /
+  `dropped_writes` count what happened.
+- `get` never returns wrong bytes: each object carries its kind, key, position (page index, or the
+  checkpoint's token length) and payload size, optionally a CRC32 of the payload; an object that
+  does not match what the caller expects is rejected (counted in `corrupt`) and reported absent.
+- In metadata-only mode objects have sizes but no payloads; `get` returns an empty tensor for a
+  present object.
+- Instances hold no process-wide state; several `CacheManager`s (ranks) may share one instance.
+  An instance is driven from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ...types import PageKey
+from ..config import CacheGeometry
+from ..errors import CacheConfigError
+
+
+class ObjectKind(enum.Enum):
+    PAGE = "p"
+    CHECKPOINT = "c"
+
+
+@attrs.frozen
+class HostObject:
+    """One object to write. payload: flat uint8 CPU tensor of `nbytes` (None when metadata-only).
+    position: page index in its chain (pages) or the prefix length L (checkpoints)."""
+
+    kind: ObjectKind
+    key: PageKey
+    position: int
+    nbytes: int
+    payload: torch.Tensor | None = None
+
+
+@attrs.frozen
+class L2Stats:
+    backend: str
+    available: bool  # False while the backend is considered down
+    objects: int  # -1 where the backend cannot tell (shared remote store)
+    bytes: int
+    capacity_bytes: int
+    lookups: int  # keys asked about
+    hits: int  # objects read back successfully
+    misses: int  # objects asked for and not returned
+    puts: int  # objects stored
+    put_bytes: int
+    dropped_writes: int  # objects that could not be stored (full, failed, too large)
+    get_bytes: int
+    corrupt: int  # objects rejected by the integrity check
+    errors: int  # backend failures (exceptions, RPC errors, timeouts): the warning counter
+    evictions: int
+
+    def as_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class L2Counters:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    dropped_writes: int = 0
+    get_bytes: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    evictions: int = 0
+
+
+class HostCache(ABC):
+    """Base of the L2 backends. Subclasses implement the abstract methods."""
+
+    backend_name = "abstract"
+
+    def __init__(self, *, metadata_only: bool) -> None:
+        self.metadata_only = metadata_only
+        self.geometry: CacheGeometry | None = None
+        self.counters = L2Counters()
+
+    def bind(self, geometry: CacheGeometry, *, metadata_only: bool) -> None:
+        """Called by each CacheManager that uses this tier: all must share one byte layout and
+        the same mode."""
+        if metadata_only != self.metadata_only:
+            raise CacheConfigError(
+                f"metadata_only={metadata_only} manager cannot use an L2 tier with "
+                f"metadata_only={self.metadata_only}"
+            )
+        if self.geometry is None:
+            self.geometry = geometry
+        elif self.geometry.fingerprint != geometry.fingerprint:
+            raise CacheConfigError(
+                "geometry differs from the one this L2 tier is bound to: managers that share an "
+                "L2 must share a CacheGeometry"
+            )
+
+    def object_bytes(self, kind: ObjectKind) -> int:
+        g = self.geometry
+        assert g is not None, "bind() first"
+        return g.mla_page_bytes if kind is ObjectKind.PAGE else g.kda_state_bytes
+
+    @abstractmethod
+    def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
+        """Presence of each key (a hint: the object may vanish before it is read)."""
+
+    def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+        """Number of leading keys present."""
+        present = self.contains(kind, keys)
+        return present.index(False) if False in present else len(present)
+
+    def last_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+        """Index of the last present key, -1 if none."""
+        present = self.contains(kind, keys)
+        for i in range(len(present) - 1, -1, -1):
+            if present[i]:
+                return i
+        return -1
+
+    @abstractmethod
+    def put(self, objects: Sequence[HostObject]) -> int:
+        """Store objects (existing keys are kept as they are); returns how many are now stored."""
+
+    @abstractmethod
+    def get(
+        self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
+    ) -> list[torch.Tensor | None]:
+        """Verified payloads ([nbytes] uint8 CPU tensors), None where absent or rejected."""
+
+    @abstractmethod
+    def remove(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+        """Delete objects (invalidation, tests); returns how many were removed."""
+
+    @abstractmethod
+    def stats(self) -> L2Stats: ...
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if the tier's own bookkeeping is inconsistent."""
+        return None
+
+    def close(self) -> None:
+        """Release connections and threads. Idempotent."""
+        return None

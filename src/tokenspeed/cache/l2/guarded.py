@@ -1,0 +1,74 @@
+"""A wrapper that holds any L2 backend to the "never raise, never return wrong bytes" contract.
+
+Backends already degrade on their own; this is the second line, so that a buggy or third-party
+backend that raises, or returns a payload of the wrong size, costs a miss instead of a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from ...types import PageKey
+from .base import HostCache, HostObject, ObjectKind
+
+logger = logging.getLogger("tokenspeed.cache.l2")
+T = TypeVar("T")
+
+
+class GuardedL2:
+    """Same calls as `HostCache` (those the cache uses); failures become safe answers.
+
+    on_error: called once per swallowed failure (the cache counts them in its stats).
+    """
+
+    def __init__(self, inner: HostCache, on_error: Callable[[], None]) -> None:
+        self.inner = inner
+        self._on_error = on_error
+
+    def _guard(self, what: str, fallback: T, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # the contract says backends do not raise; survive if they do
+            self._on_error()
+            logger.warning("L2 %s raised %r; treated as a miss / dropped write", what, exc)
+            return fallback
+
+    def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
+        out = self._guard("contains", None, lambda: self.inner.contains(kind, keys))
+        return list(out) if out is not None and len(out) == len(keys) else [False] * len(keys)
+
+    def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+        n = self._guard("prefix_present", 0, lambda: self.inner.prefix_present(kind, keys))
+        return n if isinstance(n, int) and 0 <= n <= len(keys) else 0
+
+    def last_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+        i = self._guard("last_present", -1, lambda: self.inner.last_present(kind, keys))
+        return i if isinstance(i, int) and -1 <= i < len(keys) else -1
+
+    def put(self, objects: Sequence[HostObject]) -> int:
+        n = self._guard("put", 0, lambda: self.inner.put(objects))
+        return n if isinstance(n, int) and n >= 0 else 0
+
+    def get(
+        self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
+    ) -> list[torch.Tensor | None]:
+        out = self._guard("get", None, lambda: self.inner.get(kind, keys, positions))
+        if out is None or len(out) != len(keys):
+            return [None] * len(keys)
+        expected = 0 if self.inner.metadata_only else self.inner.object_bytes(kind)
+        checked: list[torch.Tensor | None] = []
+        for payload in out:
+            ok = (
+                isinstance(payload, torch.Tensor)
+                and payload.dtype == torch.uint8
+                and payload.numel() == expected
+                and payload.device.type == "cpu"
+            )
+            if payload is not None and not ok:
+                self._on_error()
+            checked.append(payload if ok else None)
+        return checked

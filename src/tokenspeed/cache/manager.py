@@ -1,0 +1,595 @@
+"""`CacheManager`: the one object the scheduler and the runtime talk to.
+
+Lifecycle of one request (one turn):
+
+    m = cache.match(keys, prompt_tokens)          # how much is reusable? (no side effects)
+    h = cache.allocate(rid, keys, prompt_tokens)  # pin the hit, reserve pages + a live KDA slot,
+                                                  # start loading the L2 part of the hit
+    ... forward over tokens [h.num_cached_tokens, ...), waiting on h.load per layer ...
+    cache.extend(h, n, new_page_keys)             # more tokens (next chunk, decode)
+    cache.checkpoint(h, L, kind=...)              # KDA state at page boundary L: [0, L) reusable
+    cache.publish(h)                              # turn end: write-through to L2
+    cache.release(h)                              # unpin; cached pages stay until evicted
+
+Under the facade: one manager per state type (`MlaPageManager`, `LiveSlotManager`,
+`CheckpointManager`) over `SlotPool`s, the device tensors (`DeviceStorage`, absent in
+metadata-only mode), and an optional host tier (`HostCache`) that may be shared by several
+managers. The hybrid rule (a prefix is reusable only up to a KDA checkpoint that MLA pages fully
+cover) lives in `match`; fetching the L2 part of a hit lives in `tiering.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from ..types import PageKey, RequestId, SlotId
+from .checkpoints import CheckpointKind, CheckpointManager
+from .config import CacheConfig, CacheGeometry
+from .copy_engine import make_copy_engine
+from .errors import (
+    BudgetTooSmallError,
+    CacheConfigError,
+    CacheError,
+    CacheFullError,
+    DuplicateRequestError,
+    ForeignHandleError,
+    IntegrityError,
+    InvalidRequestError,
+    RequestReleasedError,
+    TransferError,
+)
+from .handles import PrefixMatch, RequestCache
+from .kda_slots import SINK_SLOT, LiveSlotManager
+from .l2.base import HostCache
+from .load import LoadHandle
+from .loading import Loader
+from .mla_pages import SINK_PAGE, MlaPageManager
+from .paths import CheckpointPaths
+from .stats import CacheCounters, CacheStats, Occupancy
+from .storage import DeviceStorage
+from .tiering import Tiering
+
+logger = logging.getLogger("tokenspeed.cache")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CacheManager:
+    """Two-tier cache of one rank: MLA pages, KDA live slots and checkpoints, optional L2.
+
+    Contract:
+    - Handles (`RequestCache`) are opaque; a handle is valid from `allocate` to `release` and
+      belongs to the manager that made it.
+    - Every operation either completes or raises a `CacheError` leaving all pools as they were
+      (`check_integrity()` holds after every call, successful or not).
+    - L2 failures never raise: they shrink hits to what could be verified and drop writes, and
+      are counted in `stats().l2` and `stats().counters`.
+    - Pages and checkpoints held by a live request are never evicted; cached ones are evicted
+      least-recently-used first (written back to L2 first when L2 lacks them).
+    - The manager is driven from one thread. `l2` is owned by the caller (close it yourself) and
+      may be shared by several managers with the same geometry.
+    """
+
+    def __init__(
+        self, geometry: CacheGeometry, config: CacheConfig, *, l2: HostCache | None = None
+    ) -> None:
+        if not isinstance(geometry, CacheGeometry):
+            raise CacheConfigError(f"geometry must be a CacheGeometry, got {type(geometry)}")
+        if not isinstance(config, CacheConfig):
+            raise CacheConfigError(f"config must be a CacheConfig, got {type(config)}")
+        self.geometry = geometry
+        self.config = config
+        self.page_size = geometry.page_size
+        self.sizes = config.pool_sizes(geometry)
+        self._pages = MlaPageManager(self.sizes.num_pages)
+        self._live = LiveSlotManager(self.sizes.num_live_slots)
+        self._ckpts = CheckpointManager(self.sizes.num_checkpoint_slots)
+        device = torch.device(config.device)
+        self._storage = (
+            None if config.metadata_only else DeviceStorage(geometry, self.sizes, device)
+        )
+        self._copier = make_copy_engine(
+            device,
+            async_loads=config.async_loads and not config.metadata_only,
+            name=f"tokenspeed-cache-copy-{id(self):x}",
+        )
+        # Stop the copy worker with the manager, even if nobody calls close().
+        weakref.finalize(self, self._copier.close)
+        if l2 is not None:
+            l2.bind(geometry, metadata_only=config.metadata_only)
+        self._l2 = l2
+        self.counters = CacheCounters()
+        self._tiering = Tiering(
+            geometry, self._pages, self._ckpts, self._storage, l2, self.counters
+        )
+        self._loader = Loader(geometry, self._storage, self._copier, self.counters)
+        self._paths = CheckpointPaths(
+            self._ckpts, config.checkpoint_policy.max_per_path, self.page_size, self.counters
+        )
+        self._requests: dict[RequestId, RequestCache] = {}
+        self._token = object()  # identifies this manager's handles and matches
+
+    # ------------------------------------------------------------------------------ queries
+    @property
+    def sink_page(self) -> int:
+        """Page that padded rows of a captured graph point at; never handed to a request."""
+        return SINK_PAGE
+
+    @property
+    def sink_slot(self) -> SlotId:
+        """Live KDA slot that padded rows write to; never handed to a request."""
+        return SINK_SLOT
+
+    @property
+    def l2(self) -> HostCache | None:
+        return self._l2
+
+    @property
+    def storage(self) -> DeviceStorage | None:
+        """The device tensors (None in metadata-only mode)."""
+        return self._storage
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation could get now: free plus evictable."""
+        return self._pages.num_free + self._pages.num_cached
+
+    @property
+    def available_slots(self) -> int:
+        return self._live.num_free
+
+    def get(self, request_id: RequestId) -> RequestCache | None:
+        return self._requests.get(request_id)
+
+    def _epoch(self) -> int:
+        return self._pages.version + self._ckpts.version
+
+    def match(self, page_keys: Sequence[PageKey], prompt_tokens: int) -> PrefixMatch:
+        """The longest reusable prefix of a prompt (the hybrid rule), without changing anything.
+
+        page_keys: chained keys of the prompt's full pages (more may be given; they are ignored).
+        prompt_tokens: the prompt length; the hit is at most the last page boundary before it,
+            so at least one token is left to compute.
+        """
+        if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+            raise InvalidRequestError(f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
+        P = self.page_size
+        limit = min(len(page_keys), (prompt_tokens - 1) // P)
+        keys = page_keys[:limit] if len(page_keys) > limit else page_keys
+        scope = (limit, keys[limit - 1] if limit else None)
+        if limit <= 0:
+            return PrefixMatch(
+                num_tokens=0, l1_tokens=0, l2_tokens=0, checkpoint_tier=None,
+                mla_covered_tokens=0, epoch=self._epoch(), owner=self._token, scope=scope,
+                sources=(),
+            )
+        pids = self._pages.lookup(keys)
+        covered = self._tiering.coverage(keys, pids)
+        best, tier = self._tiering.deepest_checkpoint(keys, covered)
+        hit = best + 1
+        sources = tuple(pids[:hit])
+        from_l2 = sources.count(None)
+        return PrefixMatch(
+            num_tokens=hit * P,
+            l1_tokens=(hit - from_l2) * P,
+            l2_tokens=from_l2 * P,
+            checkpoint_tier=tier,
+            mla_covered_tokens=covered * P,
+            epoch=self._epoch(),
+            owner=self._token,
+            scope=scope,
+            sources=sources,
+        )
+
+    def can_allocate(
+        self,
+        page_keys: Sequence[PageKey],
+        prompt_tokens: int,
+        *,
+        reserve_tokens: int | None = None,
+        match: PrefixMatch | None = None,
+    ) -> bool:
+        """Whether `allocate` with these arguments would find room now (L2 reads may still
+        shrink the hit, which only needs more pages if the hit exceeded the reservation)."""
+        m = self._usable_match(match, page_keys, prompt_tokens)
+        reserve = prompt_tokens if reserve_tokens is None else reserve_tokens
+        total = max(_ceil_div(reserve, self.page_size), m.num_tokens // self.page_size)
+        if total > self._pages.capacity or self._live.num_free == 0:
+            return False
+        l1 = [p for p in m.sources if p is not None]
+        return total - len(l1) <= self._pages.room_besides(l1)
+
+    def _usable_match(
+        self, match: PrefixMatch | None, page_keys: Sequence[PageKey], prompt_tokens: int
+    ) -> PrefixMatch:
+        if match is not None and match.owner is self._token and match.epoch == self._epoch():
+            limit = min(len(page_keys), (prompt_tokens - 1) // self.page_size)
+            if match.scope == (limit, page_keys[limit - 1] if limit > 0 else None):
+                return match
+        return self.match(page_keys, prompt_tokens)
+
+    # ---------------------------------------------------------------------------- lifecycle
+    def allocate(
+        self,
+        request_id: RequestId,
+        page_keys: Sequence[PageKey],
+        prompt_tokens: int,
+        *,
+        reserve_tokens: int | None = None,
+        match: PrefixMatch | None = None,
+    ) -> RequestCache:
+        """Reserve cache for a request and reuse the longest valid prefix.
+
+        page_keys: keys of the request's full pages known so far (the prompt's, and possibly
+            more; later ones arrive with `extend`).
+        prompt_tokens: prompt length (caps the hit, see `match`).
+        reserve_tokens: tokens the page table must cover now (default: the prompt; a chunked
+            prefill may reserve less and `extend` later). The table always covers the hit.
+        match: a `match` result to reuse if still valid (otherwise the prefix is matched again).
+
+        The live KDA slot is set to the checkpoint's state at the hit (zeros on a miss). Pages and
+        state coming from L2 are read and verified now; their copies into the device tier run
+        asynchronously, signalled per layer by `handle.load`.
+
+        Raises DuplicateRequestError, InvalidRequestError, BudgetTooSmallError (the request can
+        never fit), CacheFullError (not now); nothing is changed when it raises.
+        """
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request {request_id!r} already holds cache")
+        if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+            raise InvalidRequestError(f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
+        reserve = prompt_tokens if reserve_tokens is None else reserve_tokens
+        if not isinstance(reserve, int) or reserve < 1:
+            raise InvalidRequestError(f"reserve_tokens must be >= 1, got {reserve_tokens!r}")
+        P = self.page_size
+        if _ceil_div(reserve, P) > self._pages.capacity:
+            raise BudgetTooSmallError(
+                f"request {request_id!r} needs {_ceil_div(reserve, P)} pages for {reserve} "
+                f"tokens but the device pool holds {self._pages.capacity}"
+            )
+        if self._live.num_free == 0:
+            raise CacheFullError(f"no live KDA slot free for request {request_id!r}")
+        keys = list(page_keys)
+        m = self._usable_match(match, keys, prompt_tokens)
+        plan = self._tiering.fetch(keys, m)  # L2 reads happen here; nothing changed yet
+        hit = plan.hit_pages
+        total = max(_ceil_div(reserve, P), hit)
+        all_l1 = None not in plan.sources
+        l1_hit = list(plan.sources) if all_l1 else [p for p in plan.sources if p is not None]
+        if total - len(l1_hit) > self._pages.room_besides(l1_hit):
+            raise CacheFullError(
+                f"request {request_id!r} needs {total - len(l1_hit)} new pages; "
+                f"{self.available_pages} are free or evictable, some of them its own hit"
+            )
+        self._pages.pin(l1_hit)
+        source_ckpt = self._ckpts.get(keys[hit - 1]) if plan.checkpoint_tier == "l1" else None
+        if source_ckpt is not None:
+            self._ckpts.pin(source_ckpt)
+        try:
+            fresh = self._pages.allocate(total - len(l1_hit), self._tiering.writeback_pages)
+        except CacheError:
+            self._pages.unpin(l1_hit)
+            if source_ckpt is not None:
+                self._ckpts.unpin(source_ckpt)
+            raise
+        slot = self._live.acquire(request_id)
+
+        # Page table: the hit's L1 pages in place, fresh pages for L2 pages and the rest.
+        l2_pids: list[int] = []
+        if all_l1:
+            table = l1_hit + fresh
+        else:
+            table = []
+            take = iter(fresh)
+            for i, pid in enumerate(plan.sources):
+                if pid is None:
+                    pid = next(take)
+                    l2_pids.append(pid)
+                    self._pages.register(pid, keys[i], i)  # content arrives with this load
+                table.append(pid)
+            table.extend(take)
+
+        handle = RequestCache(
+            owner=self._token,
+            request_id=request_id,
+            keys=keys,
+            page_ids=table,
+            num_tokens=max(reserve, hit * P),
+            num_cached_tokens=hit * P,
+            l2_cached_tokens=len(l2_pids) * P,
+            live_slot=slot,
+            load=LoadHandle((), ()),
+        )
+        handle._registered = hit
+        promoted = None
+        if plan.checkpoint_tier == "l2":
+            promoted = self._tiering.promote_checkpoint(keys[hit - 1], hit * P)
+            if promoted is not None:
+                self._ckpts.pin(promoted)
+                handle._held.append(promoted)
+        handle.load = self._loader.start(slot, plan, l1_hit, l2_pids, source_ckpt, promoted)
+        if source_ckpt is not None:
+            self._ckpts.unpin(source_ckpt)
+            self._ckpts.touch(source_ckpt)
+        self._requests[request_id] = handle
+
+        c = self.counters
+        c.allocations += 1
+        c.prompt_tokens += prompt_tokens
+        c.hit_tokens += hit * P
+        c.l2_hit_tokens += len(l2_pids) * P
+        c.l1_hit_tokens += (hit - len(l2_pids)) * P
+        c.kv_only_tokens += m.kv_only_tokens
+        return handle
+
+    def extend(
+        self, handle: RequestCache, num_tokens: int, page_keys: Sequence[PageKey] = ()
+    ) -> None:
+        """Grow the request to `num_tokens` tokens (allocating pages as needed) and append the
+        keys of pages that became full. Raises RequestReleasedError, InvalidRequestError (a
+        shrink), BudgetTooSmallError, CacheFullError; nothing changes when it raises."""
+        self._check_live(handle)
+        if not isinstance(num_tokens, int) or num_tokens < handle.num_tokens:
+            raise InvalidRequestError(
+                f"extend of request {handle.request_id!r} to {num_tokens!r} tokens: it already "
+                f"holds {handle.num_tokens} (extend never shrinks)"
+            )
+        total = _ceil_div(num_tokens, self.page_size)
+        need = total - len(handle.page_ids)
+        if need > 0:
+            if total > self._pages.capacity:
+                raise BudgetTooSmallError(
+                    f"request {handle.request_id!r} would need {total} pages; the device pool "
+                    f"holds {self._pages.capacity}"
+                )
+            handle.page_ids.extend(self._pages.allocate(need, self._tiering.writeback_pages))
+        handle._keys.extend(page_keys)
+        handle.num_tokens = num_tokens
+
+    def checkpoint(
+        self,
+        handle: RequestCache,
+        num_tokens: int,
+        *,
+        kind: CheckpointKind = CheckpointKind.INTERVAL,
+        from_live: bool = True,
+    ) -> SlotId | None:
+        """Record that tokens [0, num_tokens) are computed and that the KDA state at exactly
+        num_tokens (a page boundary) is available, making that prefix reusable.
+
+        The pages of [0, num_tokens) become matchable. With `from_live` (default) the live slot is
+        snapshotted into a new checkpoint slot now, so call this when the live state is at
+        num_tokens; otherwise the caller must write the state into the returned slot before the
+        next cache call (e.g. from a chunked kernel's intermediate states).
+        Returns the new checkpoint slot, or None if none was stored (one already exists for this
+        prefix, or every checkpoint slot is pinned: a dropped checkpoint is not an error).
+        """
+        self._check_live(handle)
+        P = self.page_size
+        n, rest = divmod(num_tokens, P) if isinstance(num_tokens, int) else (0, 1)
+        if rest or not 0 < num_tokens <= handle.num_tokens or n > len(handle._keys):
+            raise InvalidRequestError(
+                f"checkpoint of request {handle.request_id!r} at {num_tokens!r} tokens: must be a "
+                f"positive multiple of {P}, at most the {handle.num_tokens} tokens reserved, with "
+                f"keys known for its {n} pages ({len(handle._keys)} known)"
+            )
+        if not isinstance(kind, CheckpointKind):
+            raise InvalidRequestError(f"kind must be a CheckpointKind, got {kind!r}")
+        if from_live:
+            for layer in range(self.geometry.num_kda_layers):
+                handle.load.wait_kda(layer)  # the live state must have arrived before a snapshot
+        keys = handle._keys
+        start = handle._registered
+        if n > start:
+            self._pages.register_many(handle.page_ids[start:n], keys[start:n], start)
+            handle._registered = n
+        self._paths.path(handle)  # find the path's checkpoints before adding one
+        entry = self._ckpts.get(keys[n - 1])
+        if entry is not None:
+            self._ckpts.touch(entry)
+            if kind is CheckpointKind.TURN_END and entry.kind is CheckpointKind.INTERVAL:
+                entry.kind = kind  # now a turn's end too: the cap keeps it longer
+            if kind is CheckpointKind.ROLLING:
+                self._paths.set_rolling(handle, entry)
+            self._paths.note(handle, n)
+            return None
+        entry = self._ckpts.add(keys[n - 1], num_tokens, kind, self._tiering.writeback_checkpoints)
+        if entry is None:
+            self.counters.checkpoints_dropped += 1
+            return None
+        self.counters.checkpoints_taken += 1
+        if self._storage is not None and from_live:
+            self._storage.save_checkpoint(handle.live_slot, entry.slot)
+        if kind is CheckpointKind.ROLLING:
+            self._paths.set_rolling(handle, entry)
+        self._paths.note(handle, n)
+        self._paths.enforce_cap(handle, newest=n)
+        return entry.slot
+
+    def publish(self, handle: RequestCache) -> int:
+        """Write-through at a turn end: store in L2 the pages of the request's deepest
+        checkpointed prefix and its checkpoints, where L2 lacks them. Makes a rolling checkpoint a
+        turn-end one. Returns how many objects were newly stored (0 without L2, or when L2 is
+        unavailable: L2 failures never raise)."""
+        self._check_live(handle)
+        if handle._rolling is not None and handle._rolling.kind is CheckpointKind.ROLLING:
+            handle._rolling.kind = CheckpointKind.TURN_END
+        if self._l2 is None:
+            return 0
+        path = self._paths.path(handle)
+        if not path:
+            return 0
+        handle.load.synchronize()  # the pages must have arrived before they are read back
+        for n in path:
+            arriving = self._loader.arriving_checkpoint(handle._keys[n - 1])
+            if arriving is not None:
+                arriving.synchronize()
+        return self._tiering.publish(handle._keys, handle.page_ids, path)
+
+    def release(self, handle: RequestCache, *, publish: bool = False) -> None:
+        """Give the request's cache back: pages it wrote and registered stay cached (evictable),
+        the rest is freed; its live slot is freed; a rolling checkpoint becomes a turn-end one.
+        With publish=True, `publish` first (preemption: the state goes to L2, never dropped).
+        Raises RequestReleasedError when released twice."""
+        self._check_live(handle)
+        if publish:
+            self.publish(handle)
+        try:
+            handle.load.synchronize()
+            failed = False
+        except TransferError:
+            failed = True
+        filled_pages, filled_ckpts = self._loader.finish(handle.load)
+        if failed:
+            # The copied bytes cannot be trusted: never let another request match them.
+            logger.warning("load of request %r failed; dropping its pages", handle.request_id)
+            for pid in filled_pages:
+                self._pages.unregister(pid)
+        self._paths.end_rolling(handle)
+        for entry in handle._held:
+            self._ckpts.unpin(entry)
+            if failed and entry.key in filled_ckpts and entry.refcount == 0:
+                self._ckpts.remove(entry)
+        handle._held = []
+        self._pages.unpin(handle.page_ids)
+        self._live.release(handle.live_slot)
+        del self._requests[handle.request_id]
+        handle.released = True
+
+    def evict(self, *, pages: int = 0, checkpoints: int = 0) -> tuple[int, int]:
+        """Evict up to this many cached pages and checkpoints (LRU, written back to L2 first when
+        L2 lacks them). Held entries are never evicted. Returns (pages, checkpoints) evicted."""
+        if pages < 0 or checkpoints < 0:
+            raise InvalidRequestError("evict counts must be >= 0")
+        n_pages = self._pages.evict(pages, self._tiering.writeback_pages)
+        n_ckpts = self._ckpts.evict(checkpoints, self._tiering.writeback_checkpoints)
+        return n_pages, n_ckpts
+
+    # ------------------------------------------------------------------- checkpoint helpers
+    def checkpoint_points(
+        self, start: int, end: int, *, turn_end: bool
+    ) -> list[tuple[int, CheckpointKind]]:
+        """(length, kind) where a request computing tokens [start, end) should checkpoint (see
+        `CheckpointPolicy.points`); the scheduler aligns prefill chunk ends to these lengths."""
+        return self.config.checkpoint_policy.points(
+            start, end, page_size=self.page_size, turn_end=turn_end
+        )
+
+    # --------------------------------------------------------------------- runtime helpers
+    def mla_layer(self, layer: int) -> torch.Tensor:
+        """[num_pages, P, W] page pool of one MLA layer (index it with the page tables)."""
+        return self._require_storage().mla_layer(layer)
+
+    def kda_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [num_live_slots, C, Kc], recurrent [num_live_slots, H, K, V]) of one KDA layer
+        (index them with the live slots)."""
+        return self._require_storage().kda_layer(layer)
+
+    def page_table_tensor(
+        self,
+        handles: Sequence[RequestCache],
+        *,
+        num_rows: int | None = None,
+        num_cols: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """[num_rows, num_cols] int32 page table of a batch; padding (extra rows for a captured
+        graph size, columns past a request's pages) points at the sink page."""
+        rows = len(handles) if num_rows is None else num_rows
+        cols = max((len(h.page_ids) for h in handles), default=0) if num_cols is None else num_cols
+        if rows < len(handles) or any(len(h.page_ids) > cols for h in handles):
+            raise InvalidRequestError(f"page table [{rows}, {cols}] cannot hold this batch")
+        table = np.full((rows, cols), SINK_PAGE, dtype=np.int32)
+        for r, h in enumerate(handles):
+            self._check_live(h)
+            table[r, : len(h.page_ids)] = h.page_ids
+        return torch.from_numpy(table).to(device or self.config.device)
+
+    def live_slot_tensor(
+        self,
+        handles: Sequence[RequestCache],
+        *,
+        num_rows: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """[num_rows] int32 live KDA slots of a batch; padding rows point at the sink slot."""
+        rows = len(handles) if num_rows is None else num_rows
+        if rows < len(handles):
+            raise InvalidRequestError(f"{rows} rows cannot hold {len(handles)} requests")
+        slots = [SINK_SLOT] * rows
+        for r, h in enumerate(handles):
+            self._check_live(h)
+            slots[r] = h.live_slot
+        return torch.tensor(slots, dtype=torch.int32, device=device or self.config.device)
+
+    def _require_storage(self) -> DeviceStorage:
+        if self._storage is None:
+            raise CacheError("a metadata-only cache has no tensors")
+        return self._storage
+
+    # ------------------------------------------------------------------ accounting, checks
+    def stats(self) -> CacheStats:
+        pages, ckpts, live = self._pages, self._ckpts, self._live
+        return CacheStats(
+            pages=Occupancy(pages.capacity, pages.num_free, pages.num_used, pages.num_cached),
+            checkpoints=Occupancy(ckpts.capacity, ckpts.num_free, ckpts.num_used, ckpts.num_cached),
+            live_slots=Occupancy(live.capacity, live.num_free, live.capacity - live.num_free, 0),
+            requests=len(self._requests),
+            counters=attrs.evolve(self.counters),
+            l2=self._l2.stats() if self._l2 is not None else None,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless every pool is consistent with the live requests: free +
+        used + cached == total, refcounts equal the holders, nothing owned twice, nothing held
+        evictable, the sinks untouched."""
+        P = self.page_size
+        refs: Counter = Counter()
+        pins: Counter = Counter()
+        owners: dict[SlotId, RequestId] = {}
+        for rid, h in self._requests.items():
+            if h.released or h.request_id != rid:
+                raise IntegrityError(f"request table entry {rid!r} is stale")
+            if len(h.page_ids) != _ceil_div(h.num_tokens, P):
+                raise IntegrityError(
+                    f"request {rid!r}: {len(h.page_ids)} pages for {h.num_tokens} tokens"
+                )
+            if len(set(h.page_ids)) != len(h.page_ids) or SINK_PAGE in h.page_ids:
+                raise IntegrityError(f"request {rid!r}: a page appears twice, or the sink page")
+            if h._registered > min(len(h.page_ids), len(h._keys)):
+                raise IntegrityError(f"request {rid!r}: more pages registered than known")
+            for i in range(h._registered):
+                key = self._pages.key_of[h.page_ids[i]]
+                if key is not None and key != h._keys[i]:
+                    raise IntegrityError(f"request {rid!r}: page {i} indexed under a foreign key")
+            refs.update(h.page_ids)
+            for entry in h._held + ([h._rolling] if h._rolling is not None else []):
+                pins[entry.key] += 1
+            owners[h.live_slot] = rid
+        self._pages.check_integrity(refs)
+        self._ckpts.check_integrity(pins)
+        self._live.check_integrity(owners)
+        if self._l2 is not None:
+            self._l2.check_integrity()
+
+    def _check_live(self, handle: RequestCache) -> None:
+        if not isinstance(handle, RequestCache) or handle._owner is not self._token:
+            raise ForeignHandleError(f"{handle!r} was not allocated by this CacheManager")
+        if handle.released:
+            raise RequestReleasedError(
+                f"request {handle.request_id!r} was already released (released twice, or used "
+                "after release)"
+            )
+
+    def close(self) -> None:
+        """Stop the copy worker (the L2 tier belongs to the caller)."""
+        self._copier.close()

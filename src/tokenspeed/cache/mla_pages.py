@@ -1,0 +1,239 @@
+"""Device pages of MLA latent rows: refcounts, the L1 prefix index, and LRU eviction.
+
+A page is in exactly one of three states:
+
+- free: on the pool's free list, no key, refcount 0;
+- used: refcount > 0 (in the page table of that many requests), with or without a key;
+- cached: refcount 0 but indexed by its key, kept for reuse and evictable in LRU order.
+
+Pages get a key (become matchable) only once their content is known to be computed, which the
+facade decides (at a checkpoint or an L2 load). Bookkeeping is vectorised with numpy because a
+200k-token history holds ~3k pages and is pinned and unpinned on every turn.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..types import PageId, PageKey
+from .errors import BudgetTooSmallError, CacheFullError, IntegrityError
+from .pool import SlotPool
+
+SINK_PAGE: PageId = 0
+"""Page 0 is never handed out: padded rows of a captured graph point at it."""
+
+# Called with (page ids, keys, positions) of pages about to be evicted, before they are reused.
+WritebackFn = Callable[[list[int], list[PageKey], list[int]], None]
+
+
+class MlaPageManager:
+    """Pages of one device pool (ids [0, num_pages), page 0 the sink)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.pool = SlotPool(num_pages, reserved=(SINK_PAGE,))
+        self.index: dict[PageKey, PageId] = {}
+        self.key_of: list[PageKey | None] = [None] * num_pages
+        self.position_of = np.full(num_pages, -1, dtype=np.int64)  # page index in its chain
+        self.ref = np.zeros(num_pages, dtype=np.int32)
+        self.indexed = np.zeros(num_pages, dtype=bool)
+        self.evictable = np.zeros(num_pages, dtype=bool)  # cached: indexed and refcount 0
+        self.last_use = np.zeros(num_pages, dtype=np.int64)
+        self.num_cached = 0
+        self.version = 0  # bumped whenever the index changes (a match may be stale)
+        self._clock = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used - self.num_cached
+
+    def lookup(self, keys: Sequence[PageKey]) -> list[PageId | None]:
+        """Page id of each key in the L1 index (None where absent)."""
+        return list(map(self.index.get, keys))
+
+    def room_besides(self, pids: Sequence[PageId]) -> int:
+        """Pages an allocation could take (free + evictable) once `pids` are pinned."""
+        held = int(self.evictable[np.asarray(pids, dtype=np.int64)].sum()) if len(pids) else 0
+        return self.pool.num_free + self.num_cached - held
+
+    def pin(self, pids: Sequence[PageId]) -> None:
+        """Add one reference to each page (the pages must be distinct and allocated)."""
+        if not pids:
+            return
+        arr = np.asarray(pids, dtype=np.int64)
+        was_cached = self.evictable[arr]
+        n = int(was_cached.sum())
+        if n:
+            self.evictable[arr[was_cached]] = False
+            self.num_cached -= n
+        self.ref[arr] += 1
+
+    def unpin(self, pids: Sequence[PageId]) -> None:
+        """Drop one reference from each page. Pages left unreferenced become cached if indexed
+        (the table's tail first in LRU order, so a long history loses its end before its start)
+        and free otherwise."""
+        if not pids:
+            return
+        arr = np.asarray(pids, dtype=np.int64)
+        refs = self.ref[arr]
+        if (refs <= 0).any():
+            raise IntegrityError(f"unpin of unreferenced pages {arr[refs <= 0].tolist()}")
+        refs -= 1
+        self.ref[arr] = refs
+        zero = arr[refs == 0]
+        if not len(zero):
+            return
+        keep = self.indexed[zero]
+        cached = zero[keep]
+        if len(cached):
+            # Later positions get older timestamps: evicted first.
+            self.last_use[cached] = self._clock + np.arange(len(cached) - 1, -1, -1)
+            self._clock += len(cached)
+            self.evictable[cached] = True
+            self.num_cached += len(cached)
+        freed = zero[~keep]
+        if len(freed):
+            self.pool.free(freed.tolist())
+
+    def allocate(self, n: int, writeback: WritebackFn | None) -> list[PageId]:
+        """n fresh pages with refcount 1, evicting cached pages (LRU) if the free list is short.
+        Raises BudgetTooSmallError if n exceeds the whole pool, CacheFullError if too many pages
+        are in use (in both cases nothing is taken)."""
+        if n > self.capacity:
+            raise BudgetTooSmallError(
+                f"{n} pages needed but the device pool holds only {self.capacity} usable pages"
+            )
+        short = n - self.pool.num_free
+        if short > self.num_cached:
+            raise CacheFullError(
+                f"{n} pages needed: {self.pool.num_free} free and {self.num_cached} evictable"
+            )
+        if short > 0:
+            self.evict(short, writeback)
+        ids = self.pool.allocate(n)
+        if ids:
+            self.ref[np.asarray(ids, dtype=np.int64)] = 1
+        return ids
+
+    def evict(self, n: int, writeback: WritebackFn | None) -> int:
+        """Evict up to n cached pages, least recently used first; returns how many."""
+        if n <= 0 or self.num_cached == 0:
+            return 0
+        candidates = np.flatnonzero(self.evictable)
+        if n < len(candidates):
+            order = np.argpartition(self.last_use[candidates], n - 1)[:n]
+            victims = candidates[order]
+        else:
+            victims = candidates
+        pids = victims.tolist()
+        keys = [self.key_of[p] for p in pids]
+        if writeback is not None:
+            writeback(pids, keys, self.position_of[victims].tolist())
+        for pid, key in zip(pids, keys, strict=True):
+            del self.index[key]
+            self.key_of[pid] = None
+        self.indexed[victims] = False
+        self.evictable[victims] = False
+        self.position_of[victims] = -1
+        self.num_cached -= len(pids)
+        self.pool.free(pids)
+        self.version += 1
+        return len(pids)
+
+    def register(self, pid: PageId, key: PageKey, position: int) -> bool:
+        """Make a used page matchable under `key` (its content is computed). Returns False, and
+        leaves the page private, if the key already names another page (same content)."""
+        if self.ref[pid] <= 0:
+            raise IntegrityError(f"register of unreferenced page {pid}")
+        current = self.index.get(key)
+        if current is not None:
+            return current == pid
+        if self.indexed[pid]:
+            raise IntegrityError(f"page {pid} is already indexed under another key")
+        self.index[key] = pid
+        self.key_of[pid] = key
+        self.position_of[pid] = position
+        self.indexed[pid] = True
+        self.version += 1
+        return True
+
+    def register_many(
+        self, pids: Sequence[PageId], keys: Sequence[PageKey], first_position: int
+    ) -> None:
+        """`register` for consecutive pages of one chain (positions first_position, ...)."""
+        index, key_of, indexed = self.index, self.key_of, self.indexed
+        arr = np.asarray(pids, dtype=np.int64)
+        if (self.ref[arr] <= 0).any():
+            raise IntegrityError("register of unreferenced pages")
+        added, positions = [], []
+        for offset, (pid, key) in enumerate(zip(pids, keys, strict=True)):
+            if key in index:
+                continue  # registered already, or the same content in another page (stays private)
+            if key_of[pid] is not None:
+                raise IntegrityError(f"page {pid} is already indexed under another key")
+            index[key] = pid
+            key_of[pid] = key
+            added.append(pid)
+            positions.append(first_position + offset)
+        if added:
+            sel = np.asarray(added, dtype=np.int64)
+            indexed[sel] = True
+            self.position_of[sel] = positions
+            self.version += 1
+
+    def unregister(self, pid: PageId) -> None:
+        """Remove a used page from the index (its content can no longer be trusted)."""
+        key = self.key_of[pid]
+        if key is None:
+            return
+        if self.ref[pid] <= 0:
+            raise IntegrityError(f"unregister of unreferenced page {pid}")
+        del self.index[key]
+        self.key_of[pid] = None
+        self.indexed[pid] = False
+        self.position_of[pid] = -1
+        self.version += 1
+
+    def check_integrity(self, expected_refs: Counter) -> None:
+        """`expected_refs`: page id -> number of live page tables holding it."""
+        pool = self.pool
+        pool.check_integrity()
+        if self.ref[SINK_PAGE] != 0 or self.indexed[SINK_PAGE] or pool.is_free(SINK_PAGE):
+            raise IntegrityError("the sink page is referenced, indexed or on the free list")
+        if (self.ref < 0).any():
+            raise IntegrityError("negative page refcount")
+        expected = np.zeros_like(self.ref)
+        for pid, count in expected_refs.items():
+            expected[pid] = count
+        if not np.array_equal(expected, self.ref):
+            bad = np.flatnonzero(expected != self.ref)[:8].tolist()
+            raise IntegrityError(f"page refcounts disagree with the page tables at pages {bad}")
+        free = pool.free_mask()
+        if (free & (self.ref > 0)).any() or (free & self.indexed).any():
+            raise IntegrityError("a free page is referenced or indexed")
+        cached = self.indexed & (self.ref == 0)
+        if not np.array_equal(cached, self.evictable) or int(cached.sum()) != self.num_cached:
+            raise IntegrityError("the evictable set is not exactly the unreferenced indexed pages")
+        if (self.evictable & (self.ref > 0)).any():
+            raise IntegrityError("a page in use is marked evictable")
+        if len(self.index) != int(self.indexed.sum()):
+            raise IntegrityError("index size disagrees with the indexed flags")
+        for key, pid in self.index.items():
+            if self.key_of[pid] != key or not self.indexed[pid]:
+                raise IntegrityError(f"index entry {key!r} -> {pid} is not mirrored")
+        used = int((self.ref > 0).sum())
+        if pool.num_free + used + self.num_cached != pool.capacity:
+            raise IntegrityError(
+                f"free {pool.num_free} + used {used} + cached {self.num_cached} "
+                f"!= total {pool.capacity}"
+            )

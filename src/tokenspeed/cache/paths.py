@@ -1,0 +1,83 @@
+"""Checkpoints along one request's prefix: the per-path cap and the rolling checkpoint.
+
+A request's path is its chain of page keys; the checkpoints on it are those whose key is
+`keys[n - 1]` for some page count n. The cap keeps a long prefill (a checkpoint every N pages)
+from filling the checkpoint pool with one request's snapshots: beyond `max_per_path`, unpinned
+interval checkpoints go first, and among equals the one closest to its predecessor, so the
+survivors stay spread over the prefix (useful branch points for other requests) rather than
+bunched at its end.
+"""
+
+from __future__ import annotations
+
+from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
+from .handles import RequestCache
+from .stats import CacheCounters
+
+
+class CheckpointPaths:
+    def __init__(
+        self, ckpts: CheckpointManager, max_per_path: int, page_size: int, counters: CacheCounters
+    ) -> None:
+        self.ckpts = ckpts
+        self.max_per_path = max_per_path
+        self.page_size = page_size
+        self.counters = counters
+
+    def path(self, handle: RequestCache) -> list[int]:
+        """Sorted page counts n where the request's prefix has an L1 checkpoint. Found once per
+        request (lazily, over its registered pages), then maintained as it adds checkpoints."""
+        index, keys = self.ckpts.index, handle._keys
+        if handle._path is None:
+            handle._path = self.ckpts.on_path(keys, handle._registered, self.page_size)
+        else:
+            handle._path = [n for n in handle._path if keys[n - 1] in index]
+        return handle._path
+
+    def note(self, handle: RequestCache, n: int) -> None:
+        path = self.path(handle)
+        if n not in path:
+            path.append(n)
+            path.sort()
+
+    def enforce_cap(self, handle: RequestCache, *, newest: int) -> None:
+        path = self.path(handle)
+        index, keys = self.ckpts.index, handle._keys
+        while len(path) > self.max_per_path:
+            best = None
+            prev = 0
+            for n in path:
+                entry = index[keys[n - 1]]
+                if n != newest and entry.refcount == 0:
+                    rank = (entry.kind is not CheckpointKind.INTERVAL, n - prev, n)
+                    if best is None or rank < best[0]:
+                        best = (rank, n, entry)
+                prev = n
+            if best is None:
+                return  # everything else is pinned
+            self.ckpts.remove(best[2])
+            path.remove(best[1])
+            self.counters.checkpoints_thinned += 1
+
+    def set_rolling(self, handle: RequestCache, entry: CheckpointEntry) -> None:
+        """Make `entry` the request's rolling checkpoint (pinned while the request runs); the
+        previous rolling one, superseded, is dropped unless someone else holds it."""
+        old = handle._rolling
+        if old is entry:
+            return
+        self.ckpts.pin(entry)
+        handle._rolling = entry
+        if old is not None:
+            self.ckpts.unpin(old)
+            if old.kind is CheckpointKind.ROLLING and old.refcount == 0:
+                self.ckpts.remove(old)
+                self.counters.checkpoints_thinned += 1
+
+    def end_rolling(self, handle: RequestCache) -> None:
+        """At release: the rolling checkpoint stays as the turn's end, unpinned."""
+        rolling = handle._rolling
+        if rolling is not None:
+            if rolling.kind is CheckpointKind.ROLLING:
+                rolling.kind = CheckpointKind.TURN_END
+            self.ckpts.unpin(rolling)
+            handle._rolling = None

@@ -1,0 +1,224 @@
+"""Traffic between the device tier (L1) and the host tier (L2).
+
+- lookups across both tiers: how far pages reach (`coverage`), the deepest checkpoint they cover;
+- reads: `fetch` turns a `PrefixMatch` into a `HitPlan` with verified L2 payloads, shrinking the hit
+  to the deepest checkpoint still fully readable when an object is missing or rejected (an L2
+  failure costs reuse, never correctness);
+- writes: write-back of evicted pages and checkpoints that L2 lacks, and write-through of a turn's
+  prefix at publish. Pages go before checkpoints, so a reader never finds a checkpoint whose pages
+  were not offered first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import torch
+
+from ..types import PageId, PageKey
+from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
+from .config import CacheGeometry
+from .handles import PrefixMatch
+from .l2.base import HostCache, HostObject, ObjectKind
+from .l2.guarded import GuardedL2
+from .mla_pages import MlaPageManager
+from .stats import CacheCounters
+from .storage import DeviceStorage
+
+Tier = Literal["l1", "l2"]
+
+
+@attrs.define
+class HitPlan:
+    """A hit whose L2 part has been read and verified.
+
+    sources: per hit page, its L1 page id or None (to be filled from `page_payloads`, in order).
+    checkpoint_payload: the checkpoint's bytes when it comes from L2 (an empty tensor in
+        metadata-only mode), else None.
+    """
+
+    sources: list[PageId | None]
+    checkpoint_tier: Tier | None
+    page_payloads: list[torch.Tensor]
+    checkpoint_payload: torch.Tensor | None
+
+    @property
+    def hit_pages(self) -> int:
+        return len(self.sources)
+
+
+class Tiering:
+    def __init__(
+        self,
+        geometry: CacheGeometry,
+        pages: MlaPageManager,
+        checkpoints: CheckpointManager,
+        storage: DeviceStorage | None,
+        l2: HostCache | None,
+        counters: CacheCounters,
+    ) -> None:
+        self.geometry = geometry
+        self.pages = pages
+        self.ckpts = checkpoints
+        self.storage = storage
+        self.counters = counters
+        self.l2 = GuardedL2(l2, self._count_error) if l2 is not None else None
+
+    def _count_error(self) -> None:
+        self.counters.l2_errors += 1
+
+    # -------------------------------------------------------------------------- lookups
+    def coverage(self, keys: Sequence[PageKey], pids: list[PageId | None]) -> int:
+        """Pages [0, n) covered by L1 or L2, given the L1 lookup `pids` of `keys`."""
+        n = len(keys)
+        try:
+            covered = pids.index(None)
+        except ValueError:
+            return n
+        if self.l2 is None:
+            return covered
+        while covered < n:
+            if pids[covered] is not None:
+                covered += 1
+                continue
+            gap_end = covered
+            while gap_end < n and pids[gap_end] is None:
+                gap_end += 1
+            found = self.l2.prefix_present(ObjectKind.PAGE, keys[covered:gap_end])
+            covered += found
+            if covered < gap_end:
+                break
+        return covered
+
+    def deepest_checkpoint(self, keys: Sequence[PageKey], limit: int) -> tuple[int, Tier | None]:
+        """Largest i < limit with a checkpoint at keys[i] in L1 or L2, and its tier (L1 wins
+        ties); (-1, None) if none."""
+        in_l1 = self.ckpts.deepest(keys, limit, self.geometry.page_size)
+        if self.l2 is not None and limit - 1 > in_l1:
+            j = self.l2.last_present(ObjectKind.CHECKPOINT, keys[in_l1 + 1 : limit])
+            if j >= 0:
+                return in_l1 + 1 + j, "l2"
+        return (in_l1, "l1") if in_l1 >= 0 else (-1, None)
+
+    # ---------------------------------------------------------------------------- reads
+    def fetch(self, keys: Sequence[PageKey], match: PrefixMatch) -> HitPlan:
+        """Read and verify the L2 part of a hit; shrink the hit when something is unreadable."""
+        sources = list(match.sources)
+        tier = match.checkpoint_tier
+        hit = len(sources)
+        if self.l2 is None or hit == 0 or (tier == "l1" and None not in sources):
+            return HitPlan(sources, tier, [], None)
+        P = self.geometry.page_size
+        fetched: dict[int, torch.Tensor] = {}
+        while hit > 0:
+            need = [i for i in range(hit) if sources[i] is None and i not in fetched]
+            first_bad = None
+            if need:
+                got = self.l2.get(ObjectKind.PAGE, [keys[i] for i in need], need)
+                for i, payload in zip(need, got, strict=True):
+                    if payload is None:
+                        first_bad = i
+                        break
+                    fetched[i] = payload
+            checkpoint = None
+            if first_bad is None and tier == "l2":
+                (checkpoint,) = self.l2.get(ObjectKind.CHECKPOINT, [keys[hit - 1]], [hit * P])
+                if checkpoint is not None:
+                    break
+            elif first_bad is None:
+                break
+            # Something vanished or failed verification: fall back to a shallower checkpoint
+            # that the remaining readable pages still cover.
+            self.counters.l2_fetch_failures += 1
+            limit = first_bad if first_bad is not None else hit - 1
+            best, tier = self.deepest_checkpoint(keys, limit)
+            hit = best + 1
+        else:
+            return HitPlan([], None, [], None)
+        sources = sources[:hit]
+        payloads = [fetched[i] for i in range(hit) if sources[i] is None]
+        return HitPlan(sources, tier, payloads, checkpoint)
+
+    def promote_checkpoint(self, key: PageKey, num_tokens: int) -> CheckpointEntry | None:
+        """An L1 slot for a checkpoint being loaded from L2 (filled by the same load), so later
+        requests on this rank find it in L1. None if it is already there or no slot is free."""
+        if self.ckpts.get(key) is not None:
+            return None
+        entry = self.ckpts.add(key, num_tokens, CheckpointKind.TURN_END, self.writeback_checkpoints)
+        if entry is not None:
+            self.counters.checkpoints_promoted += 1
+        return entry
+
+    # --------------------------------------------------------------------------- writes
+    def writeback_pages(
+        self, pids: list[PageId], keys: list[PageKey], positions: list[int]
+    ) -> None:
+        """Eviction hook: store evicted pages that L2 lacks before their slots are reused."""
+        self.counters.pages_evicted += len(pids)
+        if self.l2 is None:
+            return
+        present = self.l2.contains(ObjectKind.PAGE, keys)
+        missing = [j for j, p in enumerate(present) if not p]
+        if not missing:
+            return
+        objects = self._page_objects(
+            [keys[j] for j in missing], [positions[j] for j in missing],
+            [pids[j] for j in missing],
+        )
+        self.counters.pages_written_back += self.l2.put(objects)
+
+    def writeback_checkpoints(self, entries: list[CheckpointEntry]) -> None:
+        """Eviction hook: store evicted checkpoints that L2 lacks before their slots are reused."""
+        self.counters.checkpoints_evicted += len(entries)
+        if self.l2 is None:
+            return
+        present = self.l2.contains(ObjectKind.CHECKPOINT, [e.key for e in entries])
+        objects = [
+            self._checkpoint_object(e) for e, p in zip(entries, present, strict=True) if not p
+        ]
+        if objects:
+            self.counters.checkpoints_written_back += self.l2.put(objects)
+
+    def publish(self, keys: Sequence[PageKey], page_ids: Sequence[PageId], path: list[int]) -> int:
+        """Write-through of a request's prefix up to its deepest checkpoint `path[-1]` (pages)
+        and of its checkpoints at `path`; returns how many objects were newly stored."""
+        assert self.l2 is not None
+        deepest = path[-1]
+        # Earlier turns usually published the start already: skip the present prefix cheaply.
+        first = self.l2.prefix_present(ObjectKind.PAGE, keys[:deepest])
+        present = self.l2.contains(ObjectKind.PAGE, keys[first:deepest])
+        missing = [first + j for j, p in enumerate(present) if not p]
+        objects = self._page_objects(
+            [keys[i] for i in missing], missing, [page_ids[i] for i in missing]
+        )
+        ckpt_keys = [keys[n - 1] for n in path]
+        present = self.l2.contains(ObjectKind.CHECKPOINT, ckpt_keys)
+        objects += [
+            self._checkpoint_object(self.ckpts.index[key])
+            for key, p in zip(ckpt_keys, present, strict=True)
+            if not p
+        ]
+        stored = self.l2.put(objects) if objects else 0
+        self.counters.objects_published += stored
+        return stored
+
+    def _page_objects(
+        self, keys: list[PageKey], positions: list[int], pids: list[PageId]
+    ) -> list[HostObject]:
+        if not keys:
+            return []
+        nbytes = self.geometry.mla_page_bytes
+        payloads = self.storage.read_pages(pids) if self.storage is not None else [None] * len(keys)
+        return [
+            HostObject(ObjectKind.PAGE, key, pos, nbytes, payload)
+            for key, pos, payload in zip(keys, positions, payloads, strict=True)
+        ]
+
+    def _checkpoint_object(self, entry: CheckpointEntry) -> HostObject:
+        payload = self.storage.read_checkpoint(entry.slot) if self.storage is not None else None
+        return HostObject(
+            ObjectKind.CHECKPOINT, entry.key, entry.num_tokens, self.geometry.kda_state_bytes,
+            payload,
+        )

@@ -1,0 +1,121 @@
+"""A backend that raises or returns nonsense costs hits, never a request or wrong bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenspeed.cache import KeyChain, LocalHostCache, ObjectKind
+from tokenspeed.cache.l2.base import HostObject
+from tokenspeed.cache.l2.guarded import GuardedL2
+
+from ..helpers import (
+    live_state_matches,
+    make_manager,
+    pages_match,
+    prefix_seed,
+    tiny_geometry,
+    token_stream,
+    write_live_state,
+    write_pages,
+)
+
+P = 4
+
+
+class FlakyL2(LocalHostCache):
+    """A local tier whose calls start raising (or lying about sizes) on demand."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=1 << 20)
+        self.mode = "ok"
+
+    def _maybe_fail(self) -> None:
+        if self.mode == "raise":
+            raise ConnectionError("backend exploded")
+
+    def contains(self, kind, keys):
+        self._maybe_fail()
+        return super().contains(kind, keys)
+
+    def prefix_present(self, kind, keys):
+        self._maybe_fail()
+        return super().prefix_present(kind, keys)
+
+    def last_present(self, kind, keys):
+        self._maybe_fail()
+        return super().last_present(kind, keys)
+
+    def put(self, objects: Sequence[HostObject]) -> int:
+        self._maybe_fail()
+        return super().put(objects)
+
+    def get(self, kind, keys, positions):
+        self._maybe_fail()
+        out = super().get(kind, keys, positions)
+        if self.mode == "short":  # a buggy backend returning truncated payloads
+            return [None if p is None else p[:-1] for p in out]
+        return out
+
+
+def _publish(cache, tokens):
+    keys = KeyChain(P).append_tokens(tokens)
+    h = cache.allocate("w", keys, len(tokens))
+    write_pages(cache, h, 0, len(tokens) // P)
+    write_live_state(cache, h, prefix_seed(tokens[:32]))
+    cache.checkpoint(h, 32)
+    cache.release(h, publish=True)
+    return keys
+
+
+def test_raising_backend_degrades_to_misses_and_dropped_writes():
+    l2 = FlakyL2()
+    cache = make_manager(l2=l2)
+    tokens = token_stream(1, 33)
+    keys = _publish(cache, tokens)
+    cache.evict(pages=100, checkpoints=100)
+    l2.mode = "raise"
+    m = cache.match(keys, 33)  # no exception
+    assert m.num_tokens == 0
+    h = cache.allocate("r", keys, 33)
+    assert h.num_cached_tokens == 0 and live_state_matches(cache, h, None)
+    write_pages(cache, h, 0, 8)
+    write_live_state(cache, h, prefix_seed(tokens[:32]))
+    cache.checkpoint(h, 32)
+    assert cache.publish(h) == 0
+    cache.release(h)
+    cache.evict(pages=100, checkpoints=100)  # write-back fails too: dropped
+    assert cache.stats().counters.l2_errors >= 4
+    cache.check_integrity()
+    l2.mode = "ok"  # the backend recovers: hits come back
+    h = cache.allocate("r2", keys, 33)
+    assert h.num_cached_tokens == 32 and pages_match(cache, h, 0, 8)
+    cache.release(h)
+
+
+def test_wrong_sized_payloads_are_never_used():
+    l2 = FlakyL2()
+    cache = make_manager(l2=l2)
+    keys = _publish(cache, token_stream(2, 33))
+    cache.evict(pages=100, checkpoints=100)
+    l2.mode = "short"
+    h = cache.allocate("r", keys, 33)
+    assert h.num_cached_tokens == 0
+    assert cache.stats().counters.l2_errors >= 1
+    cache.release(h)
+    cache.check_integrity()
+
+
+def test_guard_answers_safely_for_every_call():
+    l2 = FlakyL2()
+    l2.bind(tiny_geometry(), metadata_only=False)
+    errors = []
+    guard = GuardedL2(l2, lambda: errors.append(1))
+    l2.mode = "raise"
+    assert guard.contains(ObjectKind.PAGE, [1, 2]) == [False, False]
+    assert guard.prefix_present(ObjectKind.PAGE, [1]) == 0
+    assert guard.last_present(ObjectKind.PAGE, [1]) == -1
+    assert guard.put([HostObject(ObjectKind.PAGE, 1, 0, 1, torch.zeros(1, dtype=torch.uint8))]) == 0
+    assert guard.get(ObjectKind.PAGE, [1], [0]) == [None]
+    assert len(errors) == 5

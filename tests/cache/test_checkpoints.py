@@ -1,0 +1,54 @@
+"""CheckpointManager: slots, pins, LRU eviction with write-back, deepest lookup."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tokenspeed.cache import CheckpointKind, IntegrityError
+from tokenspeed.cache.checkpoints import CheckpointManager
+
+INTERVAL = CheckpointKind.INTERVAL
+
+
+def test_add_evicts_lru_unpinned_with_writeback():
+    ckpts = CheckpointManager(2)
+    a = ckpts.add(1, 4, INTERVAL, None)
+    b = ckpts.add(2, 8, INTERVAL, None)
+    ckpts.touch(a)  # b is now the least recently used
+    written = []
+    c = ckpts.add(3, 12, INTERVAL, written.extend)
+    assert written == [b] and ckpts.get(2) is None and c.slot == b.slot
+    ckpts.check_integrity(Counter())
+
+
+def test_pinned_entries_are_never_evicted():
+    ckpts = CheckpointManager(1)
+    a = ckpts.add(1, 4, INTERVAL, None)
+    ckpts.pin(a)
+    assert ckpts.add(2, 8, INTERVAL, None) is None  # no slot: dropped, not an error
+    assert ckpts.evict(5, None) == 0
+    with pytest.raises(IntegrityError):
+        ckpts.remove(a)
+    ckpts.check_integrity(Counter({1: 1}))
+    with pytest.raises(IntegrityError):
+        ckpts.check_integrity(Counter())  # the pin is not accounted for
+    ckpts.unpin(a)
+    with pytest.raises(IntegrityError):
+        ckpts.unpin(a)
+    assert ckpts.evict(5, None) == 1 and ckpts.num_free == 1
+
+
+def test_deepest_within_a_limit():
+    ckpts = CheckpointManager(8)
+    keys = list(range(100, 120))
+    for n in (3, 7, 12):  # checkpoints after pages 3, 7 and 12
+        ckpts.add(keys[n - 1], n * 4, INTERVAL, None)
+    assert ckpts.deepest(keys, 20, 4) == 11
+    assert ckpts.deepest(keys, 11, 4) == 6
+    assert ckpts.deepest(keys, 2, 4) == -1
+    other = list(range(200, 220))  # same positions, different prefix
+    assert ckpts.deepest(other, 20, 4) == -1
+    with pytest.raises(IntegrityError):
+        ckpts.add(keys[2], 12, INTERVAL, None)

@@ -1,0 +1,84 @@
+"""Chained page keys: content-addressed, prefix-dependent, incremental, trace-block aware."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenspeed.cache import CacheConfigError, KeyChain, page_keys_for_blocks, page_keys_for_tokens
+
+
+def test_keys_name_the_whole_prefix():
+    a = page_keys_for_tokens([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = page_keys_for_tokens([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2
+    assert a[0] != b[0] and a[1] != b[1]  # same second page, different history
+    assert a == page_keys_for_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)  # partial page: no key
+    assert all(isinstance(k, int) and 0 <= k < 1 << 128 for k in a)
+
+
+def test_salt_separates_key_spaces():
+    tokens = list(range(8))
+    assert page_keys_for_tokens(tokens, 4, salt=b"model-a") != page_keys_for_tokens(
+        tokens, 4, salt=b"model-b"
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 200_000), min_size=0, max_size=60),
+    cuts=st.lists(st.integers(0, 60), max_size=5),
+)
+def test_incremental_appends_give_the_same_keys(tokens, cuts):
+    chain = KeyChain(4)
+    new = []
+    prev = 0
+    for cut in [*sorted(min(c, len(tokens)) for c in cuts), len(tokens)]:
+        new += chain.append_tokens(tokens[prev:cut])
+        prev = cut
+    assert new == chain.keys == page_keys_for_tokens(tokens, 4)
+    assert chain.num_tokens == len(tokens)
+
+
+def test_trace_blocks_map_to_pages():
+    # A 512-token block spans 8 pages of 64: eight keys, chained like any others.
+    keys = page_keys_for_blocks([10, 11], 1024, block_size=512, page_size=64)
+    assert len(keys) == 16 and len(set(keys)) == 16
+    # Equal block ids = equal content: two sessions sharing block 10 share its 8 page keys.
+    other = page_keys_for_blocks([10, 12], 1024, block_size=512, page_size=64)
+    assert other[:8] == keys[:8] and other[8:] != keys[8:]
+    # A partial last block yields keys for its full pages only.
+    partial = page_keys_for_blocks([10, 11], 512 + 100, block_size=512, page_size=64)
+    assert partial == keys[:9]
+
+
+def test_blocks_grow_incrementally_across_turns():
+    chain = KeyChain(64)
+    turn1 = chain.append_blocks([1, 2, 3], 1300, 512)  # 20 full pages, 20 tokens pending
+    assert len(turn1) == 20 and chain.num_tokens == 1300
+    turn2 = chain.append_blocks([4], 300, 512)
+    assert len(chain.keys) == 25  # 1600 tokens
+    assert turn1 + turn2 == chain.keys
+    fork = chain.fork()
+    fork.append_blocks([5], 64, 512)
+    assert len(fork.keys) == 26 and len(chain.keys) == 25
+    again = KeyChain(64)
+    again.append_blocks([1, 2, 3], 1300, 512)
+    again.append_blocks([4], 300, 512)
+    assert again.keys == chain.keys  # deterministic: no re-hashing needed to agree
+
+
+def test_tokens_and_blocks_never_collide():
+    assert page_keys_for_tokens(list(range(64)), 64) != page_keys_for_blocks(
+        [0], 64, block_size=64, page_size=64
+    )
+
+
+def test_bad_block_arguments():
+    with pytest.raises(CacheConfigError):
+        KeyChain(0)
+    with pytest.raises(CacheConfigError):
+        KeyChain(64).append_blocks([1, 2], 100, 512)  # 2 ids cannot describe 100 tokens
+    with pytest.raises(CacheConfigError):
+        KeyChain(64).append_blocks([1], 100, 0)

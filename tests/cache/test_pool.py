@@ -1,0 +1,35 @@
+"""SlotPool: a free list that never hands out reserved ids and refuses double frees."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenspeed.cache import CacheFullError, IntegrityError
+from tokenspeed.cache.pool import SlotPool
+
+
+def test_allocate_and_free_skip_the_reserved_sink():
+    pool = SlotPool(5, reserved=(0,))
+    assert pool.capacity == 4
+    ids = pool.allocate(4)
+    assert sorted(ids) == [1, 2, 3, 4] and pool.num_free == 0
+    with pytest.raises(CacheFullError):
+        pool.allocate(1)
+    pool.free([2, 3])
+    assert pool.num_used == 2 and sorted(pool.allocate(2)) == [2, 3]
+    pool.check_integrity()
+
+
+def test_double_free_is_refused_without_changing_anything():
+    pool = SlotPool(4, reserved=(0,))
+    a, b = pool.allocate(2)
+    pool.free([a])
+    with pytest.raises(IntegrityError):
+        pool.free([b, a])  # a is already free: b must stay allocated too
+    assert not pool.is_free(b)
+    with pytest.raises(IntegrityError):
+        pool.free([b, b])
+    with pytest.raises(IntegrityError):
+        pool.free([0])
+    pool.check_integrity()
+    assert pool.free_mask().tolist() == [False, True, False, True]

@@ -1,0 +1,68 @@
+"""Tiering: coverage across both tiers, and hits that shrink when L2 cannot deliver."""
+
+from __future__ import annotations
+
+from tokenspeed.cache import CheckpointKind, KeyChain, LocalHostCache, ObjectKind
+
+from .helpers import make_manager, tiny_geometry, token_stream
+
+P = 4
+
+
+def _turn(cache, rid, keys, tokens, *, checkpoints):
+    h = cache.allocate(rid, keys, tokens)
+    for length in checkpoints:
+        cache.checkpoint(h, length, kind=CheckpointKind.TURN_END)
+    cache.release(h, publish=True)
+
+
+def test_coverage_continues_through_l2_gaps_and_l1_runs():
+    g = tiny_geometry()
+    l2 = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    cache = make_manager(g, l2=l2, metadata_only=True, pages=32)
+    keys = KeyChain(P).append_tokens(token_stream(1, 41))
+    _turn(cache, "a", keys, 41, checkpoints=[40])
+    # Pages 0..9 in L1 and L2. Remove page 3 from L1 only and page 6 from both.
+    pages = cache._pages
+    for i in (3, 6):
+        pid = pages.index[keys[i]]
+        pages.pin([pid])
+        pages.unregister(pid)
+        pages.unpin([pid])
+    l2.remove(ObjectKind.PAGE, [keys[6]])
+    m = cache.match(keys, 41)
+    assert m.mla_covered_tokens == 24  # 0-2 L1, 3 from L2, 4-5 L1, 6 nowhere
+    assert m.num_tokens == 0  # the only checkpoint (at 40) is not covered
+    l2.remove(ObjectKind.PAGE, [keys[3]])
+    assert cache.match(keys, 41).mla_covered_tokens == 12
+    cache.check_integrity()
+
+
+def test_object_vanishing_between_match_and_allocate_shrinks_the_hit():
+    g = tiny_geometry()
+    shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    a = make_manager(g, l2=shared, metadata_only=True)
+    b = make_manager(g, l2=shared, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(2, 33))
+    _turn(a, "w", keys, 33, checkpoints=[16, 32])
+    m = b.match(keys, 33)
+    assert (m.num_tokens, m.l2_tokens) == (32, 32)
+    shared.remove(ObjectKind.PAGE, [keys[5]])  # another rank's traffic evicts it meanwhile
+    h = b.allocate("r", keys, 33, match=m)
+    assert (h.num_cached_tokens, h.l2_cached_tokens) == (16, 16)
+    assert b.stats().counters.l2_fetch_failures == 1
+    b.release(h)
+    b.check_integrity()
+
+
+def test_l1_checkpoint_wins_ties_and_l2_extends_deeper():
+    g = tiny_geometry()
+    l2 = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    cache = make_manager(g, l2=l2, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(3, 33))
+    _turn(cache, "w", keys, 33, checkpoints=[16, 32])
+    entry = cache._ckpts.get(keys[7])
+    cache._ckpts.remove(entry)  # the deeper checkpoint only in L2 now
+    m = cache.match(keys, 33)
+    assert (m.num_tokens, m.checkpoint_tier, m.l1_tokens) == (32, "l2", 32)
+    assert cache.match(keys, 17).checkpoint_tier == "l1"
