@@ -517,3 +517,29 @@ def test_two_managers_in_one_process_are_independent():
     b.release(hb)
     a.close()
     b.close()
+
+
+def test_has_checkpoint_reports_exactly_the_checkpointed_lengths():
+    from tokenspeed.cache import CacheConfig, CacheGeometry, CacheManager, KeyChain
+
+    geometry = CacheGeometry.from_model_dims(
+        num_mla_layers=1, kv_lora_rank=4, qk_rope_head_dim=4, num_kda_layers=1,
+        kda_num_heads=1, kda_head_dim=4, kda_conv_kernel=4, page_size=4,
+    )
+    cache = CacheManager(
+        geometry,
+        CacheConfig(
+            device_budget_bytes=CacheConfig.budget_for(geometry, pages=8, live_requests=1,
+                                                       checkpoints=4),
+            max_live_requests=1, num_checkpoint_slots=4,
+        ),
+    )
+    chain = KeyChain(4)
+    chain.append_tokens(list(range(13)))
+    handle = cache.allocate("r", chain.keys, 13)
+    assert not cache.has_checkpoint(handle, 8)
+    cache.checkpoint(handle, 8)
+    assert cache.has_checkpoint(handle, 8)
+    assert not cache.has_checkpoint(handle, 4) and not cache.has_checkpoint(handle, 7)
+    assert not cache.has_checkpoint(handle, 16)
+    cache.release(handle)

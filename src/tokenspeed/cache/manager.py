@@ -415,6 +415,14 @@ class CacheManager:
         self._paths.enforce_cap(handle, newest=n)
         return entry.slot
 
+    def has_checkpoint(self, handle: RequestCache, num_tokens: int) -> bool:
+        """Whether a KDA checkpoint exists at exactly `num_tokens` of this request's prefix."""
+        self._check_live(handle)
+        n, rest = divmod(num_tokens, self.page_size)
+        if rest or not 0 < n <= len(handle._keys):
+            return False
+        return self._ckpts.get(handle._keys[n - 1]) is not None
+
     def publish(self, handle: RequestCache) -> int:
         """Write-through at a turn end: store in L2 the pages of the request's deepest
         checkpointed prefix and its checkpoints, where L2 lacks them. Makes a rolling checkpoint a

@@ -8,6 +8,8 @@ multi-token verification.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 from torch import nn
@@ -39,16 +41,23 @@ class KimiModel(nn.Module):
             self.output_attn_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, state: DecoderState | PagedState
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        state: DecoderState | PagedState,
+        before_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, DecoderState | PagedState]:
         """input_ids: [T] -> (final hidden states [T, D] after the output norm, new state).
 
-        A `PagedState` is updated in place and returned as the new state.
+        A `PagedState` is updated in place and returned as the new state. `before_layer(i)` runs
+        before layer i reads its state (the runtime waits there for that layer's prefix copies).
         """
         hidden = self.embed_tokens(input_ids)
         kda, mla = {}, {}
         bank: list[torch.Tensor] = []
         for layer in self.layers:
+            if before_layer is not None:
+                before_layer(layer.index)
             states = state.kda if layer.kind == "kda" else state.mla
             layer_state = states[layer.index]
             if self.config.uses_attn_res:
@@ -116,12 +125,13 @@ class KimiForCausalLM(nn.Module):
         state: DecoderState | PagedState,
         logits_indices: torch.Tensor | None = None,
         check: bool = True,
+        before_layer: Callable[[int], None] | None = None,
     ) -> ForwardOutput:
         """check=False skips the input checks (they read values back from the device, which a
         CUDA graph capture cannot do; the runner validates before filling its buffers)."""
         if check:
             self.check_inputs(input_ids, batch, state)
-        hidden, new_state = self.model(input_ids, batch, state)
+        hidden, new_state = self.model(input_ids, batch, state, before_layer)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return ForwardOutput(logits=self.lm_head(hidden), state=new_state)

@@ -85,10 +85,11 @@ class KdaAttention(nn.Module):
     ) -> tuple[torch.Tensor, KdaState | PagedKda]:
         if isinstance(state, PagedKda):
             # Gather the batch's slots, advance them, scatter back: static shapes, no host sync.
-            current = KdaState(state.conv[state.slots], state.recurrent[state.slots])
+            slots = state.slots.long()
+            current = KdaState(state.conv[slots], state.recurrent[slots])
             out, new = self._forward(x, batch, current)
-            state.conv.index_copy_(0, state.slots, new.conv.to(state.conv.dtype))
-            state.recurrent.index_copy_(0, state.slots, new.recurrent)
+            state.conv.index_copy_(0, slots, new.conv.to(state.conv.dtype))
+            state.recurrent.index_copy_(0, slots, new.recurrent.to(state.recurrent.dtype))
             return out, state
         return self._forward(x, batch, state)
 

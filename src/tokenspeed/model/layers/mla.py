@@ -98,7 +98,7 @@ class GatedMla(nn.Module):
         pages = cache.pages
         page_size = pages.shape[1]
         positions = batch.positions
-        page = cache.page_table[batch.token_request, positions // page_size]
+        page = cache.page_table[batch.token_request, positions // page_size].long()
         slot = page * page_size + positions % page_size
         pages.view(-1, pages.shape[-1]).index_copy_(0, slot, self.latent_rows(x).to(pages.dtype))
         n = batch.uniform_len

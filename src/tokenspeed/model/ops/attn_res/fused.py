@@ -1,0 +1,145 @@
+"""AttnRes mix + the RMSNorm that follows it, with the bank update, in one Triton pass.
+
+Semantics (`mix_norm_reference` spells them out with the torch references):
+
+    bank: [N, T, D]  entries 0..N-2 are completed block sums (oldest first), N-1 the partial
+    if delta is given:  bank[N-1] <- bank[N-1] + delta   (accumulate, rounded to bank dtype)
+                        bank[N-1] <- delta               (not accumulate: a block just opened)
+    mix  = attn_res_mix([bank[0], ..., bank[N-1]], query, mix_weight, mix_eps)   (bank dtype)
+    out  = rms_norm(mix, norm_weight, norm_eps)                                  (bank dtype)
+
+Relative to `layers/decoder.py`: `forward_attn_res` computes `partial + out` (or `out` at a
+block's first layer) and then `post_attention_layernorm(mlp_res([*bank, partial]))`; this op
+is that whole sequence with delta = the attention output, and, at the next layer's attention
+site, `input_layernorm(self_attention_res([*bank, partial + mlp_out]))` with delta = the MLP
+output (so the residual add of the MLP is fused here too). The final `output_attn_res` + norm
+is the same call with the model's final norm weight.
+
+Per token one program reads each entry once (online softmax over entries, fp32), so the
+traffic is N (+1 with delta) reads and 1 (+1) writes of a [T, D] row set.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..norm import rms_norm
+from .reference import attn_res_mix
+
+
+@triton.jit
+def _mix_norm_kernel(
+    bank_ptr, delta_ptr, q_ptr, mw_ptr, nw_ptr, out_ptr,
+    D, stride_bn, stride_bt, stride_dt, stride_ot, mix_eps, norm_eps,
+    N: tl.constexpr, HAS_DELTA: tl.constexpr, ACCUMULATE: tl.constexpr, BD: tl.constexpr,
+):
+    """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D]."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    dmask = d < D
+    qw = tl.load(q_ptr + d, mask=dmask, other=0.0).to(tl.float32) * tl.load(
+        mw_ptr + d, mask=dmask, other=0.0
+    ).to(tl.float32)
+    row = bank_ptr + t * stride_bt + d
+    dtype = bank_ptr.dtype.element_ty
+
+    partial = tl.load(row + (N - 1) * stride_bn, mask=dmask, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + t * stride_dt + d, mask=dmask, other=0.0)
+        if ACCUMULATE:
+            partial = (partial.to(tl.float32) + delta.to(tl.float32)).to(dtype)
+        else:
+            partial = delta.to(dtype)
+
+    # Online softmax over the entries: one read of each, running max / denominator / sum.
+    m = -float("inf")
+    den = 0.0
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for i in tl.static_range(N):
+        if i < N - 1:
+            v = tl.load(row + i * stride_bn, mask=dmask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+        else:
+            v = partial.to(tl.float32)
+        score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
+        m_new = tl.maximum(m, score)
+        rescale = tl.exp(m - m_new)
+        p = tl.exp(score - m_new)
+        den = den * rescale + p
+        acc = acc * rescale + p * v
+        m = m_new
+
+    mix = (acc / den).to(dtype).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
+    normed = (mix * rstd).to(dtype).to(tl.float32)
+    out = normed * tl.load(nw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    if HAS_DELTA:  # stores last, so no load above waits on them
+        tl.store(row + (N - 1) * stride_bn, partial, mask=dmask)
+
+
+def attn_res_mix_norm(
+    bank: torch.Tensor,
+    query: torch.Tensor,
+    mix_weight: torch.Tensor,
+    mix_eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    *,
+    delta: torch.Tensor | None = None,
+    accumulate: bool = True,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Fused AttnRes mix + RMSNorm (+ in-place update of the partial entry bank[N-1]).
+
+    bank: [N, T, D], 1 <= N <= 16, last dim contiguous (e.g. a view of a preallocated
+    [blocks + 1, T, D] buffer); query: [D] or [1, D]; mix_weight, norm_weight: [D];
+    delta: [T, D] or None. Returns the normalised mix [T, D] in bank's dtype.
+    """
+    n, tokens, dim = bank.shape
+    if not 1 <= n <= 16:
+        raise ValueError(f"bank holds {n} entries; 1..16 supported")
+    if bank.stride(2) != 1:
+        raise ValueError("bank must be contiguous along D")
+    if delta is not None and (delta.shape != (tokens, dim) or delta.stride(1) != 1):
+        raise ValueError(f"delta must be [{tokens}, {dim}] contiguous along D")
+    query = query.reshape(-1)
+    if query.shape[0] != dim or mix_weight.shape != (dim,) or norm_weight.shape != (dim,):
+        raise ValueError(f"query / weights must have {dim} elements")
+    out = torch.empty(tokens, dim, dtype=bank.dtype, device=bank.device)
+    if tokens == 0:
+        return out
+    bd = triton.next_power_of_2(dim)
+    if num_warps is None:
+        num_warps = 8 if bd >= 4096 else 4 if bd >= 1024 else 2
+    _mix_norm_kernel[(tokens,)](
+        bank, delta if delta is not None else out, query, mix_weight, norm_weight, out,
+        dim, bank.stride(0), bank.stride(1), delta.stride(0) if delta is not None else 0,
+        out.stride(0), float(mix_eps), float(norm_eps),
+        N=n, HAS_DELTA=delta is not None, ACCUMULATE=accumulate, BD=bd, num_warps=num_warps,
+    )
+    return out
+
+
+def mix_norm_reference(
+    bank: torch.Tensor,
+    query: torch.Tensor,
+    mix_weight: torch.Tensor,
+    mix_eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    *,
+    delta: torch.Tensor | None = None,
+    accumulate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch composition of what `attn_res_mix_norm` computes; does not modify bank.
+
+    Returns (normalised mix [T, D], the partial entry after the update [T, D]).
+    """
+    entries = list(bank.unbind(0))
+    if delta is not None:
+        entries[-1] = entries[-1] + delta if accumulate else delta.to(bank.dtype)
+    mix = attn_res_mix(entries, query, mix_weight, mix_eps)
+    return rms_norm(mix, norm_weight, norm_eps), entries[-1]

@@ -1,0 +1,61 @@
+"""Weighted combine of expert rows back to token order, with the latent RMSNorm fused."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, pair_row_ptr, w_ptr, norm_ptr, out_ptr,
+    L, stride_y, stride_o, eps,
+    K: tl.constexpr, BL: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """y: [rows, L] expert outputs in the segment layout; pair_row, w: [T, K] (row -1: not
+    local); out: [T, L] = sum_j w[t, j] * y[pair_row[t, j]] in fp32, summed in slot order
+    (then, with HAS_NORM, RMSNorm as `ops.norm.rms_norm` computes it)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BL)
+    cmask = cols < L
+    acc = tl.zeros([BL], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(pair_row_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        live = cmask & ((cols * 0 + row) >= 0)  # vector mask (the interpreter wants one)
+        v = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=live, other=0.0)
+        acc += v.to(tl.float32) * w
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_NORM:
+        xf = out.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / L + eps)
+        normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = (normed * tl.load(norm_ptr + cols, mask=cmask, other=0.0).to(tl.float32)).to(
+            out_ptr.dtype.element_ty
+        )
+    tl.store(out_ptr + t * stride_o + cols, out, mask=cmask)
+
+
+def combine(
+    y: torch.Tensor,
+    pair_row: torch.Tensor,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Token outputs [T, L] from expert rows y [rows, L]; pair_row, weights: [T, k]."""
+    tokens, top_k = weights.shape
+    width = y.shape[1]
+    out = torch.empty(tokens, width, dtype=out_dtype, device=y.device)
+    if tokens == 0:
+        return out
+    bl = triton.next_power_of_2(width)
+    _combine_kernel[(tokens,)](
+        y, pair_row, weights.contiguous(), norm_weight if norm_weight is not None else out, out,
+        width, y.stride(0), out.stride(0), eps,
+        K=top_k, BL=bl, HAS_NORM=norm_weight is not None,
+        num_warps=4 if bl <= 2048 else 8,
+    )
+    return out

@@ -1,0 +1,258 @@
+"""Routed experts on the GPU: count + align (metadata), grouped gate/up GEMM with the GLU in its
+epilogue, grouped down GEMM, weighted combine (+ the latent RMSNorm), all in Triton.
+
+`fused_experts` has the contract of `reference.routed_experts` restricted to the experts a
+layer owns (all of them by default; a slice for expert parallelism), optionally followed by
+`ops.norm.rms_norm`. Static shapes and no host synchronisation, so it can be captured in a
+CUDA graph; the intermediates are sized by `max_pairs`, a static bound on the local pairs.
+
+Launches: [count] (skipped when the router already counted), align, [FP8 activation
+quantisation], gate/up, down, combine.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from . import grouped_gemm as gg
+from ._launch import is_interpreting, num_sms
+from .align import align_pairs, capacity_blocks, count_pairs
+from .combine import combine
+from .fp8 import FP8_DTYPE, quantize_fp8_rows
+from .fp8 import GROUP as FP8_GROUP
+from .mxfp4 import GROUP as MX_GROUP
+
+_FORMATS = {"dense": gg.DENSE, "fp8": gg.FP8, "mxfp4": gg.MXFP4}
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@attrs.frozen(kw_only=True)
+class ExpertWeights:
+    """Stacked weights of the E experts a layer runs (global ids first_expert .. +E-1).
+
+    format "dense": w1 (gate), w3 (up): [E, I, L]; w2 (down): [E, L, I]; bf16/fp16/fp32.
+    format "fp8": same shapes in float8_e4m3fn; s1, s3: fp32 [E, I/128, L/128]; s2: fp32
+        [E, L/128, I/128] (one scale per 128 x 128 block); L, I multiples of 128.
+    format "mxfp4": w1, w3: uint8 [E, I, L/2]; w2: uint8 [E, L, I/2] (packed E2M1); s1, s3:
+        uint8 [E, I, L/32]; s2: uint8 [E, L, I/32] (E8M0), the checkpoint layout as stored.
+    All contiguous (checked here, never copied per call).
+    """
+
+    format: str = attrs.field(validator=attrs.validators.in_(tuple(_FORMATS)))
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+    s1: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+    s3: torch.Tensor | None = None
+    first_expert: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        e, i = self.w1.shape[:2]
+        width = self.w2.shape[1]
+        packed = 2 if self.format == "mxfp4" else 1
+        want = {"w1": (e, i, width // packed), "w3": (e, i, width // packed),
+                "w2": (e, width, i // packed)}
+        if self.format == "fp8":
+            g = FP8_GROUP
+            want |= {"s1": (e, i // g, width // g), "s3": (e, i // g, width // g),
+                     "s2": (e, width // g, i // g)}
+            if width % g or i % g:
+                raise ValueError(f"fp8 experts need L, I multiples of {g}, got {width}, {i}")
+        elif self.format == "mxfp4":
+            g = MX_GROUP
+            want |= {"s1": (e, i, width // g), "s3": (e, i, width // g), "s2": (e, width, i // g)}
+            if width % g or i % g:
+                raise ValueError(f"mxfp4 experts need L, I multiples of {g}, got {width}, {i}")
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if t is None or tuple(t.shape) != shape:
+                got = None if t is None else tuple(t.shape)
+                raise ValueError(f"{self.format} experts: {name} must be {shape}, got {got}")
+            if not t.is_contiguous():
+                raise ValueError(f"{self.format} experts: {name} must be contiguous")
+        dtypes = {"dense": None, "fp8": FP8_DTYPE, "mxfp4": torch.uint8}
+        if dtypes[self.format] is not None and self.w1.dtype != dtypes[self.format]:
+            raise ValueError(f"{self.format} experts: weights must be {dtypes[self.format]}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1.shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.w2.shape[1]
+
+
+class GemmTile(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class MoeKernelConfig(NamedTuple):
+    """Tiles of one call: block_m (the segment alignment) is shared by both GEMMs."""
+
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+    waves: int = 1  # persistent programs per SM
+
+
+# Rows per expert -> tiles, by format (BLOCK_N counts the columns of each of gate and up).
+# Decode (<= 16 rows) streams weights: BLOCK_M 16, long K steps, deep pipelines; the middle
+# is still mostly weight traffic; beyond ~100 rows BLOCK_M 64 keeps one warpgroup per tile on
+# wgmma with little padding (rows are padded to BLOCK_M per expert). Starting points in
+# line with public fused-MoE tunings for H100/H200; `benchmarks/moe.py --sweep` compares
+# alternatives.
+_TABLE = {
+    "dense": (
+        (16, MoeKernelConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
+        (96, MoeKernelConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))),
+        (None, MoeKernelConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))),
+    ),
+    "fp8": (
+        (16, MoeKernelConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3))),
+        (96, MoeKernelConfig(32, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3))),
+        (None, MoeKernelConfig(64, GemmTile(128, 128, 4, 4), GemmTile(128, 128, 4, 4))),
+    ),
+    "mxfp4": (
+        (16, MoeKernelConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3))),
+        (96, MoeKernelConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))),
+        (None, MoeKernelConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))),
+    ),
+}
+
+
+def default_config(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
+    """The tile table entry for a format and an expected number of rows per expert."""
+    for bound, config in _TABLE[fmt]:
+        if bound is None or rows_per_expert <= bound:
+            return config
+    raise AssertionError("unreachable")
+
+
+def _fit(tile: GemmTile, n: int, k: int, fmt: str, fixed_n: int | None) -> GemmTile:
+    """Shrink a tile to small problems (tests) within each format's constraints."""
+    bn = fixed_n or min(tile.block_n, max(16, triton.next_power_of_2(n)))
+    if fmt == "fp8":
+        bk = FP8_GROUP  # one activation scale and one weight scale per K step
+    elif fmt == "mxfp4":
+        bk = max(MX_GROUP, min(tile.block_k, triton.next_power_of_2(k)))
+    else:
+        bk = min(tile.block_k, max(16, triton.next_power_of_2(k)))
+    return tile._replace(block_n=bn, block_k=bk)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: ExpertWeights,
+    *,
+    activation: str = "silu",
+    beta: float = 4.0,
+    linear_beta: float | None = None,
+    x_scale: torch.Tensor | None = None,
+    max_pairs: int | None = None,
+    pairs_hint: int | None = None,
+    counts: torch.Tensor | None = None,
+    ranks: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+    config: MoeKernelConfig | None = None,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over the local experts, [T, L].
+
+    x: [T, L] activations (bf16/fp16/fp32), or FP8 e4m3 with x_scale [T, L/128] (FP8
+    experts only; e.g. from an FP8 dispatch); weights: [T, k] fp32; ids: [T, k] global expert
+    ids (-1 or any non-local id: ignored). activation: "silu" (silu(g) * u) or "situ"
+    (beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta); linear_beta None: u).
+    max_pairs: static bound on local pairs (default T*k); pairs_hint: expected local pairs,
+    picks the tiles (default max_pairs). counts, ranks: from `route_fused` (skips a launch).
+    norm_weight: fuse `rms_norm(out, norm_weight, norm_eps)` into the combine (only valid when
+    this call sees all of a token's experts). Returns out_dtype (default x's, bf16 for FP8 x).
+    """
+    if activation not in ("silu", "situ"):
+        raise ValueError(f"activation must be 'silu' or 'situ', got {activation!r}")
+    tokens, top_k = ids.shape
+    fmt, num_local = experts.format, experts.num_experts
+    width, inter = experts.width, experts.intermediate
+    if x.shape != (tokens, width) or weights.shape != (tokens, top_k):
+        raise ValueError(f"x {tuple(x.shape)}, weights {tuple(weights.shape)} and ids "
+                         f"{tuple(ids.shape)} disagree with experts of width {width}")
+    if x.stride(1) != 1:
+        raise ValueError("x must be contiguous along its last dim")
+    x_is_fp8 = x.dtype == FP8_DTYPE
+    if x_is_fp8 and (fmt != "fp8" or x_scale is None):
+        raise ValueError("FP8 activations need FP8 experts and x_scale")
+    compute = out_dtype or (torch.bfloat16 if x_is_fp8 else x.dtype)
+    if fmt != "fp8" and x.dtype != compute:
+        raise ValueError(f"x is {x.dtype}; dense/mxfp4 experts compute in x's dtype")
+    max_pairs = tokens * top_k if max_pairs is None else max_pairs
+    if counts is None or ranks is None:
+        counts, ranks = count_pairs(ids, experts.first_expert, num_local)
+    cfg = config or default_config(fmt, (pairs_hint or max_pairs) / num_local)
+    layout = align_pairs(ids, ranks, counts, experts.first_expert, cfg.block_m, max_pairs)
+    rows = layout.capacity_rows
+    device = x.device
+
+    xs = x_scale
+    if fmt == "fp8" and not x_is_fp8:
+        x, xs = quantize_fp8_rows(x)
+    if fmt == "fp8":
+        h = torch.empty(rows, inter, dtype=FP8_DTYPE, device=device)
+        hs = torch.empty(rows, inter // FP8_GROUP, dtype=torch.float32, device=device)
+    else:
+        h = torch.empty(rows, inter, dtype=compute, device=device)
+        hs = h  # unused
+    y = torch.empty(rows, width, dtype=compute, device=device)
+    wfmt = _FORMATS[fmt]
+    exact = x.is_cuda and not is_interpreting()
+    programs = num_sms(x) * cfg.waves
+    max_blocks = capacity_blocks(max_pairs, num_local, cfg.block_m)
+    s1, s2, s3 = experts.s1, experts.s2, experts.s3
+    dummy = torch.empty(1, dtype=torch.float32, device=device)
+
+    up = _fit(cfg.gate_up, inter, width, fmt, FP8_GROUP if fmt == "fp8" else None)
+    grid = (max(1, min(programs, max_blocks * triton.cdiv(inter, up.block_n))),)
+    gg._gate_up_kernel[grid](
+        x, xs if xs is not None else dummy, experts.w1, experts.w3,
+        s1 if s1 is not None else dummy, s3 if s3 is not None else dummy, h, hs,
+        layout.row_pair, layout.block_expert, layout.expert_start, layout.counts,
+        layout.num_blocks,
+        width, inter, top_k,
+        x.stride(0), xs.stride(0) if xs is not None else 0,
+        experts.w1.stride(0), experts.w1.stride(1),
+        s1.stride(0) if s1 is not None else 0, s1.stride(1) if s1 is not None else 0,
+        h.stride(0), hs.stride(0),
+        float(beta), float(linear_beta or 1.0),
+        WFMT=wfmt, ACT=gg.SITU if activation == "situ" else gg.SILU,
+        CAP_UP=linear_beta is not None, OUT_FP8=fmt == "fp8", ROUND=_TL_DTYPES[compute],
+        EXACT=exact, INTERPRET=is_interpreting(), BM=cfg.block_m, BN=up.block_n, BK=up.block_k,
+        num_warps=up.num_warps, num_stages=up.num_stages,
+    )
+    down = _fit(cfg.down, width, inter, fmt, None)
+    grid = (max(1, min(programs, max_blocks * triton.cdiv(width, down.block_n))),)
+    gg._down_kernel[grid](
+        h, hs, experts.w2, s2 if s2 is not None else dummy, y,
+        layout.block_expert, layout.expert_start, layout.counts, layout.num_blocks,
+        width, inter,
+        h.stride(0), hs.stride(0), experts.w2.stride(0), experts.w2.stride(1),
+        s2.stride(0) if s2 is not None else 0, s2.stride(1) if s2 is not None else 0,
+        y.stride(0),
+        WFMT=wfmt, BM=cfg.block_m, BN=down.block_n, BK=down.block_k,
+        num_warps=down.num_warps, num_stages=down.num_stages,
+    )
+    return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps)

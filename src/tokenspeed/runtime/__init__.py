@@ -1,0 +1,18 @@
+"""The runtime: model runner, CUDA graphs, sampler, engine loop, offline API."""
+
+from .config import EngineConfig, EngineConfigError
+from .engine import Engine, RequestError
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingError, SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "EngineConfigError",
+    "RequestError",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingError",
+    "SamplingParams",
+]

@@ -1,0 +1,94 @@
+"""`EngineConfig`: everything an engine needs besides the model."""
+
+from __future__ import annotations
+
+import attrs
+from attrs import field, frozen
+
+
+class EngineConfigError(ValueError):
+    """An engine configuration that cannot work; the message names the field."""
+
+
+def _positive(instance, attribute, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise EngineConfigError(f"EngineConfig.{attribute.name} must be a positive integer, "
+                                f"got {value!r}")
+
+
+@frozen(kw_only=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    device: "auto" (CUDA when present) or a torch device string.
+    page_size: tokens per cache page.
+    cache_budget_bytes: device-tier bytes (None: room for max_num_seqs requests of max_model_len
+        tokens, twice over).
+    checkpoint_slots: KDA checkpoint slots carved from the budget (None: 4 per request with the
+        default budget, else a fraction of the budget).
+    max_num_seqs: requests holding cache at once, also the largest decode batch.
+    max_model_len: longest prompt + output.
+    prefill_token_budget: new tokens per prefill forward.
+    decode_batch_sizes: padded decode sizes (the CUDA graph sizes); default powers of two up to
+        max_num_seqs.
+    l2: "local" (an in-process host tier) or "none"; pass a `tokenspeed.cache.HostCache` to
+        `Engine` to share one (e.g. Mooncake).
+    enable_cuda_graph: capture decode steps (CUDA only; eager on CPU).
+    checkpoint_interval_pages: KDA checkpoints every N pages of a long prefill.
+    seed: the sampler's default generator.
+    """
+
+    device: str = "auto"
+    page_size: int = field(default=64, validator=_positive)
+    cache_budget_bytes: int | None = field(default=None, validator=_positive)
+    checkpoint_slots: int | None = field(default=None, validator=_positive)
+    max_num_seqs: int = field(default=32, validator=_positive)
+    max_model_len: int = field(default=8192, validator=_positive)
+    prefill_token_budget: int = field(default=8192, validator=_positive)
+    decode_batch_sizes: tuple[int, ...] | None = field(default=None)
+    l2: str = "local"
+    l2_capacity_bytes: int = field(default=1 << 30, validator=_positive)
+    enable_cuda_graph: bool = True
+    checkpoint_interval_pages: int = field(default=64, validator=_positive)
+    max_preemptions: int = field(default=8)
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.l2 not in ("local", "none"):
+            raise EngineConfigError(f"EngineConfig.l2 must be 'local' or 'none', got {self.l2!r}")
+        if self.prefill_token_budget < self.page_size:
+            raise EngineConfigError(
+                f"EngineConfig.prefill_token_budget ({self.prefill_token_budget}) is smaller than "
+                f"a page ({self.page_size})"
+            )
+        sizes = self.decode_batch_sizes
+        if sizes is not None:
+            if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] <= 0:
+                raise EngineConfigError(
+                    f"EngineConfig.decode_batch_sizes must be strictly increasing positive ints, "
+                    f"got {sizes!r}"
+                )
+            if sizes[-1] < self.max_num_seqs:
+                raise EngineConfigError(
+                    f"EngineConfig.decode_batch_sizes ends at {sizes[-1]} but max_num_seqs is "
+                    f"{self.max_num_seqs}"
+                )
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        if self.decode_batch_sizes is not None:
+            return tuple(s for s in self.decode_batch_sizes if s <= self.max_num_seqs) or (
+                self.max_num_seqs,
+            )
+        sizes, size = [], 1
+        while size < self.max_num_seqs:
+            sizes.append(size)
+            size *= 2
+        return (*sizes, self.max_num_seqs)
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    def evolve(self, **changes) -> EngineConfig:
+        return attrs.evolve(self, **changes)

@@ -1,0 +1,393 @@
+"""`Engine`: scheduler + cache + model runner in one step loop.
+
+    engine = Engine(model, tokenizer, EngineConfig(...))
+    engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():   # RequestOutput of every request that moved
+            ...
+
+One engine serves one device. Requests that share a prefix with earlier turns (same chained page
+keys) start from the cached pages and KDA checkpoint; turn ends are published to the host tier
+(L2) so a later turn hits even after the device tier evicted them; under memory pressure the
+scheduler preempts requests (their progress checkpointed and published) and they resume later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Hashable, Sequence
+
+import attrs
+import torch
+
+from tokenspeed.cache import (
+    CacheConfig,
+    CacheGeometry,
+    CacheManager,
+    CheckpointKind,
+    CheckpointPolicy,
+    HostCache,
+    KeyChain,
+    LocalHostCache,
+)
+from tokenspeed.model import KimiForCausalLM
+from tokenspeed.sched import AggregatedScheduler, Request, SchedulerConfig
+from tokenspeed.sched.cache_adapter import CacheManagerPort
+
+from .config import EngineConfig
+from .metrics import EngineMetrics
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .runner import ModelRunner
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .stop import StopChecker
+from .tokenizer import Tokenizer
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; raised before any work starts for it."""
+
+
+@attrs.define(eq=False)
+class _Record:
+    """The engine's side of one request: its tokens, keys and outputs."""
+
+    rid: Hashable
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    sched: Request
+    chain: KeyChain
+    stop: StopChecker
+    metrics: RequestMetrics
+    output_ids: list[int] = attrs.Factory(list)
+    logprobs: list[float] = attrs.Factory(list)
+    top_logprobs: list[list[tuple[int, float]]] = attrs.Factory(list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    abort_reason: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cache_geometry(model: KimiForCausalLM, page_size: int) -> CacheGeometry:
+    cfg, dtype = model.config, model.lm_head.weight.dtype
+    return CacheGeometry.from_model_dims(
+        num_mla_layers=len(cfg.mla_layers),
+        kv_lora_rank=cfg.mla.kv_lora_rank,
+        qk_rope_head_dim=cfg.mla.qk_rope_head_dim,
+        num_kda_layers=len(cfg.kda_layers),
+        kda_num_heads=cfg.kda.num_heads,
+        kda_head_dim=cfg.kda.head_dim,
+        kda_conv_kernel=cfg.kda.conv_kernel,
+        page_size=page_size,
+        mla_dtype=dtype,
+        kda_conv_dtype=dtype,
+        layer_kinds=cfg.layer_kinds,
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+        l2: HostCache | None = None,
+    ):
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        geometry = cache_geometry(self.model, config.page_size)
+        checkpoints = config.checkpoint_slots
+        if config.cache_budget_bytes is None:
+            checkpoints = checkpoints or 4 * config.max_num_seqs
+        budget = config.cache_budget_bytes or CacheConfig.budget_for(
+            geometry,
+            pages=2 * config.max_num_seqs * config.max_pages_per_request,
+            live_requests=config.max_num_seqs,
+            checkpoints=checkpoints,
+        )
+        cache_config = CacheConfig(
+            device_budget_bytes=budget,
+            max_live_requests=config.max_num_seqs,
+            num_checkpoint_slots=checkpoints,
+            checkpoint_policy=CheckpointPolicy(interval_pages=config.checkpoint_interval_pages),
+            device=str(self.device),
+        )
+        self._owns_l2 = l2 is None and config.l2 == "local"
+        if self._owns_l2:
+            l2 = LocalHostCache(capacity_bytes=config.l2_capacity_bytes)
+        self.l2 = l2
+        self.cache = CacheManager(geometry, cache_config, l2=l2)
+        self.port = CacheManagerPort(self.cache)
+        sizes = config.graph_sizes
+        self.scheduler = AggregatedScheduler(
+            SchedulerConfig(
+                page_size=config.page_size,
+                prefill_token_budget=config.prefill_token_budget,
+                max_prefill_requests=config.max_num_seqs,
+                checkpoint_interval_pages=config.checkpoint_interval_pages,
+                decode_batch_sizes=sizes,
+                max_preemptions=config.max_preemptions,
+            ),
+            self.port,
+        )
+        self.scheduler.decode.save_state_on_preempt = self._save_state
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        if config.enable_cuda_graph and self.device.type == "cuda":
+            from .graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.runner, sizes, config.max_pages_per_request)
+        self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.metrics = EngineMetrics()
+        self._records: dict[Hashable, _Record] = {}
+        # KDA states at positions inside a step (prefill cuts, decode page crossings) that the
+        # scheduler may ask to turn into checkpoints: (rid, position) -> (conv, recurrent).
+        self._stash: dict[tuple[Hashable, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # A decoding request's state at its last page boundary when the cache had no checkpoint
+        # slot for it (a rolling checkpoint normally holds it): rid -> (position, state).
+        self._boundary: dict[Hashable, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._eos = tuple(model.config.eos_token_ids)
+        self._aborted: list[_Record] = []  # aborted by the caller; reported at the next step
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
+        session: Hashable | None = None,
+    ) -> None:
+        """Queue a request. Raises RequestError (nothing queued) when it cannot be served."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"request {request_id!r}: params must be SamplingParams")
+        if request_id in self._records:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise RequestError(f"request {request_id!r}: the prompt is empty")
+        bad = sorted({t for t in ids if not 0 <= t < vocab})
+        if bad:
+            raise RequestError(
+                f"request {request_id!r}: token ids {bad[:8]} are outside the vocabulary "
+                f"[0, {vocab})"
+            )
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room under "
+                f"max_model_len={limit}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"request {request_id!r}: stop strings need a tokenizer")
+        chain = KeyChain(self.config.page_size)
+        chain.append_tokens(ids)
+        max_new = min(params.max_tokens, limit - len(ids))
+        sched = Request(request_id, len(ids), max_new, keys=chain.keys, session=session)
+        now = time.monotonic()
+        record = _Record(
+            rid=request_id, prompt=prompt, prompt_ids=ids, params=params, sched=sched,
+            chain=chain, stop=StopChecker(params, self.tokenizer, self._eos),
+            metrics=RequestMetrics(arrival_time=now),
+        )
+        self._records[request_id] = record
+        self.sampler.register(request_id, params)
+        self.scheduler.add(sched)
+
+    def abort(self, request_id: Hashable, reason: str = "aborted by the caller") -> bool:
+        """Stop a request and free its cache. Returns False for an unknown or finished one."""
+        record = self._records.get(request_id)
+        if record is None or record.finish_reason is not None:
+            return False
+        self.scheduler.abort(request_id, reason)
+        self._finish(record, "abort", abort_reason=reason)
+        self._aborted.append(record)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return any(r.finish_reason is None for r in self._records.values())
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(r.finish_reason is None for r in self._records.values())
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward; returns outputs of the requests that moved."""
+        plan = self.scheduler.schedule()
+        moved: dict[Hashable, _Record] = {r.rid: r for r in self._aborted}
+        self._aborted.clear()
+        finished: set[Hashable] = set()
+        self._stash.clear()
+        start = time.monotonic()
+        if plan.prefill is not None:
+            self._run_prefill(plan.prefill, moved, finished)
+        if plan.decode is not None:
+            self._run_decode(plan.decode, moved, finished)
+        if not plan.empty:
+            self.scheduler.complete(plan, finished=finished, save_state=self._save_state)
+            self.metrics.record_step(plan, time.monotonic() - start)
+        for req in self.scheduler.take_preempted():
+            record = self._records[req.rid]
+            record.metrics.preemptions += 1
+            self.scheduler.add(req)
+        for req in self.scheduler.take_aborted():
+            record = self._records[req.rid]
+            if record.finish_reason is None:
+                self._finish(record, "abort", abort_reason=req.abort_reason)
+                moved[req.rid] = record
+        for record in list(moved.values()):
+            if record.finish_reason is None and record.sched.done:
+                self._finish(record, "length")
+        self.metrics.queue_depth = len(self.scheduler.prefill.waiting)
+        outputs = [self._output(r) for r in moved.values()]
+        for record in moved.values():
+            if record.finish_reason is not None:
+                self._records.pop(record.rid, None)
+                self._boundary.pop(record.rid, None)
+                self.sampler.forget(record.rid)
+        return outputs
+
+    def _run_prefill(self, batch, moved, finished) -> None:
+        chunks = list(batch.chunks)
+        now = time.monotonic()
+        # Cut every chunk at the checkpoint positions strictly inside it, so that the KDA state
+        # at each of them is live once and can be stashed for the scheduler's save_state.
+        pieces = []
+        for chunk in chunks:
+            cuts = sorted(p for p in chunk.checkpoints if chunk.start < p < chunk.end)
+            bounds = [chunk.start, *cuts, chunk.end]
+            pieces.append(list(itertools.pairwise(bounds)))
+            record = self._records[chunk.request.rid]
+            if record.metrics.first_scheduled_time is None:
+                record.metrics.first_scheduled_time = now
+                record.metrics.cached_tokens = chunk.request.num_cached
+                self.metrics.record_admission(len(record.prompt_ids), chunk.request.num_cached)
+        for round_ in range(max(len(p) for p in pieces)):
+            rows = [i for i, p in enumerate(pieces) if round_ < len(p)]
+            handles = [self.port.handle(chunks[i].request.rid) for i in rows]
+            tokens, prefixes, sample_rows = [], [], []
+            for j, i in enumerate(rows):
+                lo, hi = pieces[i][round_]
+                tokens.append(self._records[chunks[i].request.rid].all_ids[lo:hi])
+                prefixes.append(lo)
+                if round_ == len(pieces[i]) - 1 and chunks[i].is_last:
+                    sample_rows.append(j)
+            logits = self.runner.forward(tokens, prefixes, handles, logits_rows=sample_rows)
+            for j, i in enumerate(rows):
+                lo, hi = pieces[i][round_]
+                if round_ < len(pieces[i]) - 1:  # ended at an interior checkpoint
+                    self._stash[(chunks[i].request.rid, hi)] = self.runner.read_live_state(
+                        handles[j]
+                    )
+            if sample_rows:
+                records = [self._records[chunks[rows[j]].request.rid] for j in sample_rows]
+                self._sample(records, logits, moved, finished)
+
+    def _run_decode(self, batch, moved, finished) -> None:
+        records = [self._records[r.rid] for r in batch.requests]
+        handles = [self.port.handle(r.rid) for r in batch.requests]
+        prefixes = [r.sched.num_computed for r in records]
+        tokens = [r.all_ids[n] for r, n in zip(records, prefixes, strict=True)]
+        logits = self.runner.decode(tokens, prefixes, handles)
+        # A row whose history now ends on a page boundary keeps its KDA state there: the turn's
+        # end will be checkpointed at its last full page.
+        page = self.config.page_size
+        for record, handle, n in zip(records, handles, prefixes, strict=True):
+            if (n + 1) % page == 0:
+                self.cache.checkpoint(handle, n + 1, kind=CheckpointKind.ROLLING)
+                if self.cache.has_checkpoint(handle, n + 1):
+                    self._boundary.pop(record.rid, None)
+                else:  # no slot to spare: keep the state ourselves
+                    self._boundary[record.rid] = (n + 1, self.runner.read_live_state(handle))
+        self._sample(records, logits, moved, finished)
+
+    def _sample(self, records: list[_Record], logits: torch.Tensor, moved, finished) -> None:
+        out = self.sampler.sample(logits, [r.params for r in records], [r.rid for r in records])
+        tokens = out.tokens.tolist()
+        now = time.monotonic()
+        for i, (record, token) in enumerate(zip(records, tokens, strict=True)):
+            record.output_ids.append(token)
+            record.chain.append_tokens([token])
+            if out.logprobs is not None and record.params.logprobs is not None:
+                record.logprobs.append(float(out.logprobs[i]))
+                record.top_logprobs.append(out.top_logprobs[i])
+            m = record.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self.metrics.record_ttft(now - m.arrival_time)
+            else:
+                self.metrics.record_itl(now - m.last_token_time)
+            m.last_token_time = now
+            moved[record.rid] = record
+            reason = record.stop.check(record.output_ids)
+            if reason is not None:
+                record.stop_reason = reason
+                record.finish_reason = "stop"
+                finished.add(record.rid)
+            elif len(record.output_ids) >= record.sched.max_new_tokens:
+                record.finish_reason = "length"
+
+    def _save_state(self, req: Request, position: int, slot: int) -> None:
+        state = self._stash.get((req.rid, position))
+        kept = self._boundary.get(req.rid)
+        if state is None and kept is not None and kept[0] == position:
+            state = kept[1]
+        if state is None:
+            raise RuntimeError(
+                f"no KDA state kept for request {req.rid!r} at position {position}"
+            )
+        self.runner.write_checkpoint(slot, state)
+
+    def _finish(self, record: _Record, reason: str, abort_reason: str | None = None) -> None:
+        if record.finish_reason is None or reason == "abort":
+            record.finish_reason = reason
+        record.abort_reason = abort_reason
+        record.metrics.finished_time = time.monotonic()
+
+    def _output(self, record: _Record) -> RequestOutput:
+        text = record.stop.text(record.output_ids) if self.tokenizer is not None else ""
+        want_logprobs = record.params.logprobs is not None
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(record.output_ids),
+            finish_reason=record.finish_reason,
+            stop_reason=record.stop_reason,
+            logprobs=list(record.logprobs) if want_logprobs else None,
+            top_logprobs=list(record.top_logprobs) if want_logprobs else None,
+        )
+        finished = record.finish_reason is not None
+        if finished and record.metrics.finished_time is None:
+            record.metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=record.rid,
+            prompt=record.prompt,
+            prompt_token_ids=record.prompt_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=record.metrics,
+            abort_reason=record.abort_reason,
+        )
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    def close(self) -> None:
+        self.cache.close()
+        if self._owns_l2:
+            self.l2.close()

@@ -1,0 +1,95 @@
+"""`DecodeGraphs`: decode steps captured as CUDA graphs, one per padded batch size.
+
+Graphs are captured largest first into one memory pool over static input buffers: token ids,
+positions, context lengths, live KDA slots and the page table. A replay fills the buffers and
+launches the graph; rows past the real batch are padding that point at the cache's sink page
+and sink slot, so whatever they compute lands where nobody reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenspeed.cache import RequestCache
+from tokenspeed.model import ForwardBatch
+
+
+class DecodeGraphs:
+    def __init__(self, runner, sizes: Sequence[int], max_pages: int):
+        self.runner = runner
+        self.cache = runner.cache
+        self.sizes = tuple(sorted(sizes))
+        self.max_pages = max_pages
+        device = runner.device
+        rows = self.sizes[-1]
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
+        self.token_request = torch.arange(rows, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.arange(rows + 1, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), self.cache.sink_slot, dtype=torch.int32, device=device)
+        self.page_table = torch.full(
+            (rows, max_pages), self.cache.sink_page, dtype=torch.int32, device=device
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def _forward(self, size: int) -> torch.Tensor:
+        batch = ForwardBatch(
+            seq_lens=(1,) * size,
+            prefix_lens=None,
+            cu_seqlens=self.cu_seqlens[: size + 1],
+            positions=self.positions[:size],
+            token_request=self.token_request[:size],
+            context_lens=self.context_lens[:size],
+        )
+        state = self.runner.paged_state(self.slots[:size], self.page_table[:size])
+        return self.runner.model(self.ids[:size], batch, state, check=False).logits
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (lazy initialisation must not happen during capture), then
+        # capture largest first so smaller graphs reuse the pool's blocks.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for size in self.sizes:
+                self._forward(size)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = None
+        for size in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, batch_size: int, prefix_lens: Sequence[int]) -> bool:
+        page = self.cache.page_size
+        return batch_size <= self.sizes[-1] and max(prefix_lens) < self.max_pages * page
+
+    def run(
+        self, tokens: Sequence[int], prefix_lens: Sequence[int], handles: Sequence[RequestCache]
+    ) -> torch.Tensor:
+        """[B, vocab] logits of one decode step over B requests."""
+        n = len(tokens)
+        size = next(s for s in self.sizes if s >= n)
+        device = self.ids.device
+        self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.ids[n:size].zero_()
+        prefix = torch.tensor(prefix_lens, dtype=torch.long)
+        self.positions[:n].copy_(prefix, non_blocking=True)
+        self.positions[n:size].zero_()
+        self.context_lens[:n].copy_(prefix + 1, non_blocking=True)
+        self.context_lens[n:size].fill_(1)
+        self.slots[:size].copy_(self.cache.live_slot_tensor(handles, num_rows=size, device=device))
+        self.page_table[:size].copy_(
+            self.cache.page_table_tensor(
+                handles, num_rows=size, num_cols=self.max_pages, device=device
+            )
+        )
+        self.graphs[size].replay()
+        return self.logits[size][:n].clone()

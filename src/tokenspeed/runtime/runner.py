@@ -1,0 +1,102 @@
+"""`ModelRunner`: turns scheduler batches and cache handles into forward steps.
+
+It builds the step's inputs (packed tokens, positions, page tables, state slots) over the cache's
+device pools, runs the model in place on them, and returns the logits to sample from. Decode
+steps go through captured CUDA graphs when a `DecodeGraphs` is attached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenspeed.cache import CacheManager, RequestCache
+from tokenspeed.model import ForwardBatch, KimiForCausalLM, PagedKda, PagedMla, PagedState
+
+
+class ModelRunner:
+    def __init__(self, model: KimiForCausalLM, cache: CacheManager, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        config = model.config
+        self.kda_layers = config.kda_layers
+        self.mla_layers = config.mla_layers
+        # The cache orders each kind's pools by position among that kind.
+        self.kda_ordinal = {layer: i for i, layer in enumerate(self.kda_layers)}
+        self.mla_ordinal = {layer: i for i, layer in enumerate(self.mla_layers)}
+        self.graphs = None  # a DecodeGraphs, attached by the engine on CUDA
+
+    # ------------------------------------------------------------------ step inputs
+    def paged_state(self, slots: torch.Tensor, page_table: torch.Tensor) -> PagedState:
+        """A PagedState over the cache's pools for rows with these slots and page table."""
+        kda = {}
+        for layer in self.kda_layers:
+            conv, rec = self.cache.kda_layer(self.kda_ordinal[layer])
+            kda[layer] = PagedKda(conv, rec, slots)
+        mla = {
+            layer: PagedMla(self.cache.mla_layer(self.mla_ordinal[layer]), page_table)
+            for layer in self.mla_layers
+        }
+        return PagedState(kda=kda, mla=mla)
+
+    def _waiter(self, handles: Sequence[RequestCache]):
+        """before_layer hook: wait for each layer's prefix copies of requests still loading."""
+        loads = [h.load for h in handles if h.load is not None and not h.load.done()]
+        if not loads:
+            return None
+        kda, mla = self.kda_ordinal, self.mla_ordinal
+
+        def wait(layer: int) -> None:
+            for load in loads:
+                if layer in kda:
+                    load.wait_kda(kda[layer])
+                else:
+                    load.wait_mla(mla[layer])
+
+        return wait
+
+    # ------------------------------------------------------------------ forwards
+    def forward(
+        self,
+        tokens: Sequence[Sequence[int]],
+        prefix_lens: Sequence[int],
+        handles: Sequence[RequestCache],
+        logits_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Eager forward of one step: request i computes `tokens[i]` after `prefix_lens[i]`
+        cached tokens. Returns the logits of each request's last token, [len(logits_rows)
+        or B, vocab] for the requests listed in `logits_rows` (all by default)."""
+        batch = ForwardBatch.build([len(t) for t in tokens], prefix_lens, device=self.device)
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
+        slots = self.cache.live_slot_tensor(handles, device=self.device)
+        table = self.cache.page_table_tensor(handles, device=self.device)
+        last = batch.last_token_indices
+        if logits_rows is not None:
+            last = last[torch.tensor(list(logits_rows), dtype=torch.long, device=self.device)]
+        out = self.model(
+            ids, batch, self.paged_state(slots, table), logits_indices=last,
+            before_layer=self._waiter(handles),
+        )
+        return out.logits
+
+    def decode(
+        self, tokens: Sequence[int], prefix_lens: Sequence[int], handles: Sequence[RequestCache]
+    ) -> torch.Tensor:
+        """One token for each of B requests: [B, vocab] logits (graph replay when possible)."""
+        if self.graphs is not None and self.graphs.fits(len(tokens), prefix_lens):
+            return self.graphs.run(tokens, prefix_lens, handles)
+        return self.forward([[t] for t in tokens], prefix_lens, handles)
+
+    # ------------------------------------------------------------------ KDA state copies
+    def read_live_state(self, handle: RequestCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of a request's live KDA state over all KDA layers: (conv, recurrent)."""
+        storage = self.cache.storage
+        slot = handle.live_slot
+        return storage.conv[:, slot].clone(), storage.recurrent[:, slot].clone()
+
+    def write_checkpoint(self, slot: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        storage = self.cache.storage
+        storage.ckpt_conv[:, slot].copy_(state[0])
+        storage.ckpt_recurrent[:, slot].copy_(state[1])

@@ -1,0 +1,119 @@
+"""The offline API and the asyncio engine, including the user guide's examples."""
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+from tokenspeed import LLM, SamplingParams
+from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingError
+from tokenspeed.runtime.async_engine import AsyncEngine
+
+from .conftest import reference, tokens
+
+GUIDE = Path(__file__).parents[2] / "docs" / "guide.md"
+
+
+def guide_examples() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+
+
+def test_generate_returns_one_output_per_prompt_in_order():
+    llm = LLM(model="tiny", max_num_seqs=4, max_model_len=256, page_size=16)
+    prompts = ["Hello", {"prompt_token_ids": [5, 6, 7, 8]}, "A longer prompt about agents"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello", None, "A longer prompt about agents"]
+    assert outs[1].prompt_token_ids == [5, 6, 7, 8]
+    model = llm.engine.model
+    for out in outs:
+        assert out.finished and len(out.token_ids) == 6
+        assert out.token_ids == reference(model, out.prompt_token_ids, 6)
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    llm = LLM(model="tiny", max_num_seqs=4, max_model_len=256, page_size=16)
+    seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=8, seed=7, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["abc"], seeded, use_tqdm=False)[0].token_ids
+    mixed = llm.generate(["xyz", "abc", "q"], [other, seeded, other], use_tqdm=False)
+    assert mixed[1].token_ids == alone
+
+
+def test_stop_token_ids_and_strings():
+    llm = LLM(model="tiny", max_num_seqs=2, max_model_len=256, page_size=16)
+    base = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10,
+                                                       ignore_eos=True), use_tqdm=False)[0]
+    third = base.token_ids[2]
+    out = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10,
+                                                      stop_token_ids=[third], ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.token_ids == base.token_ids[:3]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == third
+    text = llm.tokenizer.decode(base.token_ids)
+    stop = text[3:5] if len(text) >= 5 else None
+    if stop:
+        out = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10, stop=[stop],
+                                                          ignore_eos=True), use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "stop" and stop not in out.text
+
+
+def test_bad_input_fails_before_any_work():
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM(model="no-such-model")
+    llm = LLM(model="tiny", max_num_seqs=2, max_model_len=64, page_size=16)
+    with pytest.raises(RequestError, match="at least one prompt"):
+        llm.generate([])
+    with pytest.raises(RequestError, match="max_model_len=64"):
+        llm.generate(["ok", {"prompt_token_ids": [5] * 64}])
+    assert llm.engine.num_unfinished == 0  # the valid first prompt was not queued either
+    with pytest.raises(SamplingError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(SamplingError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(SamplingError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(RequestError, match="a string or"):
+        llm.generate([42])
+
+
+def test_async_engine_streams_and_aborts(tiny):
+    async def main():
+        engine = AsyncEngine(Engine(tiny, None, EngineConfig(max_num_seqs=4, max_model_len=256,
+                                                             page_size=16)))
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        seen = []
+
+        async def consume(rid, prompt):
+            async for out in engine.generate(rid, prompt, greedy):
+                seen.append((rid, len(out.token_ids)))
+            return out
+
+        async def abandon(rid, prompt):
+            async for _ in engine.generate(rid, prompt, SamplingParams(max_tokens=50)):
+                break  # the client went away
+
+        a, b = tokens(20, seed=1), tokens(9, seed=2)
+        outs = await asyncio.gather(consume("a", a), consume("b", b), abandon("c", tokens(5, 3)))
+        for _ in range(100):
+            if not engine.engine.has_unfinished():
+                break
+            await asyncio.sleep(0)
+        engine.engine.check_integrity()
+        return outs, seen, engine
+
+    (out_a, out_b, _), seen, engine = asyncio.run(main())
+    assert out_a.token_ids == reference(tiny, tokens(20, seed=1), 6)
+    assert out_b.token_ids == reference(tiny, tokens(9, seed=2), 6)
+    assert [n for rid, n in seen if rid == "a"] == [1, 2, 3, 4, 5, 6]  # streamed per token
+    assert not engine.engine.has_unfinished()  # "c" was aborted when its consumer left
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_user_guide_examples_run(index, capsys):
+    code = guide_examples()[index]
+    exec(compile(code, str(GUIDE), "exec"), {"__name__": "guide"})
+    printed = capsys.readouterr().out
+    assert printed.strip()

@@ -1,0 +1,127 @@
+"""The engine against the model's own greedy decoding of each request alone."""
+
+import pytest
+
+from tokenspeed.cache import CacheConfig
+from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingParams
+from tokenspeed.runtime.engine import cache_geometry
+
+from .conftest import reference, tokens
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def run(engine, requests):
+    """Add (rid, prompt, params) requests, step until all finish, check the cache every step."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    return done
+
+
+def small_engine(model, **options):
+    base = dict(page_size=16, max_num_seqs=4, max_model_len=400, prefill_token_budget=48,
+                checkpoint_interval_pages=2)
+    base.update(options)
+    return Engine(model, None, EngineConfig(**base))
+
+
+def test_mixed_length_batch_matches_each_request_alone(tiny):
+    prompts = [tokens(n, seed=n) for n in (37, 5, 120, 16, 64, 1)]
+    engine = small_engine(tiny)
+    done = run(engine, [(i, p, GREEDY) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert done[i].token_ids == reference(tiny, p, 12), i
+        assert done[i].outputs[0].finish_reason == "length"
+
+
+def test_turns_hit_the_prefix_cache_and_stay_exact(tiny):
+    engine = small_engine(tiny)
+    first = tokens(70, seed=1)
+    out1 = run(engine, [("t1", first, GREEDY)])["t1"]
+    second = first + out1.token_ids + tokens(9, seed=2)  # the next turn of the conversation
+    out2 = run(engine, [("t2", second, GREEDY)])["t2"]
+    assert out2.metrics.cached_tokens >= 64  # resumed from the first turn's pages + checkpoint
+    assert out2.token_ids == reference(tiny, second, 12)
+    assert engine.metrics.hit_rate > 0.3
+
+
+def test_preemption_under_a_tiny_cache_loses_nothing(tiny):
+    geometry = cache_geometry(tiny, 16)
+    budget = CacheConfig.budget_for(geometry, pages=14, live_requests=4, checkpoints=16)
+    engine = small_engine(tiny, cache_budget_bytes=budget, checkpoint_slots=16, max_preemptions=50)
+    prompts = [tokens(n, seed=100 + n) for n in (50, 40, 45, 30)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    done = run(engine, [(i, p, params) for i, p in enumerate(prompts)])
+    assert sum(o.metrics.preemptions for o in done.values()) > 0  # the budget forced some
+    for i, p in enumerate(prompts):
+        assert done[i].token_ids == reference(tiny, p, 40), i
+
+
+def _replay(model, l2):
+    """Three conversations, three turns each, one request at a time, on a device tier that holds
+    about one conversation: earlier sessions' turns are evicted before they come back, so their
+    hits can only come from the host tier (L2)."""
+    geometry = cache_geometry(model, 16)
+    budget = CacheConfig.budget_for(geometry, pages=9, live_requests=4, checkpoints=3)
+    engine = small_engine(model, cache_budget_bytes=budget, checkpoint_slots=3, l2=l2)
+    sessions = {s: tokens(30 + 7 * s, seed=200 + s) for s in range(3)}
+    outputs = []
+    for turn in range(3):
+        for s, history in sessions.items():
+            out = run(engine, [(f"s{s}t{turn}", history, GREEDY)])[f"s{s}t{turn}"]
+            assert out.token_ids == reference(model, history, 12)
+            outputs.append(out.token_ids)
+            sessions[s] = history + out.token_ids + tokens(5, seed=300 + 10 * s + turn)
+    return outputs, engine.metrics.hit_rate
+
+
+def test_multi_turn_replay_is_identical_with_and_without_l2(tiny):
+    with_l2, rate_l2 = _replay(tiny, "local")
+    without, rate_none = _replay(tiny, "none")
+    print(f"prefix hit rate: L2 on {rate_l2:.2f}, L2 off {rate_none:.2f}")
+    assert with_l2 == without
+    assert rate_l2 > 0.4 and rate_l2 > rate_none + 0.2
+
+
+def test_abort_frees_the_cache(tiny):
+    engine = small_engine(tiny)
+    free = engine.cache.available_pages
+    engine.add_request("a", tokens(60, seed=3), GREEDY)
+    engine.add_request("b", tokens(20, seed=4), GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.abort("a")
+    assert not engine.abort("a")  # already aborted
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].outputs[0].finish_reason == "abort"
+    engine.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    assert engine.cache.get("a") is None
+    assert engine.cache.available_pages == free
+
+
+def test_bad_requests_are_refused_before_any_work(tiny):
+    engine = small_engine(tiny)
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("x", [], GREEDY)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.add_request("x", [1, 512], GREEDY)
+    with pytest.raises(RequestError, match="max_model_len=400"):
+        engine.add_request("x", [5] * 400, GREEDY)
+    with pytest.raises(RequestError, match="stop strings need a tokenizer"):
+        engine.add_request("x", [5], SamplingParams(stop=["\n"]))
+    engine.add_request("x", [5], GREEDY)
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request("x", [6], GREEDY)
+    assert engine.num_unfinished == 1
