@@ -1,7 +1,9 @@
 """The `tokenspeed` command.
 
-    tokenspeed generate                 # the tiny preset with random weights, a few prompts
-    tokenspeed generate --model PATH    # a Hugging Face layout Kimi Linear / K3 checkpoint
+    tokenspeed generate                     # the tiny preset (random weights), a few prompts
+    tokenspeed generate --model PATH        # a Hugging Face layout Kimi Linear / K3 checkpoint
+    tokenspeed bench agentx                 # an AgentX-style replay through the real engine
+    tokenspeed sim ...                      # the cluster simulator (see `tokenspeed sim --help`)
 """
 
 from __future__ import annotations
@@ -11,89 +13,121 @@ import sys
 import time
 from collections.abc import Sequence
 
-import torch
-
 DEFAULT_PROMPTS = (
     "The quick brown fox",
     "def fibonacci(n):",
     "Agents call tools, wait, and come back with",
 )
-# Byte-level stand-in tokenizer for presets (which ship no tokenizer): ids 0-2 are special.
-BYTE_OFFSET = 3
 
 
-def encode_bytes(text: str, vocab_size: int) -> list[int]:
-    if vocab_size < 256 + BYTE_OFFSET:
-        raise SystemExit(f"a vocabulary of {vocab_size} cannot hold byte tokens; use --prompt-ids")
-    return [b + BYTE_OFFSET for b in text.encode()]
-
-
-def decode_bytes(ids: Sequence[int]) -> str:
-    data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < 256 + BYTE_OFFSET)
-    return data.decode(errors="replace")
-
-
-def _load(model: str, dtype: str, device: str, seed: int):
-    from pathlib import Path
-
-    from tokenspeed.model import PRESETS, KimiForCausalLM, get_preset
-    from tokenspeed.model.init import init_random_weights
-    from tokenspeed.model.loader import load_checkpoint
-
-    if model in PRESETS:
-        net = init_random_weights(KimiForCausalLM(get_preset(model)), seed=seed)
-        return net.to(device=device, dtype=getattr(torch, dtype) if dtype != "auto" else None)
-    if not Path(model).is_dir():
-        raise SystemExit(f"--model {model!r} is neither a preset {sorted(PRESETS)} nor a directory")
-    return load_checkpoint(model, dtype=dtype, device=device)
+def _engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, device=args.device, seed=args.seed,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        enable_cuda_graph=not args.eager,
+    )
 
 
 def generate(args: argparse.Namespace) -> int:
+    from tokenspeed import LLM, SamplingParams
     from tokenspeed.model import PRESETS
-    from tokenspeed.model.generate import greedy_generate
 
-    torch.manual_seed(args.seed)
-    model = _load(args.model, args.dtype, args.device, args.seed).eval()
-    vocab = model.config.vocab_size
+    llm = LLM(model=args.model, **_engine_options(args))
     if args.prompt_ids:
-        prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids]
+        prompts = [{"prompt_token_ids": [int(t) for t in p.split(",")]} for p in args.prompt_ids]
     else:
-        prompts = [encode_bytes(p, vocab) for p in (args.prompt or DEFAULT_PROMPTS)]
-    greedy_generate(model, prompts[:1], max_new_tokens=2)  # warm-up
+        prompts = list(args.prompt or DEFAULT_PROMPTS)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_new_tokens,
+        ignore_eos=args.model in PRESETS, seed=args.seed,
+    )
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     start = time.perf_counter()
-    outputs = greedy_generate(model, prompts, max_new_tokens=args.max_new_tokens, stop_token_ids=())
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     random_weights = args.model in PRESETS
-    for prompt, out in zip(prompts, outputs, strict=True):
-        head = out[:12] + (["..."] if len(out) > 12 else [])
-        text = "" if args.prompt_ids or random_weights else f" {decode_bytes(out)!r}"
-        print(f"{len(prompt):4d} prompt tokens -> {len(out)} tokens {head}{text}")
+    for out in outputs:
+        head = out.token_ids[:12] + (["..."] if len(out.token_ids) > 12 else [])
+        text = "" if random_weights or llm.tokenizer is None else f" {out.text!r}"
+        print(f"{len(out.prompt_token_ids):4d} prompt tokens -> {len(out.token_ids)} tokens "
+              f"{head}{text}")
     if random_weights:
         print(f"({args.model} is a preset with random weights: its tokens are noise; "
               "this run measures speed)")
-    generated = sum(len(o) for o in outputs)
-    prompt_tokens = sum(len(p) for p in prompts)
-    params = sum(p.numel() for p in model.parameters())
+    generated = sum(len(o.token_ids) for o in outputs)
+    model = llm.engine.model
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
     print(
-        f"model {model.config.name} ({params / 1e6:.2f}M params, {args.device}): "
-        f"{len(prompts)} prompts, {prompt_tokens} prompt tokens, {generated} generated tokens "
-        f"in {elapsed:.2f} s = {generated / elapsed:.1f} tokens/s"
+        f"model {model.config.name} ({params_m:.2f}M params, {llm.engine.device}): "
+        f"{len(outputs)} prompts, {sum(len(o.prompt_token_ids) for o in outputs)} prompt tokens, "
+        f"{generated} generated tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tokens/s"
     )
     return 0
 
 
+def bench_agentx(args: argparse.Namespace) -> int:
+    from tokenspeed.runtime import Engine, EngineConfig
+    from tokenspeed.runtime.agentx_replay import agentx_sessions, replay
+    from tokenspeed.runtime.llm import load_model
+
+    options = _engine_options(args)
+    config = EngineConfig(
+        device=options["device"], max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_cuda_graph=options["enable_cuda_graph"],
+        page_size=args.page_size, seed=args.seed,
+    )
+    from tokenspeed.runtime.engine import resolve_device
+
+    model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
+    engine = Engine(model, tokenizer, config)
+    sessions, block = agentx_sessions(args.sessions, args.seed, args.scale, args.max_turns)
+    result = replay(engine, sessions, args.concurrency, block)
+    engine.check_integrity()
+    print(f"AgentX replay: model {model.config.name}, {args.sessions} sessions (scale "
+          f"{args.scale:g}, up to {args.max_turns} turns), concurrency {args.concurrency}")
+    for key, value in result.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else value
+        print(f"  {key:24s} {shown}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
+    p.add_argument("--model", default="tiny", help="a preset name or a checkpoint directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from tokenspeed.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tokenspeed")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="greedy generation from a few prompts")
-    gen.add_argument("--model", default="tiny", help="a preset name or a checkpoint directory")
+    gen = sub.add_parser("generate", help="generate from a few prompts and print tokens/s")
+    _common(gen, 2048)
     gen.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
     gen.add_argument("--prompt-ids", action="append", help="comma-separated token ids")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=generate)
+    bench = sub.add_parser("bench", help="benchmarks through the real engine")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    agentx = bench_sub.add_parser("agentx", help="replay a small AgentX workload")
+    _common(agentx, 4096)
+    agentx.add_argument("--sessions", type=int, default=12)
+    agentx.add_argument("--concurrency", type=int, default=8)
+    agentx.add_argument("--max-turns", type=int, default=3)
+    agentx.add_argument("--scale", type=float, default=1 / 128,
+                        help="token counts relative to AgentX (1/128 suits the tiny preset)")
+    agentx.add_argument("--page-size", type=int, default=16)
+    agentx.set_defaults(func=bench_agentx)
+    sub.add_parser("sim", help="the cluster simulator: tokenspeed sim --help")
     args = parser.parse_args(argv)
     return args.func(args)
 

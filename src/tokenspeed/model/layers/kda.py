@@ -7,6 +7,7 @@ from torch import nn
 
 from ..batch import ForwardBatch
 from ..config import KdaConfig
+from ..ops import dispatch
 from ..ops.conv import causal_conv, causal_conv_update
 from ..ops.kda import kda_chunked, kda_gate, kda_recurrent
 from ..ops.norm import l2_norm
@@ -84,6 +85,11 @@ class KdaAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, state: KdaState | PagedKda
     ) -> tuple[torch.Tensor, KdaState | PagedKda]:
         if isinstance(state, PagedKda):
+            n = batch.uniform_len
+            if n is not None and n <= RECURRENT_MAX_TOKENS and dispatch.triton_kernels(x):
+                return self._decode_fused(x, n, state), state
+            if dispatch.fla_prefill(x):
+                return self._prefill_fla(x, batch, state), state
             # Gather the batch's slots, advance them, scatter back: static shapes, no host sync.
             slots = state.slots.long()
             current = KdaState(state.conv[slots], state.recurrent[slots])
@@ -92,6 +98,47 @@ class KdaAttention(nn.Module):
             state.recurrent.index_copy_(0, slots, new.recurrent.to(state.recurrent.dtype))
             return out, state
         return self._forward(x, batch, state)
+
+    def _decode_fused(self, x: torch.Tensor, n: int, state: PagedKda) -> torch.Tensor:
+        """Decode / verify of n tokens per row in one kernel over the slot pools (in place)."""
+        c = self.config
+        tokens = x.shape[0]
+        rows = tokens // n
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        o = dispatch.kda_decode(
+            qkv.view(rows, n, -1),
+            self.f_b_proj(self.f_a_proj(x)).view(rows, n, -1),
+            self.b_proj(x).view(rows, n, -1),
+            self.conv_weight, self.A_log, self.dt_bias, state.conv, state.recurrent,
+            state.slots, gate=c.gate, lower_bound=c.gate_lower_bound,
+        )
+        return self._tail(x, o.view(tokens, c.num_heads, c.head_dim))
+
+    def _prefill_fla(self, x: torch.Tensor, batch: ForwardBatch, state: PagedKda) -> torch.Tensor:
+        """Prefill / extend: the conv on the slots' windows, then fla's chunked KDA over the
+        packed batch, starting from and ending in the slots."""
+        c = self.config
+        tokens = x.shape[0]
+        slots = state.slots.long()
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        current = KdaState(state.conv[slots], state.recurrent[slots])
+        mixed, conv_state = self._conv(qkv, batch, current)
+        state.conv.index_copy_(0, slots, conv_state.to(state.conv.dtype))
+        q, k, v = (t.reshape(tokens, c.num_heads, c.head_dim) for t in mixed.chunk(3, dim=-1))
+        o = dispatch.kda_prefill(
+            q.contiguous(), k.contiguous(), v.contiguous(),
+            self.f_b_proj(self.f_a_proj(x)).contiguous(), self.b_proj(x).contiguous(),
+            self.A_log, self.dt_bias, state.recurrent, slots, batch.cu_seqlens,
+            gate=c.gate, lower_bound=c.gate_lower_bound, cu_seqlens_cpu=batch.cu_seqlens.cpu(),
+        )
+        return self._tail(x, o)
+
+    def _tail(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """o [T, H, V] -> gated per-head RMSNorm -> o_proj -> [T, D]."""
+        c = self.config
+        gate = self.g_proj(x) if c.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
+        y = dispatch.kda_output_tail(o, gate.view(o.shape), self.o_norm.weight, self.o_norm.eps)
+        return self.o_proj(y)
 
     def _forward(
         self, x: torch.Tensor, batch: ForwardBatch, state: KdaState
@@ -106,6 +153,4 @@ class KdaAttention(nn.Module):
         g = kda_gate(f, self.A_log, self.dt_bias, c.gate, c.gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         o, recurrent = self._recurrence(q, k, v, g, beta, batch, state)
-        gate = self.g_proj(x) if c.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o, gate.reshape(o.shape))
-        return self.o_proj(o.reshape(tokens, -1)), KdaState(conv_state, recurrent)
+        return self._tail(x, o), KdaState(conv_state, recurrent)

@@ -1,18 +1,35 @@
 """The one place that picks an implementation for each op the layers call.
 
-Today: the torch references, except where a graph-safe torch form is needed on CUDA. The GPU
-kernel work (KDA, MLA, MoE) plugs its Triton paths in here, keeping the references as the
-fallback when Triton or a GPU is absent.
+The torch references run everywhere; on CUDA the Triton kernels (and fla-core's chunked KDA for
+prefill, when installed) take over. A kernel is used only when its package imports, so a CPU
+install without Triton, or a GPU without fla, still runs (on the references).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import torch
 
 from .moe import routed_experts as _routed_loop
 from .moe import routed_experts_grouped as _routed_grouped
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def triton_kernels(x: torch.Tensor) -> bool:
+    """Whether the Triton fast paths apply to tensors like x (CUDA, Triton installed)."""
+    return x.is_cuda and _has("triton")
+
+
+def fla_prefill(x: torch.Tensor) -> bool:
+    """Whether fla-core's chunked KDA runs the prefill of tensors like x: half-precision models
+    on CUDA with fla installed. fp32 models keep the reference (fla's tensor-core dots round
+    fp32 inputs to TF32, which an fp32 model is usually run to avoid)."""
+    return triton_kernels(x) and x.dtype in (torch.bfloat16, torch.float16) and _has("fla")
 
 
 def routed_experts(
@@ -28,3 +45,29 @@ def routed_experts(
     if x.is_cuda:
         return _routed_grouped(x, weights, ids, w1, w2, w3, glu)
     return _routed_loop(x, weights, ids, w1, w2, w3, glu)
+
+
+def kda_decode(*args, **kwargs) -> torch.Tensor:
+    """The fused Triton KDA decode/verify step (see `ops.kda.decode.kda_decode`)."""
+    from .kda.decode import kda_decode as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def kda_prefill(*args, **kwargs) -> torch.Tensor:
+    """fla-core's chunked KDA over the slot pool (see `ops.kda.prefill.kda_prefill`)."""
+    from .kda.prefill import kda_prefill as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def kda_output_tail(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Per-head gated RMSNorm of KDA's output: the Triton tail on CUDA, the reference else.
+    o, gate: [T, H, V] -> [T, H * V]."""
+    if triton_kernels(o):
+        from .kda.tail import kda_output_tail as kernel
+
+        return kernel(o, gate, weight, eps)
+    from .norm import gated_rms_norm
+
+    return gated_rms_norm(o, gate, weight, eps).reshape(o.shape[0], -1)

@@ -1,0 +1,127 @@
+"""Replay an AgentX-style workload through the real engine (`tokenspeed bench agentx`).
+
+Sessions come from `tokenspeed.sim.workload.AgentXWorkload`, scaled down so that the `tiny`
+preset replays them on a CPU in seconds. A trace block id becomes `block_size` token ids drawn
+from a generator seeded by the id, so equal block ids are equal text (the shared prefixes hit);
+each turn's prompt is the session's history: earlier prompts, the outputs the engine actually
+generated, then the turn's new tokens. Up to `concurrency` sessions run at once; a session's next
+turn is submitted when its previous one finishes (inter-turn delays are not waited out: this
+measures the engine, not the clock). Subagents run as sessions of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import attrs
+import numpy as np
+
+from tokenspeed.sim.workload import AgentXConfig, AgentXWorkload, Session
+
+from .engine import Engine
+from .sampling_params import SamplingParams
+
+
+def small_agentx(scale: float = 1 / 64) -> AgentXConfig:
+    """AgentX's shape with every token count multiplied by `scale`."""
+    base = AgentXConfig()
+
+    def s(dist):
+        return attrs.evolve(
+            dist, mean=max(dist.mean * scale, 2.0), median=max(dist.median * scale, 1.0)
+        )
+
+    block = max(int(base.block_size * scale), 8)
+    return attrs.evolve(
+        base,
+        shared_prefix_tokens=int(base.shared_prefix_tokens * scale),
+        group_prefix_tokens=int(base.group_prefix_tokens * scale),
+        session_context=s(base.session_context),
+        new_tokens=s(base.new_tokens),
+        output_tokens=s(base.output_tokens),
+        subagent_context=s(base.subagent_context),
+        max_prompt_tokens=int(base.max_prompt_tokens * scale),
+        block_size=block,
+    )
+
+
+def block_tokens(block_id: int, count: int, vocab: int) -> list[int]:
+    rng = np.random.default_rng([0x70C5, block_id])
+    return rng.integers(3, vocab, size=count).tolist()
+
+
+@attrs.define
+class _Live:
+    session: Session
+    turn: int = 0
+    history: list[int] = attrs.Factory(list)
+
+
+def replay(
+    engine: Engine, sessions: list[Session], concurrency: int, block_size: int
+) -> dict[str, float | int | None]:
+    """Run every turn of `sessions` (subagents included); returns throughput and latency."""
+    vocab = engine.model.config.vocab_size
+    limit = engine.config.max_model_len
+    queue = deque(sessions)
+    live: dict[object, _Live] = {}
+    generated = requests = skipped = 0
+    start = time.monotonic()
+
+    def submit(state: _Live) -> bool:
+        nonlocal requests, skipped
+        turn = state.session.turns[state.turn]
+        new: list[int] = []
+        for i, block in enumerate(turn.blocks):
+            count = min(block_size, turn.new_tokens - i * block_size)
+            new += block_tokens(block, count, vocab)
+        prompt = state.history + new
+        max_tokens = min(turn.output_tokens, limit - len(prompt) - 1)
+        if max_tokens < 1:
+            skipped += 1
+            return False  # the conversation outgrew the model's limit: it ends here
+        state.history = prompt
+        rid = (state.session.sid, state.turn)
+        engine.add_request(
+            rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            session=state.session.sid,
+        )
+        live[rid] = state
+        requests += 1
+        return True
+
+    while queue or live:
+        while queue and len(live) < concurrency:
+            submit(_Live(queue.popleft()))
+        for out in engine.step():
+            if not out.finished:
+                continue
+            state = live.pop(out.request_id)
+            generated += len(out.token_ids)
+            state.history = state.history + out.token_ids
+            turn = state.session.turns[state.turn]
+            queue.extend(turn.subagents)
+            state.turn += 1
+            if state.turn < len(state.session.turns):
+                submit(state)
+    seconds = time.monotonic() - start
+    summary = engine.metrics.summary()
+    return {
+        "sessions": len(sessions),
+        "requests": requests,
+        "skipped_turns": skipped,
+        "generated_tokens": generated,
+        "seconds": seconds,
+        "output_tokens_per_s": generated / seconds if seconds else None,
+        "ttft_mean_s": summary["ttft_mean_s"],
+        "ttft_p90_s": summary["ttft_p90_s"],
+        "p90_interactivity_tok_s": summary["p90_interactivity_tok_s"],
+        "prefix_hit_rate": summary["prefix_hit_rate"],
+    }
+
+
+def agentx_sessions(num_sessions: int, seed: int, scale: float, max_turns: int) -> tuple:
+    config = attrs.evolve(small_agentx(scale), max_turns=max_turns)
+    workload = AgentXWorkload(config, seed=seed)
+    return [workload.session(i) for i in range(num_sessions)], config.block_size
