@@ -96,3 +96,20 @@ def test_grouped_experts_equal_the_loop(dtype):
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     assert got.dtype == dtype
     assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+def test_dense_experts_equal_the_loop():
+    from tokenspeed.model.ops.moe import routed_experts_dense
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 12, generator=gen)
+    w1, w3 = torch.randn(5, 7, 12, generator=gen), torch.randn(5, 7, 12, generator=gen)
+    w2 = torch.randn(5, 12, 7, generator=gen)
+    ids = torch.tensor([[0, 3], [1, 2], [4, 0], [3, 1]] * 2 + [[2, 4]])
+    weights = torch.rand(9, 2, generator=gen)
+
+    def glu(g, u):
+        return F.silu(g) * u
+
+    got = routed_experts_dense(x, weights, ids, w1, w2, w3, glu)
+    assert torch.allclose(got, routed_experts(x, weights, ids, w1, w2, w3, glu), atol=1e-5)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (see ../shared/GPU.md): the GPU tests and the benchmarks, logs under
+# $OUT (default ./out). Usage: bash scripts/gpu-suite.sh STAGE... with stages:
+#   tests-kda tests-mla tests-moe tests-runtime tests-cache tests-all
+#   bench-kda bench-mla bench-moe bench-attnres decode-step offline
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="src:${PYTHONPATH:-}"
+status=0
+run() {  # run NAME CMD...: log to $out/NAME.log, remember failures, keep going
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$out/$name.log" | tail -n 40
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc=$rc in $((SECONDS - start)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for stage in "$@"; do
+    case "$stage" in
+        tests-kda) run tests-kda python3 -m pytest -q -m gpu tests/model/ops/test_kda_decode.py \
+            tests/model/ops/test_kda_prefill.py tests/model/ops/test_kda_tail.py ;;
+        tests-mla) run tests-mla python3 -m pytest -q -m gpu tests/model/ops/test_mla_decode.py \
+            tests/model/ops/test_mla_prefill.py ;;
+        tests-moe) run tests-moe python3 -m pytest -q -m gpu tests/model/ops/test_moe_router.py \
+            tests/model/ops/test_moe_grouped.py tests/model/ops/test_mxfp4.py \
+            tests/model/ops/test_attn_res_fused.py ;;
+        tests-runtime) run tests-runtime python3 -m pytest -q tests/runtime ;;
+        tests-cache) run tests-cache python3 -m pytest -q tests/cache -k "gpu or storage or load" ;;
+        tests-all) run tests-all python3 -m pytest -q -m "gpu" tests ;;
+        bench-kda)
+            run bench-kda-decode python3 benchmarks/kda_decode.py --out "$out/kda_decode.md"
+            run bench-kda-prefill python3 benchmarks/kda_prefill.py --out "$out/kda_prefill.md"
+            run bench-kda-tail python3 benchmarks/kda_tail.py --out "$out/kda_tail.md" ;;
+        bench-mla) run bench-mla python3 benchmarks/mla_decode.py --out "$out/mla_decode.md" ;;
+        bench-moe) run bench-moe python3 benchmarks/moe.py --out "$out/moe.md" ;;
+        bench-attnres) run bench-attnres python3 benchmarks/attn_res.py --out "$out/attn_res.md" ;;
+        decode-step) run decode-step python3 benchmarks/decode_step.py --out "$out/decode_step.md" ;;
+        offline) run offline python3 benchmarks/offline.py --out "$out/offline.md" ;;
+        *) echo "unknown stage $stage"; status=1 ;;
+    esac
+done
+exit $status
