@@ -20,7 +20,8 @@ def guide_examples() -> list[str]:
 
 
 def test_generate_returns_one_output_per_prompt_in_order():
-    llm = LLM(model="tiny", max_num_seqs=4, max_model_len=256, page_size=16)
+    # fp32: the engine's batched kernels and the reference agree to the token on a GPU too
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16)
     prompts = ["Hello", {"prompt_token_ids": [5, 6, 7, 8]}, "A longer prompt about agents"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
@@ -34,7 +35,8 @@ def test_generate_returns_one_output_per_prompt_in_order():
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch():
-    llm = LLM(model="tiny", max_num_seqs=4, max_model_len=256, page_size=16)
+    # fp32: the engine's batched kernels and the reference agree to the token on a GPU too
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16)
     seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=8, seed=7, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     alone = llm.generate(["abc"], seeded, use_tqdm=False)[0].token_ids
@@ -43,7 +45,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
 
 
 def test_stop_token_ids_and_strings():
-    llm = LLM(model="tiny", max_num_seqs=2, max_model_len=256, page_size=16)
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=2, max_model_len=256, page_size=16)
     base = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10,
                                                        ignore_eos=True), use_tqdm=False)[0]
     third = base.token_ids[2]

@@ -158,7 +158,9 @@ def test_rejects_bad_shapes():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_k3_matches_reference(tokens, fp8):
     inp = make_inputs(tokens=tokens, heads=96, v_dim=128, dtype=torch.bfloat16, seed=tokens,
-                      device="cuda", gate_pad=64, zero_rows=(0,) if fp8 else ())
+                      device="cuda", gate_pad=64,
+                      # a zero row among others (a lone zero row has no top code to reach)
+                      zero_rows=(0,) if fp8 and tokens > 1 else ())
     _check(fp8_report(inp) if fp8 else out_report(inp))
 
 
