@@ -73,9 +73,7 @@ def manager(g: CacheGeometry, *, pages: int, live: int, checkpoints: int, l2=Non
     return CacheManager(g, config, l2=l2)
 
 
-def bench_long_history(
-    g: CacheGeometry, tokens: int, repeat: int
-) -> list[tuple[str, list[float]]]:
+def bench_long_history(g: CacheGeometry, tokens: int, repeat: int) -> list[tuple[str, list[float]]]:
     P = g.page_size
     pages = tokens // P
     l2 = LocalHostCache(capacity_bytes=1 << 50, metadata_only=True)
@@ -219,8 +217,10 @@ def main() -> None:
         print(f"| {name} | {median * 1e3:.3f} ms | {best * 1e3:.3f} ms | {1 / median:,.0f} |")
     l1_match = statistics.median(rows[2][1])
     rehash = statistics.median(rows[1][1])
-    print(f"\nmatch (L1 hit) vs re-hashing the history: {rehash / l1_match:.0f}x faster; "
-          f"target < 1 ms: {'met' if l1_match < 1e-3 else 'NOT met'}\n")
+    print(
+        f"\nmatch (L1 hit) vs re-hashing the history: {rehash / l1_match:.0f}x faster; "
+        f"target < 1 ms: {'met' if l1_match < 1e-3 else 'NOT met'}\n"
+    )
     s = bench_sessions(g, args.sessions, args.turns, args.shared_tokens, args.seed)
     print(
         f"## {s['sessions']} concurrent sessions x {s['turns']} turns "
@@ -234,8 +234,10 @@ def main() -> None:
     print(f"| match + allocate operations per second | {s['ops_per_s']:,.0f} |")
     print(f"| whole turns (all cache calls) per second | {s['turns_per_s']:,.0f} |")
     print(f"| prefix hit rate | {s['hit_rate']:.3f} |")
-    print(f"\nload average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
-          f"on {os.cpu_count()} CPUs")
+    print(
+        f"\nload average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
+        f"on {os.cpu_count()} CPUs"
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64, position of each new token in its sequence
     token_request: torch.Tensor  # [T] int64, the request each token belongs to
     context_lens: torch.Tensor  # [B] int64, tokens in each request's state after the step
+    # Per-step attention metadata a kernel may use (the MLA decode split plan); None: kernels
+    # plan for themselves.
+    attn_plan: object | None = None
 
     @classmethod
     def build(

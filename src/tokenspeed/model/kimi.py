@@ -18,7 +18,9 @@ from .batch import BatchError, ForwardBatch
 from .config import ModelConfig
 from .layers.attn_res import AttnResMix
 from .layers.decoder import DecoderLayer
+from .layers.moe import MoE
 from .layers.norm import RMSNorm
+from .ops import dispatch
 from .state import DecoderState, PagedState
 
 
@@ -53,6 +55,8 @@ class KimiModel(nn.Module):
         before layer i reads its state (the runtime waits there for that layer's prefix copies).
         """
         hidden = self.embed_tokens(input_ids)
+        if self.config.uses_attn_res and dispatch.half_kernels(hidden):
+            return self._forward_fused_attn_res(hidden, batch, state, before_layer)
         kda, mla = {}, {}
         bank: list[torch.Tensor] = []
         for layer in self.layers:
@@ -71,6 +75,50 @@ class KimiModel(nn.Module):
             return self.norm(hidden), state
         new_state = DecoderState(kda=kda, mla=mla, num_tokens=list(batch.total_lens))
         return self.norm(hidden), new_state
+
+
+    def _forward_fused_attn_res(self, hidden, batch, state, before_layer):
+        """The attention-residual stream with each mix, its following RMSNorm and the residual
+        add fused in one kernel (ops.attn_res.fused) over a preallocated bank: slots 0..n-1
+        hold completed block sums (slot 0 the embedding), slot n the running partial sum."""
+        cfg = self.config
+        block = cfg.attn_res_block_size
+        eps = cfg.rms_norm_eps
+        slots = -(-cfg.num_layers // block) + 1
+        bank = hidden.new_empty(slots, *hidden.shape)
+        bank[0] = hidden
+        n, pending = 0, None
+        kda, mla = {}, {}
+        for layer in self.layers:
+            if before_layer is not None:
+                before_layer(layer.index)
+            site = layer.self_attention_res
+            x = dispatch.attn_res_mix_norm(
+                bank[: n + 1], site.proj.weight, site.norm.weight, eps,
+                layer.input_layernorm.weight, layer.input_layernorm.eps, delta=pending,
+            )
+            # A layer at a block boundary closes the running sum into a completed entry (at layer
+            # 0: the embedding) and starts a new partial with its attention output.
+            opened = layer.index % block == 0
+            n += opened
+            states = state.kda if layer.kind == "kda" else state.mla
+            out, new = layer.self_attn(x, batch, states[layer.index])
+            (kda if layer.kind == "kda" else mla)[layer.index] = new
+            site = layer.mlp_res
+            x = dispatch.attn_res_mix_norm(
+                bank[: n + 1], site.proj.weight, site.norm.weight, eps,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                delta=out, accumulate=not opened,
+            )
+            pending = layer.mlp(x)
+        site = self.output_attn_res
+        hidden = dispatch.attn_res_mix_norm(
+            bank[: n + 1], site.proj.weight, site.norm.weight, eps, self.norm.weight,
+            self.norm.eps, delta=pending,
+        )
+        if isinstance(state, PagedState):
+            return hidden, state
+        return hidden, DecoderState(kda=kda, mla=mla, num_tokens=list(batch.total_lens))
 
 
 class KimiForCausalLM(nn.Module):
@@ -135,6 +183,17 @@ class KimiForCausalLM(nn.Module):
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return ForwardOutput(logits=self.lm_head(hidden), state=new_state)
+
+    def overlap_shared_experts(self, enabled: bool = True) -> None:
+        """Run every MoE layer's shared experts on one second CUDA stream, overlapping the
+        routed experts (captured into CUDA graphs as a fork/join)."""
+        from .ops.moe.overlap import SideStream
+
+        device = self.lm_head.weight.device
+        side = SideStream(device, enabled=enabled) if device.type == "cuda" else None
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.side_stream = side
 
     def empty_state(self, batch_size: int = 1) -> DecoderState:
         """Fresh state for `batch_size` new requests, on the model's device and dtype."""

@@ -107,6 +107,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.model = model.to(self.device).eval()
+        if self.device.type == "cuda":
+            self.model.overlap_shared_experts()
         self.tokenizer = tokenizer
         geometry = cache_geometry(self.model, config.page_size)
         checkpoints = config.checkpoint_slots

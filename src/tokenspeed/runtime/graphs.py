@@ -35,7 +35,26 @@ class DecodeGraphs:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.plans = self._split_plans(device)
         self._capture()
+
+    def _split_plans(self, device) -> dict[int, object]:
+        """Static split-plan buffers of the MLA decode kernel, one per graph size, refilled by
+        the planner before every replay (empty when the model has no MLA layers)."""
+        config = self.runner.model.config
+        if not config.mla_layers:
+            return {}
+        from tokenspeed.model.ops.mla.decode import decode_parallelism
+        from tokenspeed.sched.split_planner import SplitPlanBuffers, min_split_capacity
+
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.parallelism = decode_parallelism(sms, config.mla.num_heads, 1)
+        return {
+            size: SplitPlanBuffers.allocate(
+                size, min_split_capacity(size, self.parallelism), device=device
+            )
+            for size in self.sizes
+        }
 
     def _forward(self, size: int) -> torch.Tensor:
         batch = ForwardBatch(
@@ -45,6 +64,7 @@ class DecodeGraphs:
             positions=self.positions[:size],
             token_request=self.token_request[:size],
             context_lens=self.context_lens[:size],
+            attn_plan=self.plans.get(size),
         )
         state = self.runner.paged_state(self.slots[:size], self.page_table[:size])
         return self.runner.model(self.ids[:size], batch, state, check=False).logits
@@ -91,5 +111,14 @@ class DecodeGraphs:
                 handles, num_rows=size, num_cols=self.max_pages, device=device
             )
         )
+        plan = self.plans.get(size)
+        if plan is not None:
+            from tokenspeed.sched.split_planner import plan_decode_splits
+
+            lens = [p + 1 for p in prefix_lens] + [1] * (size - n)
+            plan_decode_splits(
+                lens, parallelism=self.parallelism, max_batch=size, max_splits=plan.max_splits,
+                granularity=self.cache.page_size, out=plan,
+            )
         self.graphs[size].replay()
         return self.logits[size][:n].clone()

@@ -7,7 +7,8 @@ from torch import nn
 
 from ..batch import ForwardBatch
 from ..config import MlaConfig
-from ..ops.mla import gather_pages, mla_decode, mla_decode_paged, mla_prefill, split_kv_b
+from ..ops import dispatch
+from ..ops.mla import gather_pages, mla_decode, mla_prefill, split_kv_b
 from ..state import PagedMla
 from .norm import RMSNorm
 
@@ -60,8 +61,21 @@ class GatedMla(nn.Module):
         return q.reshape(x.shape[0], c.num_heads, c.qk_head_dim)
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_uk [H, Dn, R], w_uv [H, Dv, R]) views of kv_b_proj (the reference's form)."""
         c = self.config
         return split_kv_b(self.kv_b_proj.weight, c.num_heads, c.qk_nope_head_dim, c.v_head_dim)
+
+    def _absorbed_contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous copies of the absorbed weights for the kernels, made once per weight
+        version (computed on the first eager step, before any graph capture)."""
+        weight = self.kv_b_proj.weight
+        key = (weight.data_ptr(), weight._version)
+        cached = getattr(self, "_absorbed_cache", None)
+        if cached is None or cached[0] != key:
+            w_uk, w_uv = self._absorbed()
+            cached = (key, w_uk.contiguous(), w_uv.contiguous())
+            self._absorbed_cache = cached
+        return cached[1], cached[2]
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         o = o.reshape(x.shape[0], -1)
@@ -103,12 +117,21 @@ class GatedMla(nn.Module):
         pages.view(-1, pages.shape[-1]).index_copy_(0, slot, self.latent_rows(x).to(pages.dtype))
         n = batch.uniform_len
         if n is not None and n <= ABSORBED_MAX_TOKENS:
-            w_uk, w_uv = self._absorbed()
-            o = mla_decode_paged(
-                q, pages, cache.page_table, batch.context_lens, w_uk, w_uv, c.softmax_scale
+            gate = self.g_proj(x) if c.output_gate else None
+            w_uk, w_uv = (
+                self._absorbed_contiguous() if dispatch.half_kernels(x) else self._absorbed()
             )
-        else:
-            # Prefill / extend (eager only): gather each request's rows and expand them.
+            o = dispatch.mla_decode(
+                q, pages, cache.page_table, batch.context_lens, w_uk, w_uv, c.softmax_scale,
+                gate, plan=batch.attn_plan,
+            )
+            return self.o_proj(o.reshape(x.shape[0], -1))  # the gate is applied already
+        o = dispatch.mla_prefill_paged(
+            q, pages, cache.page_table, batch.cu_seqlens, batch.context_lens,
+            self.kv_b_proj.weight, c.v_head_dim, c.softmax_scale,
+        )
+        if o is None:
+            # Reference (eager only): gather each request's rows and expand them.
             lens = batch.total_lens
             rows = gather_pages(pages, cache.page_table)
             latent = torch.cat([rows[i, :n_rows] for i, n_rows in enumerate(lens)]).to(x.dtype)

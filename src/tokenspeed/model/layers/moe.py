@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..config import ActivationConfig, MoeConfig
+from ..ops import dispatch
 from ..ops.dispatch import routed_experts
 from ..ops.moe import route
 from .mlp import GluMlp, make_glu
@@ -39,12 +40,17 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(num_experts, width, intermediate))
         self.w3 = nn.Parameter(torch.zeros(num_experts, intermediate, width))
         self.glu = make_glu(act)
+        self.act = act
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return routed_experts(x, weights, ids, self.w1, self.w2, self.w3, self.glu)
 
 
 class MoE(nn.Module):
+    # A `SideStream` (ops.moe.overlap) shared by the model's MoE layers, set by
+    # `KimiForCausalLM.overlap_shared_experts`; None runs the shared experts in line.
+    side_stream = None
+
     """Routed experts (at the latent width when configured) plus shared experts on the hidden.
 
     Latent path: route on x; h = down(x); y = sum_k w_k expert_k(h); y = norm(y); y = up(y).
@@ -70,6 +76,8 @@ class MoE(nn.Module):
             self.shared_experts = GluMlp(hidden, shared, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dispatch.fused_moe(x):
+            return self._forward_fused(x)
         weights, ids = self.gate(x)
         h = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
         y = self.experts(h, weights, ids)
@@ -80,3 +88,49 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def _kernel_weights(self):
+        """(router weight in its cheapest exact dtype, ExpertWeights) for the Triton path, made
+        once per weight version (on the first eager step, before any graph capture)."""
+        from ..ops.moe.grouped import ExpertWeights
+        from ..ops.moe.router import router_weight_for_kernel
+
+        e = self.experts
+        key = tuple((t.data_ptr(), t._version) for t in (self.gate.weight, e.w1, e.w2, e.w3))
+        cached = getattr(self, "_kernel_cache", None)
+        if cached is None or cached[0] != key:
+            experts = ExpertWeights(format="dense", w1=e.w1, w2=e.w2, w3=e.w3)
+            cached = (key, router_weight_for_kernel(self.gate.weight), experts)
+            self._kernel_cache = cached
+        return cached[1], cached[2]
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """Router kernel, grouped experts with the GLU and the latent norm fused, shared experts
+        on the side stream."""
+        router, experts = self._kernel_weights()
+        c, act = self.gate.config, self.experts.act
+
+        def routed() -> torch.Tensor:
+            r = dispatch.route_fused(
+                x, router, self.gate.e_score_correction_bias, c.top_k, c.num_groups,
+                c.topk_groups, c.renormalize, c.routed_scaling_factor,
+            )
+            h = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
+            norm = self.routed_expert_norm
+            y = dispatch.fused_experts(
+                h, r.weights, r.ids, experts, activation=act.kind, beta=act.situ_beta,
+                linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
+                counts=r.counts, ranks=r.ranks,
+                norm_weight=None if norm is None else norm.weight,
+                norm_eps=1e-6 if norm is None else norm.eps,
+            )
+            if self.routed_expert_up_proj is not None:
+                y = self.routed_expert_up_proj(y)
+            return y
+
+        if self.shared_experts is None:
+            return routed()
+        if self.side_stream is None:
+            return routed() + self.shared_experts(x)
+        y, shared = self.side_stream.run(routed, lambda: self.shared_experts(x))
+        return y + shared

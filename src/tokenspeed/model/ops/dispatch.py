@@ -75,3 +75,82 @@ def kda_output_tail(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, e
     from .norm import gated_rms_norm
 
     return gated_rms_norm(o, gate, weight, eps).reshape(o.shape[0], -1)
+
+
+def half_kernels(x: torch.Tensor) -> bool:
+    """Triton fast paths that use tensor-core dots: half-precision tensors on CUDA only (fp32
+    would run them in TF32; fp32 models keep the exact references)."""
+    return triton_kernels(x) and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    gate: torch.Tensor | None,
+    plan=None,
+) -> torch.Tensor:
+    """Absorbed paged MLA decode of n queries per request, times sigmoid(gate) when given.
+    q: [B*n, H, Dn+Dr] -> [B*n, H, Dv]. On CUDA in half precision: the split-KV Triton kernel
+    with the runner's split plan (or uniform splits without one); else the reference."""
+    if half_kernels(q):
+        from .mla.decode import decode_parallelism, mla_decode_paged_split, uniform_split_count
+
+        if plan is None:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            budget = decode_parallelism(sms, q.shape[1], q.shape[0] // page_table.shape[0])
+            return mla_decode_paged_split(
+                q, pages, page_table, context_lens, w_uk, w_uv, scale, gate=gate,
+                uniform_splits=uniform_split_count(page_table.shape[0], budget),
+            )
+        return mla_decode_paged_split(
+            q, pages, page_table, context_lens, w_uk, w_uv, scale, plan, gate=gate
+        )
+    from .mla import mla_decode_paged
+
+    o = mla_decode_paged(q, pages, page_table, context_lens, w_uk, w_uv, scale)
+    if gate is not None:
+        o = o * torch.sigmoid(gate.view(o.shape).float()).to(o.dtype)
+    return o
+
+
+def mla_prefill_paged(
+    q, pages, page_table, cu_seqlens_q, context_lens, kv_b_weight, v_head_dim, scale
+) -> torch.Tensor | None:
+    """Prefill / extend over paged rows with the Triton kernel, or None where it does not
+    apply (the caller then gathers the rows and runs the reference)."""
+    if not half_kernels(q):
+        return None
+    from .mla.prefill import mla_prefill_paged as kernel
+
+    return kernel(q, pages, page_table, cu_seqlens_q, context_lens, kv_b_weight, v_head_dim, scale)
+
+
+def attn_res_mix_norm(bank, query, mix_weight, mix_eps, norm_weight, norm_eps, *, delta=None,
+                      accumulate=True):
+    """Fused AttnRes mix + RMSNorm with the partial-entry update (see ops.attn_res.fused)."""
+    from .attn_res.fused import attn_res_mix_norm as kernel
+
+    return kernel(bank, query, mix_weight, mix_eps, norm_weight, norm_eps, delta=delta,
+                  accumulate=accumulate)
+
+
+def fused_moe(x: torch.Tensor) -> bool:
+    """Whether the Triton router + grouped-expert kernels run the MoE for tensors like x."""
+    return half_kernels(x)
+
+
+def route_fused(*args, **kwargs):
+    from .moe.router import route_fused as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def fused_experts(*args, **kwargs):
+    from .moe.grouped import fused_experts as kernel
+
+    return kernel(*args, **kwargs)

@@ -54,15 +54,22 @@ def _mix_norm_kernel(
             partial = delta.to(dtype)
 
     # Online softmax over the entries: one read of each, running max / denominator / sum.
+    # The next entry is loaded before the current one is reduced, so every program keeps a
+    # load in flight while it reduces (the loop is unrolled: N is a compile-time constant).
+    if N == 1:
+        ahead = partial
+    else:
+        ahead = tl.load(row, mask=dmask, other=0.0, eviction_policy="evict_first")
     m = -float("inf")
     den = 0.0
     acc = tl.zeros([BD], dtype=tl.float32)
     for i in tl.static_range(N):
-        if i < N - 1:
-            v = tl.load(row + i * stride_bn, mask=dmask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-        else:
-            v = partial.to(tl.float32)
+        v = ahead.to(tl.float32)
+        if i + 2 < N:
+            ahead = tl.load(row + (i + 1) * stride_bn, mask=dmask, other=0.0,
+                            eviction_policy="evict_first")
+        elif i + 2 == N:
+            ahead = partial
         score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
         m_new = tl.maximum(m, score)
         rescale = tl.exp(m - m_new)

@@ -68,7 +68,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     OCP rule: shared exponent floor(log2(amax)) - 2 (6 = 1.5 * 2^2 is the largest E2M1
     value), elements rounded to the nearest E2M1 value (ties to the smaller magnitude) and
-    clamped to +-6. For tests and benchmarks; checkpoints ship packed tensors.
+    saturated at +-6. For tests and benchmarks; checkpoints ship packed tensors.
     """
     k = w.shape[-1]
     if k % GROUP:
@@ -80,9 +80,10 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ).clamp(-127, 127)
     scale = (exponent + 127).to(torch.uint8)
     scaled = groups / decode_e8m0(scale).unsqueeze(-1)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    magnitude = (scaled.abs().clamp(max=6.0).unsqueeze(-1) - table).abs().argmin(-1)
-    codes = magnitude + 8 * (scaled < 0).long()
+    # Midpoints between neighbouring magnitudes; a tie lands in the lower bucket.
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)
+    magnitude = torch.bucketize(scaled.abs(), bounds, out_int32=True)
+    codes = magnitude + 8 * (scaled < 0).to(torch.int32)
     return pack_e2m1(codes.reshape(w.shape)), scale
 
 

@@ -1,7 +1,8 @@
 """Fused sigmoid router (Triton): scores, bias-corrected (grouped) top-k, weights, and the
 per-expert pair counts the grouped expert GEMMs need.
 
-Same contract as `reference.route`; two launches, no host synchronisation:
+Same contract as `reference.route`; two launches (and a memset of the counters), no host
+synchronisation:
 
 1. `_logits_kernel`: logits = x W^T in fp32 accumulation, split over K into S partial sums
    [S, T, E] so that decode-sized batches still spread the 13-26 MB router weight over all SMs.

@@ -1,0 +1,354 @@
+"""Triton grouped experts (`fused_experts`) against the torch references.
+
+References: `reference.routed_experts` over the local experts (ids outside the layer's slice
+count as absent). FP8: the same reference on the quantise-dequantise emulation (weights in
+128 x 128 blocks, activations and the GLU output in 1 x 128 groups), so the kernel differs
+only by accumulation order and roundings. MXFP4: the reference on the decoded weights.
+
+CPU interpreter: tiny shapes in fp32 / fp16 (tolerance 1e-5 relative to the output scale;
+fp16 1e-3). GPU: K3 widths (latent 3584, intermediate 3072, 56 local experts of 896, top-16)
+in bf16 with relative RMS error <= 1e-2 and max error <= 5% of the output's max.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspeed.model.ops.activation import silu_glu, situ_glu
+from tokenspeed.model.ops.moe.align import align_pairs, count_pairs
+from tokenspeed.model.ops.moe.fp8 import (
+    dequantize_fp8_blocks,
+    dequantize_fp8_rows,
+    quantize_fp8_blocks,
+    quantize_fp8_rows_reference,
+)
+from tokenspeed.model.ops.moe.grouped import (
+    ExpertWeights,
+    GemmTile,
+    MoeKernelConfig,
+    fused_experts,
+)
+from tokenspeed.model.ops.moe.mxfp4 import decode_mxfp4, quantize_mxfp4
+from tokenspeed.model.ops.moe.overlap import SideStream
+from tokenspeed.model.ops.moe.reference import route, routed_experts
+from tokenspeed.model.ops.norm import rms_norm
+
+from .triton_interpreter import results_for
+
+
+def make_glu(activation):
+    if activation == "silu":
+        return silu_glu
+    return lambda g, u: situ_glu(g, u, 4.0, 25.0)
+
+
+def local_reference(x, weights, ids, w1, w2, w3, glu, first=0):
+    """routed_experts over experts [first, first + E): other ids contribute nothing."""
+    num_local = w1.shape[0]
+    local = (ids >= first) & (ids < first + num_local)
+    return routed_experts(x, torch.where(local, weights, 0.0), torch.where(local, ids - first, 0),
+                          w1, w2, w3, glu)
+
+
+def random_problem(tokens, top_k, experts, width, inter, seed, device="cpu",
+                   dtype=torch.float32, num_local=None):
+    gen = torch.Generator().manual_seed(seed)
+    num_local = num_local or experts
+    x = torch.randn(tokens, width, generator=gen)
+    w1 = torch.randn(num_local, inter, width, generator=gen) / width**0.5
+    w3 = torch.randn(num_local, inter, width, generator=gen) / width**0.5
+    w2 = torch.randn(num_local, width, inter, generator=gen) / inter**0.5
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    cast = [t.to(device, dtype) for t in (x, w1, w2, w3)]
+    return (*cast, ids.to(device, torch.int32), weights.to(device))
+
+
+def assert_close_scaled(got, want, rel):
+    """max |got - want| <= rel * max |want| (outputs of sums of experts have one scale)."""
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    assert err <= rel * scale, f"max error {err} > {rel} * {scale}"
+
+
+# ---------------------------------------------------------------- interpreter checks
+
+
+def _case_dense(dtype, activation, first=0, num_local=None, norm=False, config=None):
+    def case():
+        x, w1, w2, w3, ids, weights = random_problem(8, 3, 8, 32, 48, seed=1, dtype=dtype,
+                                                     num_local=num_local)
+        experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3, first_expert=first)
+        norm_w = torch.rand(32).to(dtype) + 0.5 if norm else None
+        got = fused_experts(x, weights, ids, experts, activation=activation,
+                            linear_beta=25.0 if activation == "situ" else None,
+                            norm_weight=norm_w, config=config)
+        want = local_reference(x, weights, ids.long(), w1, w2, w3, make_glu(activation), first)
+        if norm:
+            want = rms_norm(want, norm_w, 1e-6)
+        assert got.dtype == dtype
+        assert_close_scaled(got, want, 1e-5 if dtype == torch.float32 else 1e-3)
+
+    return case
+
+
+def _case_padding_ids():
+    x, w1, w2, w3, ids, weights = random_problem(6, 2, 4, 32, 32, seed=2)
+    ids[::2, 1] = -1  # dropped slots (e.g. padding from a dispatcher)
+    got = fused_experts(x, weights, ids, ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3))
+    want = local_reference(x, weights, ids.long(), w1, w2, w3, silu_glu)
+    assert_close_scaled(got, want, 1e-5)
+
+
+def _case_router_pipeline():
+    # route_fused's counts/ranks feed fused_experts directly (no count launch).
+    from tokenspeed.model.ops.moe.router import route_fused
+
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(10, 16, generator=gen)
+    gate = torch.randn(8, 16, generator=gen)
+    x, w1, w2, w3, _, _ = random_problem(10, 2, 8, 32, 32, seed=4)
+    r = route_fused(hidden, gate, None, 3)
+    got = fused_experts(x, r.weights, r.ids, ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3),
+                        counts=r.counts, ranks=r.ranks)
+    weights, ids = route(hidden, gate, None, 3)
+    assert_close_scaled(got, routed_experts(x, weights, ids, w1, w2, w3, silu_glu), 1e-5)
+
+
+def _case_align_layout():
+    ids = torch.tensor([[3, 1], [1, 7], [3, 3], [0, 1], [5, 2]], dtype=torch.int32)
+    counts, ranks = count_pairs(ids, first_expert=1, num_local=4)  # experts 1..4 are local
+    assert counts.tolist() == [3, 1, 3, 0]
+    layout = align_pairs(ids, ranks, counts, first_expert=1, block_m=4, max_pairs=10)
+    assert layout.expert_start.tolist() == [0, 4, 8, 12]
+    assert int(layout.num_blocks) == 3
+    assert layout.block_expert.tolist()[:3] == [0, 1, 2]
+    assert all(b == -1 for b in layout.block_expert.tolist()[3:])
+    flat = ids.reshape(-1).tolist()
+    for pair, row in enumerate(layout.pair_row.tolist()):
+        if 1 <= flat[pair] <= 4:
+            seg = layout.expert_start[flat[pair] - 1].item()
+            assert seg <= row < seg + counts[flat[pair] - 1].item()
+            assert layout.row_pair[row].item() == pair
+        else:
+            assert row == -1
+
+
+def _case_fp8():
+    x, w1, w2, w3, ids, weights = random_problem(6, 2, 4, 128, 256, seed=5)
+    (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
+    experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
+    got = fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0)
+    assert_close_scaled(got, fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, "situ"),
+                        1e-5)
+
+
+def _case_mxfp4():
+    x, w1, w2, w3, ids, weights = random_problem(7, 2, 4, 64, 96, seed=6)
+    (p1, c1), (p2, c2), (p3, c3) = (quantize_mxfp4(w) for w in (w1, w2, w3))
+    experts = ExpertWeights(format="mxfp4", w1=p1, w2=p2, w3=p3, s1=c1, s2=c2, s3=c3)
+    got = fused_experts(x, weights, ids, experts)
+    want = routed_experts(x, weights, ids.long(), decode_mxfp4(p1, c1), decode_mxfp4(p2, c2),
+                          decode_mxfp4(p3, c3), silu_glu)
+    assert_close_scaled(got, want, 1e-5)
+
+
+def fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, activation, round_dtype=None):
+    """The reference on FP8-emulated operands, in fp32; round_dtype mimics the kernel's
+    rounding of the GEMM outputs (bf16 on GPU)."""
+    glu = make_glu(activation)
+
+    def rnd(t):
+        return t if round_dtype is None else t.to(round_dtype).float()
+
+    def glu_q(g, u):
+        h = rnd(glu(rnd(g), rnd(u)))
+        return dequantize_fp8_rows(*quantize_fp8_rows_reference(h))
+
+    xq = dequantize_fp8_rows(*quantize_fp8_rows_reference(x))
+    return routed_experts(xq, weights, ids.long(), dequantize_fp8_blocks(q1, s1),
+                          dequantize_fp8_blocks(q2, s2), dequantize_fp8_blocks(q3, s3), glu_q)
+
+
+CASES = {
+    "dense-fp32-silu": _case_dense(torch.float32, "silu"),
+    "dense-fp16-situ-local": _case_dense(torch.float16, "situ", first=2, num_local=4),
+    "dense-fp32-situ-norm": _case_dense(torch.float32, "situ", norm=True),
+    "dense-fp32-blockm32": _case_dense(
+        torch.float32, "silu",
+        config=MoeKernelConfig(32, GemmTile(32, 32, 4, 2), GemmTile(32, 16, 4, 2)),
+    ),
+    "padding-ids": _case_padding_ids,
+    "router-pipeline": _case_router_pipeline,
+    "align-layout": _case_align_layout,
+    "fp8-situ": _case_fp8,
+    "mxfp4-silu": _case_mxfp4,
+}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return results_for(__name__)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_grouped_under_interpreter(interpreter_results, case):
+    assert interpreter_results[case] is None, interpreter_results[case]
+
+
+def test_expert_weights_validate_shapes():
+    w = torch.zeros(2, 8, 16)
+    with pytest.raises(ValueError, match="w2"):
+        ExpertWeights(format="dense", w1=w, w2=torch.zeros(2, 16, 4), w3=w)
+    with pytest.raises(ValueError, match="s1"):
+        ExpertWeights(format="mxfp4", w1=torch.zeros(2, 32, 16, dtype=torch.uint8),
+                      w2=torch.zeros(2, 32, 16, dtype=torch.uint8),
+                      w3=torch.zeros(2, 32, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous"):
+        ExpertWeights(format="dense", w1=w.transpose(1, 2).contiguous().transpose(1, 2),
+                      w2=torch.zeros(2, 16, 8), w3=w)
+
+
+# ---------------------------------------------------------------- GPU (K3 widths)
+
+K3 = {"experts": 896, "local": 56, "top_k": 16, "width": 3584, "inter": 3072}
+
+
+def k3_problem(tokens, seed=0, first=0):
+    """K3-sized local expert slice with routing over all 896 experts; about tokens local
+    pairs (each token has 16 slots, 1/16 of the experts are local)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    width, inter, n = K3["width"], K3["inter"], K3["local"]
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    x = rnd(tokens, width)
+    w1, w3 = rnd(n, inter, width, scale=width**-0.5), rnd(n, inter, width, scale=width**-0.5)
+    w2 = rnd(n, width, inter, scale=inter**-0.5)
+    ids = torch.rand(tokens, K3["experts"], device="cuda", generator=gen).argsort(-1)
+    ids = ids[:, : K3["top_k"]].int()
+    weights = torch.rand(tokens, K3["top_k"], device="cuda", generator=gen)
+    return x, w1, w2, w3, ids, weights
+
+
+def rel_rms(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16, 256, 2048])
+@pytest.mark.parametrize("activation", ["situ", "silu"])
+def test_grouped_bf16_k3(tokens, activation):
+    x, w1, w2, w3, ids, weights = k3_problem(tokens, seed=tokens)
+    experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3, first_expert=0)
+    got = fused_experts(x, weights, ids, experts, activation=activation,
+                        linear_beta=25.0 if activation == "situ" else None)
+    want = local_reference(x, weights, ids.long(), w1, w2, w3, make_glu(activation))
+    assert rel_rms(got, want) <= 1e-2
+    assert_close_scaled(got, want, 5e-2)
+
+
+@pytest.mark.gpu
+def test_grouped_bf16_k3_all_experts_local_with_norm():
+    # Non-EP shape: 8 experts all local, top-2, heavy rows per expert (prefill tiles).
+    x, w1, w2, w3, _, _ = k3_problem(1024, seed=3)
+    w1, w2, w3 = w1[:8].contiguous(), w2[:8].contiguous(), w3[:8].contiguous()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.rand(1024, 8, device="cuda", generator=gen).argsort(-1)[:, :2].int()
+    weights = torch.rand(1024, 2, device="cuda", generator=gen)
+    norm_w = (torch.rand(K3["width"], device="cuda", generator=gen) + 0.5).bfloat16()
+    got = fused_experts(x, weights, ids, ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3),
+                        activation="situ", linear_beta=25.0, norm_weight=norm_w)
+    want = rms_norm(local_reference(x, weights, ids.long(), w1, w2, w3, make_glu("situ")),
+                    norm_w, 1e-6)
+    assert rel_rms(got, want) <= 1e-2
+    assert_close_scaled(got, want, 5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [64, 2048])
+def test_grouped_fp8_k3(tokens):
+    x, w1, w2, w3, ids, weights = k3_problem(tokens, seed=tokens + 1)
+    (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
+    experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
+    got = fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0)
+    local = ids < K3["local"]
+    w_local, ids_local = torch.where(local, weights, 0.0), torch.where(local, ids, 0)
+    emulated = fp8_reference(x.float(), w_local, ids_local, q1, s1, q2, s2, q3, s3, "situ",
+                             round_dtype=torch.bfloat16)
+    # Same quantisation: only accumulation order, and rare e4m3 rounding flips of h, differ.
+    assert rel_rms(got, emulated) <= 2e-2
+    # Against unquantised bf16 experts: the FP8 error budget (e4m3 has 3 mantissa bits).
+    exact = local_reference(x, weights, ids.long(), w1, w2, w3, make_glu("situ"))
+    assert rel_rms(got, exact) <= 0.15
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16, 2048])
+def test_grouped_mxfp4_k3(tokens):
+    x, w1, w2, w3, ids, weights = k3_problem(tokens, seed=tokens + 2)
+    (p1, c1), (p2, c2), (p3, c3) = (quantize_mxfp4(w) for w in (w1, w2, w3))
+    experts = ExpertWeights(format="mxfp4", w1=p1, w2=p2, w3=p3, s1=c1, s2=c2, s3=c3)
+    got = fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0)
+    decoded = [decode_mxfp4(p, c, torch.bfloat16) for p, c in ((p1, c1), (p2, c2), (p3, c3))]
+    want = local_reference(x, weights, ids.long(), *decoded, make_glu("situ"))
+    assert rel_rms(got, want) <= 1e-2
+    assert_close_scaled(got, want, 5e-2)
+
+
+@pytest.mark.gpu
+def test_grouped_deterministic_and_graph_capturable():
+    x, w1, w2, w3, ids, weights = k3_problem(256, seed=9)
+    experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3)
+
+    def run(inp):
+        return fused_experts(inp, weights, ids, experts, activation="situ", linear_beta=25.0)
+
+    first, second = run(x), run(x)
+    assert torch.equal(first, second)  # atomics reorder rows, never results
+    static_x = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(static_x)
+    static_x.copy_(x)
+    graph.replay()
+    assert torch.equal(captured, first)
+
+
+# ---------------------------------------------------------------- shared-expert overlap
+
+
+def test_side_stream_serialises_when_disabled():
+    calls = []
+    side = SideStream(enabled=False)
+    main_out, side_out = side.run(lambda: calls.append("main") or 1,
+                                  lambda: calls.append("side") or 2)
+    assert (main_out, side_out) == (1, 2)
+    assert calls == ["side", "main"]
+
+
+@pytest.mark.gpu
+def test_side_stream_overlap_matches_serial_and_captures():
+    x, w1, w2, w3, ids, weights = k3_problem(256, seed=12)
+    experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3)
+    shared_w = torch.randn(1024, K3["width"], device="cuda").bfloat16() * 0.02
+
+    def routed():
+        return fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0)
+
+    def shared():
+        return (x @ shared_w.t()) @ shared_w
+
+    # Same kernels either way; the tolerance only allows cuBLAS to pick another algorithm on
+    # another stream or inside a graph. A missing join would read unfinished (garbage) rows.
+    side = SideStream()
+    a, b = side.run(routed, shared)
+    torch.testing.assert_close(a + b, routed() + shared(), atol=1e-2, rtol=1.6e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ga, gb = side.run(routed, shared)
+        out = ga + gb
+    graph.replay()
+    torch.testing.assert_close(out, a + b, atol=1e-2, rtol=1.6e-2)
