@@ -293,7 +293,9 @@ def test_rejects_inconsistent_arguments():
 # ----------------------------------------------------------------------------- GPU, K3 shapes
 
 K3 = {"heads": 96, "rank": 512, "rope": 64, "nope": 128, "v_dim": 128, "page_size": 64}
-K3_LENS = [1, 4, 64, 65, 700, 4097, 30000]
+# Every length >= 4: a request verifying n tokens holds at least those n rows (a shorter one
+# would leave its first queries nothing to attend to, which the reference answers with NaN).
+K3_LENS = [4, 5, 64, 65, 700, 4097, 30000]
 
 
 def _gpu_case(n, lens=K3_LENS, pad_rows=3, parallelism=64, dtype=torch.bfloat16, seed=1):
@@ -367,7 +369,7 @@ def test_gpu_k3_tile_variants(tiles):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replays_a_new_plan():
     """Capture once, then rewrite plan, lengths and page table in place and replay."""
-    lens_a, lens_b = [5000, 64, 700, 1], [90, 12000, 3, 2500]
+    lens_a, lens_b = [5000, 64, 700, 2], [90, 12000, 3, 2500]  # each >= n = 2
     batch, n = len(lens_a), 2
     inp = make_inputs([12000] * batch, n, device="cuda", dtype=torch.bfloat16, **K3)
     bufs = SplitPlanBuffers.allocate(batch, min_split_capacity(batch, 48), device="cuda")

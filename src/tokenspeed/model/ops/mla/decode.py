@@ -90,7 +90,10 @@ def default_tiles(rows_per_request: int, on_gpu: bool) -> DecodeTiles:
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_request)))
     if not on_gpu:
         return DecodeTiles(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
-    return DecodeTiles(block_m=block_m, block_n=32, num_warps=4 if block_m == 16 else 8)
+    # 64-row groups read 64 cache rows a step: measured 1.45x faster than 32 on the H200
+    # (benchmarks/mla_decode.py tile sweep, docs/perf/mla.md).
+    block_n = 64 if block_m == 64 else 32
+    return DecodeTiles(block_m=block_m, block_n=block_n, num_warps=4 if block_m == 16 else 8)
 
 
 def decode_parallelism(

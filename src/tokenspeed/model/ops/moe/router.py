@@ -27,7 +27,7 @@ from triton.language.extra import libdevice
 
 from ._launch import is_interpreting, num_sms
 
-_KEY_MIN: tl.constexpr = -(2**63)  # below every real key: padding lanes and taken experts
+_KEY_MIN = tl.constexpr(-(2**63))  # below every real key: padding lanes and taken experts
 
 
 class RouterOutput(NamedTuple):
