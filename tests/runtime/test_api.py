@@ -119,3 +119,14 @@ def test_user_guide_examples_run(index, capsys):
     exec(compile(code, str(GUIDE), "exec"), {"__name__": "guide"})
     printed = capsys.readouterr().out
     assert printed.strip()
+
+
+README = Path(__file__).parents[2] / "README.md"
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_readme_examples_run(index):
+    code = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[index]
+    namespace = {"__name__": "readme"}
+    exec(compile(code, str(README), "exec"), namespace)
+    assert "outs" in namespace or "out" in namespace
