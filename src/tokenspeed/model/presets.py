@@ -47,7 +47,7 @@ def tiny(kda_gate: str = "lower_bound") -> ModelConfig:
             q_lora_rank=32,
             kv_lora_rank=32,
             qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
+            qk_rope_head_dim=16,  # 16: the smallest width the MLA kernels tile
             v_head_dim=16,
             output_gate=True,
         ),

@@ -83,6 +83,11 @@ def half_kernels(x: torch.Tensor) -> bool:
     return triton_kernels(x) and x.dtype in (torch.bfloat16, torch.float16)
 
 
+def _tile_dims(*dims: int) -> bool:
+    """Widths the MLA kernels tile with tensor-core dots: powers of two, at least 16."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in dims)
+
+
 def mla_decode(
     q: torch.Tensor,
     pages: torch.Tensor,
@@ -97,7 +102,8 @@ def mla_decode(
     """Absorbed paged MLA decode of n queries per request, times sigmoid(gate) when given.
     q: [B*n, H, Dn+Dr] -> [B*n, H, Dv]. On CUDA in half precision: the split-KV Triton kernel
     with the runner's split plan (or uniform splits without one); else the reference."""
-    if half_kernels(q):
+    nope = w_uk.shape[1]
+    if half_kernels(q) and _tile_dims(w_uk.shape[2], q.shape[-1] - nope, w_uv.shape[1], nope):
         from .mla.decode import decode_parallelism, mla_decode_paged_split, uniform_split_count
 
         if plan is None:
@@ -123,7 +129,8 @@ def mla_prefill_paged(
 ) -> torch.Tensor | None:
     """Prefill / extend over paged rows with the Triton kernel, or None where it does not
     apply (the caller then gathers the rows and runs the reference)."""
-    if not half_kernels(q):
+    nope = kv_b_weight.shape[0] // q.shape[1] - v_head_dim
+    if not (half_kernels(q) and _tile_dims(nope, q.shape[-1] - nope, v_head_dim)):
         return None
     from .mla.prefill import mla_prefill_paged as kernel
 

@@ -1,6 +1,6 @@
-"""Fused KDA decode / verify: one launch does a whole KDA layer step for 1-4 new tokens per row.
+"""KDA decode / verify: a whole KDA layer step for 1-4 new tokens per row, over the slot pools.
 
-For each request row b (slot s = slots[b]) and head h, one program:
+Per request row b (slot s = slots[b]) and head h:
 
     conv update of the q/k/v channels from conv_state[s] (in place) and SiLU,
     q, k L2-normalised per head (q also scaled by `scale`), the decay gate g from the raw f,
@@ -8,16 +8,39 @@ For each request row b (slot s = slots[b]) and head h, one program:
         S <- diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t
     with the fp32 state S = recurrent_state[s, h] read once and written back once.
 
-Why one program per (row, head) rather than splitting V across programs: the q/k conv window of
-a head is read by every V block and must be shifted in place afterwards. With V split over
-several programs, whichever one writes the new window could run before another has read the old
-one (CUDA gives no order between programs of a grid). One program reads the window once into
-registers, walks its K x BV state tiles, and writes the window back after a barrier. At K3 dims
-there are B * 96 programs, enough to fill the GPU from a handful of requests up.
+The step is bandwidth-bound: at K3 dims the fp32 state is 6 MiB per request per layer, read and
+written once; everything else is a few percent of that. Three implementations:
+
+"split" (default), two launches chained with programmatic dependent launch (PDL):
+  1. prep, one program per (row, head): the q/k conv update (the conv state of the head's q/k
+     channels is read and rewritten by that program only, so exactly once), SiLU, the norms,
+     the gate and beta; per token it writes one fp32 record of `scratch` [B, T, H, D]:
+        dq = exp(g) * q (scaled) [K] | k [K] | exp(g) [K] | beta | q.k | padding
+  2. recurrence, one program per (row, head, V block of BV columns): loads its K x BV state tile
+     (issued before the PDL wait: the prep kernel does not write the state pool, see
+     `_kda_recurrent_kernel`), does the conv of its own BV v channels (their conv state is
+     touched by that program only), then per token
+        u = S^T (exp(g) * k),  w = S^T (exp(g) * q),  delta = beta (v - u),
+        o = w + (q.k) delta,   S <- diag(exp(g)) S + k delta^T
+     (the same step, rearranged so that both reductions read the old tile and o does not wait
+     for the update), and writes the tile back. Many small independent programs (B * H * V / BV)
+     keep many state loads in flight per SM, which is what streaming at copy speed needs.
+"onepass", one launch, one program per (row, head, V block): the recurrence above with the prep
+  folded in. Every V block of a head recomputes the head's q/k conv, norms and gate (a few KiB
+  from L2 next to its 16 KiB state tile) and the conv of its own v channels; the q/k windows are
+  rewritten by whichever program of the head reads them last, found with an atomic counter per
+  (row, head) (`counters`, zero before and after each launch). No scratch round trip and no
+  second launch, at the price of a longer program and the counter buffer.
+"fused", one launch, one program per (row, head): conv, norms, gate and recurrence in
+  registers, walking V in blocks (the first design; kept for comparison). It gives each head
+  one program because the q/k conv window of a head is read by every V block and must be
+  shifted in place afterwards, with no order between the programs of a grid; so each program
+  streams a whole 64 KiB head state serially, with few programs per SM (measured at ~37% of
+  copy bandwidth on the H200; the other two exist to fix that).
 
 Math and results are those of the torch references (`causal_conv_update`, `l2_norm`, `kda_gate`,
 `kda_recurrent`), computed in fp32 throughout (the references round the conv output to the
-activation dtype; this kernel does not).
+activation dtype; these kernels do not).
 """
 
 from __future__ import annotations
@@ -83,8 +106,28 @@ def _store_window(conv_row, window, ch, cols, first, W: tl.constexpr):
 
 
 @triton.jit
+def _conv_silu_taps(x_row, stride_t, conv_row, w_ptr, ch, t: tl.constexpr, W: tl.constexpr):
+    """SiLU(conv output of token t) for channels `ch` as a 1-D [N] vector, reading each window
+    column straight from memory (L1-cached re-reads) instead of from a 2-D [N, WP] window, so
+    that no 2-D window layout leaks into the code that consumes the result."""
+    y = tl.zeros(ch.shape, dtype=tl.float32)
+    for j in tl.static_range(W):
+        if t + j < W - 1:  # window column t + j is conv-state column t + j
+            x = tl.load(conv_row + ch * (W - 1) + (t + j)).to(tl.float32)
+        else:  # ... or the input of token t + j - (W - 1)
+            x = tl.load(x_row + (t + j - (W - 1)) * stride_t + ch).to(tl.float32)
+        y += x * tl.load(w_ptr + ch * W + j).to(tl.float32)
+    return y * tl.sigmoid(y)
+
+
+@triton.jit
 def _l2norm(x):
     return x / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
 
 
 @triton.jit
@@ -214,19 +257,340 @@ def _kda_decode_kernel(
     _store_window(conv_row, k_win, k_ch, cols, T, W)
 
 
-def default_config(k_dim: int, v_dim: int) -> tuple[int, int]:
-    """(block_v, num_warps): the whole K x V tile of a head in one program when it fits in
-    registers (64 fp32 per thread at 128 x 128 with 8 warps), else 64-wide V blocks."""
+@triton.jit
+def _kda_prep_kernel(
+    qkv_ptr,  # [B, T, C] pre-conv q|k|v, C = 2*H*K + H*V
+    f_ptr,  # [B, T, H*K] raw gate (before dt_bias)
+    beta_ptr,  # [B, T, H] raw beta (before sigmoid)
+    conv_w_ptr,  # [C, W]
+    a_log_ptr,  # [H]
+    dt_bias_ptr,  # [H*K]
+    conv_state_ptr,  # [S, C, W-1] pool, q/k channels updated in place
+    slots_ptr,  # [B]
+    scratch_ptr,  # [B, T, H, D] fp32 records, see the module docstring
+    step_conv_ptr,  # [B, T, C, W-1] or None
+    stride_qkv_b,
+    stride_qkv_t,
+    stride_f_b,
+    stride_f_t,
+    stride_beta_b,
+    stride_beta_t,
+    scale,
+    lower_bound,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    T: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,  # next power of two >= W - 1 + T
+    D: tl.constexpr,  # scratch record width
+    LOWER_BOUND: tl.constexpr,
+    STORE_STEPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Prep of the split variant, one program per (row, head): the head's q/k conv (its conv
+    state updated by this program only), norms, gate and beta, as one record per token."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // H
+    head = pid % H
+    C = 2 * H * K + H * V
+    ok = tl.arange(0, K)
+    cols = tl.arange(0, WP)
+    q_ch = head * K + ok
+    k_ch = H * K + head * K + ok
+
+    if USE_PDL:
+        # Wait for the previous kernels (projections, pools) before anything else, and only
+        # then let the recurrence launch: it reads the pools before its own wait, which is safe
+        # only because every program of this grid has passed this wait by then.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    x_row = qkv_ptr + row * stride_qkv_b
+    conv_row = conv_state_ptr + slot * C * (W - 1)
+    a_log = tl.load(a_log_ptr + head).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + head * K + ok).to(tl.float32)
+    f_row = f_ptr + row * stride_f_b + head * K + ok
+    beta_row = beta_ptr + row * stride_beta_b + head
+
+    for t in tl.static_range(T):
+        q = _l2norm(_conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, q_ch, t, W))
+        q = q * scale
+        k = _l2norm(_conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, k_ch, t, W))
+        f = tl.load(f_row + t * stride_f_t).to(tl.float32)
+        decay = tl.exp(_gate(f, a_log, dt_bias, lower_bound, LOWER_BOUND))
+        beta = tl.sigmoid(tl.load(beta_row + t * stride_beta_t).to(tl.float32))
+        rec = scratch_ptr + ((row * T + t) * H + head) * D
+        tl.store(rec + ok, decay * q)
+        tl.store(rec + K + ok, k)
+        tl.store(rec + 2 * K + ok, decay)
+        tl.store(rec + 3 * K, beta)
+        tl.store(rec + 3 * K + 1, tl.sum(q * k, axis=0))
+
+    # The q/k conv state update (and the per-token windows), from [K, WP] windows loaded now.
+    q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
+    k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
+    if STORE_STEPS:
+        for t in tl.static_range(T):
+            step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
+            _store_window(step_conv, q_win, q_ch, cols, t + 1, W)
+            _store_window(step_conv, k_win, k_ch, cols, t + 1, W)
+    # All lanes must have read the old window before any lane overwrites it. No other program
+    # touches these channels of this slot (padding rows sharing the sink slot aside).
+    tl.debug_barrier()
+    _store_window(conv_row, q_win, q_ch, cols, T, W)
+    _store_window(conv_row, k_win, k_ch, cols, T, W)
+
+
+@triton.jit
+def _kda_recurrent_kernel(
+    qkv_ptr,  # [B, T, C] pre-conv q|k|v (this kernel reads the v channels)
+    conv_w_ptr,  # [C, W]
+    conv_state_ptr,  # [S, C, W-1] pool, v channels updated in place
+    scratch_ptr,  # [B, T, H, D] fp32 records written by the prep kernel
+    state_ptr,  # [S, H, K, V] fp32 pool, updated in place
+    slots_ptr,  # [B]
+    out_ptr,  # [B, T, H, V]
+    step_state_ptr,  # [B, T, H, K, V] fp32 or None
+    step_conv_ptr,  # [B, T, C, W-1] or None
+    stride_qkv_b,
+    stride_qkv_t,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    T: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    D: tl.constexpr,
+    BV: tl.constexpr,
+    STORE_STEPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Recurrence of the split variant, one program per (row, head, V block), which also does
+    the conv of its own BV v channels. The V blocks of a head are adjacent program ids, so they
+    run together and share the head's records in L2."""
+    pid = tl.program_id(0).to(tl.int64)
+    NV = V // BV  # constexpr
+    vb = pid % NV
+    row = pid // NV // H
+    head = pid // NV % H
+    C = 2 * H * K + H * V
+    ok = tl.arange(0, K)
+    ov = vb * BV + tl.arange(0, BV)
+    cols = tl.arange(0, WP)
+    v_ch = 2 * H * K + head * V + ov
+    tile = ok[:, None] * V + ov[None, :]
+
+    # The slot index and the state tile are read before the PDL wait, overlapping the load with
+    # the tail of the prep kernel. Safe: the prep kernel writes neither, and this grid launches
+    # only after every prep program has passed its own wait, i.e. after every earlier kernel
+    # (the previous step's recurrence, a rollback, a prefill) has completed.
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    state_tile = state_ptr + (slot * H + head) * K * V + tile
+    s = tl.load(state_tile, eviction_policy="evict_first")  # [K, BV] fp32, touched once
+    x_row = qkv_ptr + row * stride_qkv_b
+    conv_row = conv_state_ptr + slot * C * (W - 1)
+
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the records of the prep kernel
+        tl.extra.cuda.gdc_launch_dependents()
+
+    for t in tl.static_range(T):
+        rec = scratch_ptr + ((row * T + t) * H + head) * D
+        dq = tl.load(rec + ok)
+        k = tl.load(rec + K + ok)
+        decay = tl.load(rec + 2 * K + ok)
+        beta = tl.load(rec + 3 * K)
+        qk = tl.load(rec + 3 * K + 1)
+        v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
+        # Both reductions read the old tile: S_new = diag(d) S + k delta^T gives
+        # S_new^T q = S^T (d q) + (q.k) delta, and (diag(d) S)^T k = S^T (d k). One two-operand
+        # reduction: one pass through shared memory for both.
+        u, w = tl.reduce((s * (decay * k)[:, None], s * dq[:, None]), 0, _add_pairs)
+        delta = beta * (v - u)
+        s = s * decay[:, None] + k[:, None] * delta[None, :]
+        o = w + qk * delta
+        tl.store(out_ptr + ((row * T + t) * H + head) * V + ov, o.to(out_ptr.dtype.element_ty))
+        if STORE_STEPS:
+            tl.store(step_state_ptr + ((row * T + t) * H + head) * K * V + tile, s)
+    tl.store(state_tile, s, eviction_policy="evict_first")
+
+    # The conv state of this block's own v channels (no other program touches them).
+    v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
+    if STORE_STEPS:
+        for t in tl.static_range(T):
+            _store_window(step_conv_ptr + (row * T + t) * C * (W - 1), v_win, v_ch, cols, t + 1, W)
+    tl.debug_barrier()  # all lanes have read the old window before any lane overwrites it
+    _store_window(conv_row, v_win, v_ch, cols, T, W)
+
+
+@triton.jit
+def _kda_onepass_kernel(
+    qkv_ptr,  # [B, T, C] pre-conv q|k|v, C = 2*H*K + H*V
+    f_ptr,  # [B, T, H*K] raw gate (before dt_bias)
+    beta_ptr,  # [B, T, H] raw beta (before sigmoid)
+    conv_w_ptr,  # [C, W]
+    a_log_ptr,  # [H]
+    dt_bias_ptr,  # [H*K]
+    conv_state_ptr,  # [S, C, W-1] pool, updated in place
+    state_ptr,  # [S, H, K, V] fp32 pool, updated in place
+    slots_ptr,  # [B]
+    out_ptr,  # [B, T, H, V]
+    counter_ptr,  # [B, H] int32, zero before and after the launch
+    step_state_ptr,  # [B, T, H, K, V] fp32 or None
+    step_conv_ptr,  # [B, T, C, W-1] or None
+    stride_qkv_b,
+    stride_qkv_t,
+    stride_f_b,
+    stride_f_t,
+    stride_beta_b,
+    stride_beta_t,
+    scale,
+    lower_bound,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    T: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,  # next power of two >= W - 1 + T
+    BV: tl.constexpr,
+    LOWER_BOUND: tl.constexpr,
+    STORE_STEPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The onepass variant, one program per (row, head, V block): the split recurrence with the
+    prep done in place (q/k recomputed by each of a head's V blocks, v for the block's own
+    channels). The q/k conv windows of the head are rewritten by whichever of its programs reads
+    them last, found with an atomic counter per (row, head)."""
+    pid = tl.program_id(0).to(tl.int64)
+    NV = V // BV  # constexpr
+    vb = pid % NV
+    row_head = pid // NV
+    row = row_head // H
+    head = row_head % H
+    C = 2 * H * K + H * V
+    ok = tl.arange(0, K)
+    ov = vb * BV + tl.arange(0, BV)
+    cols = tl.arange(0, WP)
+    q_ch = head * K + ok
+    k_ch = H * K + head * K + ok
+    v_ch = 2 * H * K + head * V + ov
+    tile = ok[:, None] * V + ov[None, :]
+
+    if USE_PDL:
+        # The previous kernel may be this layer's previous step: wait before touching any pool.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    state_tile = state_ptr + (slot * H + head) * K * V + tile
+    s = tl.load(state_tile, eviction_policy="evict_first")  # [K, BV] fp32, touched once
+    x_row = qkv_ptr + row * stride_qkv_b
+    conv_row = conv_state_ptr + slot * C * (W - 1)
+    a_log = tl.load(a_log_ptr + head).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + head * K + ok).to(tl.float32)
+    f_row = f_ptr + row * stride_f_b + head * K + ok
+    beta_row = beta_ptr + row * stride_beta_b + head
+    out_row = out_ptr + (row * T * H + head) * V + ov
+
+    for t in tl.static_range(T):
+        # The conv outputs come from 1-D tap loads (`_conv_silu_taps`), not from the windows:
+        # consuming a reduction over a [K, WP] window makes the compiler move the whole state
+        # tile into the window's layout (a 16 KiB round trip through shared memory).
+        x_q = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, q_ch, t, W)
+        x_k = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, k_ch, t, W)
+        v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
+        q = _l2norm(x_q) * scale
+        k = _l2norm(x_k)
+        f = tl.load(f_row + t * stride_f_t).to(tl.float32)
+        decay = tl.exp(_gate(f, a_log, dt_bias, lower_bound, LOWER_BOUND))
+        beta = tl.sigmoid(tl.load(beta_row + t * stride_beta_t).to(tl.float32))
+        u, w = tl.reduce((s * (decay * k)[:, None], s * (decay * q)[:, None]), 0, _add_pairs)
+        delta = beta * (v - u)
+        s = s * decay[:, None] + k[:, None] * delta[None, :]
+        o = w + tl.sum(q * k, axis=0) * delta
+        tl.store(out_row + t * H * V, o.to(out_ptr.dtype.element_ty))
+        if STORE_STEPS:
+            tl.store(step_state_ptr + ((row * T + t) * H + head) * K * V + tile, s)
+    tl.store(state_tile, s, eviction_policy="evict_first")
+
+    # The conv windows, as [N, WP] tiles, are loaded only now, for the stores (they would only
+    # hold registers during the recurrence). Every load of the old q/k conv state above has been
+    # consumed (the tile was computed from it) before this program's counter increment below.
+    v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
+    if STORE_STEPS:
+        for t in tl.static_range(T):
+            step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
+            _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
+        if vb == 0:  # the q/k step windows, once per head
+            q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
+            k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
+            for t in tl.static_range(T):
+                step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
+                _store_window(step_conv, q_win, q_ch, cols, t + 1, W)
+                _store_window(step_conv, k_win, k_ch, cols, t + 1, W)
+    # All lanes must have read the old window before any lane overwrites it.
+    tl.debug_barrier()
+    _store_window(conv_row, v_win, v_ch, cols, T, W)  # this block's own v channels
+    if NV == 1:
+        q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
+        k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
+        tl.debug_barrier()
+        _store_window(conv_row, q_win, q_ch, cols, T, W)
+        _store_window(conv_row, k_win, k_ch, cols, T, W)
+    else:
+        # The q/k windows of the head are rewritten by the last of its NV programs to arrive
+        # here. Release: each program's reads of them (consumed above; the barrier orders the
+        # other lanes' before this one) precede its increment; acquire: the last program's
+        # reads and writes below follow every other program's increment.
+        arrived = tl.atomic_add(counter_ptr + row_head, 1, sem="acq_rel")
+        if arrived == NV - 1:  # uniform across the program
+            tl.store(counter_ptr + row_head, 0)  # all NV have arrived: back to zero
+            q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
+            k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
+            tl.debug_barrier()
+            _store_window(conv_row, q_win, q_ch, cols, T, W)
+            _store_window(conv_row, k_win, k_ch, cols, T, W)
+
+
+VARIANTS = ("split", "onepass", "fused")
+PREP_WARPS = 4
+
+
+def default_config(k_dim: int, v_dim: int, variant: str = "split") -> tuple[int, int]:
+    """(block_v, num_warps) of the state-streaming kernel.
+
+    split / onepass: 32-column V blocks with 4 warps (a 16 KiB tile, 32 fp32 per thread): small
+    enough that several programs share an SM and keep loads in flight while others compute.
+    fused: the whole K x V tile of a head in one program when it fits in registers (64 fp32 per
+    thread at 128 x 128 with 8 warps), else 64-wide V blocks."""
+    if variant in ("split", "onepass"):
+        block_v = min(v_dim, 32)
+        return block_v, max(1, min(4, k_dim * block_v // 1024))
     block_v = v_dim if k_dim * v_dim <= 128 * 128 else min(v_dim, 64)
     num_warps = max(1, min(8, k_dim * block_v // 2048))
     return block_v, num_warps
+
+
+def scratch_width(k_dim: int) -> int:
+    """fp32 words per (row, token, head) record of the split variant's scratch: dq, k, exp(g)
+    [K each], beta, q.k, padded to whole 128-byte lines."""
+    return -(-(3 * k_dim + 2) // 32) * 32
+
+
+def decode_scratch(batch: int, steps: int, heads: int, k_dim: int,
+                   device: torch.device | str) -> torch.Tensor:
+    """An uninitialised scratch for `kda_decode(..., scratch=...)`: [B, T, H, D] fp32."""
+    return torch.empty(batch, steps, heads, scratch_width(k_dim), dtype=torch.float32,
+                       device=device)
 
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def kda_decode(
+def _plan(
     qkv: torch.Tensor,
     f: torch.Tensor,
     beta: torch.Tensor,
@@ -243,28 +607,18 @@ def kda_decode(
     out: torch.Tensor | None = None,
     step_states: torch.Tensor | None = None,
     step_conv: torch.Tensor | None = None,
+    variant: str = "split",
+    scratch: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
     use_pdl: bool | None = None,
-) -> torch.Tensor:
-    """One decode / verify step of a KDA layer for B rows of T new tokens each, in one launch.
-
-    qkv: [B, T, 2*H*K + H*V] pre-conv q|k|v projections (model dtype);
-    f: [B, T, H*K] raw gate (f_b(f_a(x)), before dt_bias); beta: [B, T, H] raw (before sigmoid);
-    conv_weight: [C, W] depthwise taps of the stacked q|k|v channels; a_log: [H]; dt_bias: [H*K];
-    conv_state: [S, C, W-1] pool (last W-1 inputs, oldest first); recurrent_state: [S, H, K, V]
-    fp32 pool; slots: [B] int32/int64 slot of each row (padding rows may share a sink slot, whose
-    contents then become garbage); gate: "softplus" or "lower_bound"; scale: q scale (K^-1/2).
-    step_states [B, T, H, K, V] fp32 and step_conv [B, T, C, W-1] (both or neither): also keep
-    the state after every token, for `kda_decode_rollback`.
-    Returns o: [B, T, H, V] in qkv's dtype (or `out`). Both pools are updated in place.
-
-    Preconditions: the last dim of qkv, f and beta is contiguous (rows may be strided views);
-    pools, weights, out and the step buffers are contiguous; K, V and block_v are powers of two;
-    no two real rows share a slot. No host sync: safe inside CUDA graphs.
-    """
+) -> tuple[torch.Tensor, list]:
+    """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
     if gate not in GATE_FORMS:
         raise ValueError(f"unknown KDA gate form {gate!r} (softplus or lower_bound)")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown KDA decode variant {variant!r} ({', '.join(VARIANTS)})")
     batch, steps, channels = qkv.shape
     _, heads, k_dim, v_dim = recurrent_state.shape
     width = conv_weight.shape[1]
@@ -300,7 +654,7 @@ def kda_decode(
     ):
         raise ValueError("step_states / step_conv must be contiguous [B, T, H, K, V] fp32 and "
                          "[B, T, C, W-1]")
-    default_bv, default_warps = default_config(k_dim, v_dim)
+    default_bv, default_warps = default_config(k_dim, v_dim, variant)
     block_v = block_v or default_bv
     num_warps = num_warps or default_warps
     if not (_is_pow2(k_dim) and _is_pow2(v_dim) and _is_pow2(block_v) and block_v <= v_dim):
@@ -311,22 +665,121 @@ def kda_decode(
         out = qkv.new_empty(batch, steps, heads, v_dim)
     elif out.shape != (batch, steps, heads, v_dim) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous [{batch}, {steps}, {heads}, {v_dim}]")
+    record = scratch_width(k_dim)
+    if variant == "split":
+        if scratch is None:
+            scratch = decode_scratch(batch, steps, heads, k_dim, qkv.device)
+        elif (scratch.shape != (batch, steps, heads, record) or scratch.dtype != torch.float32
+              or not scratch.is_contiguous()):
+            raise ValueError(f"scratch must be contiguous [{batch}, {steps}, {heads}, {record}] "
+                             "fp32 (decode_scratch)")
+    if variant == "onepass" and v_dim > block_v:
+        if counters is None:
+            counters = torch.zeros(batch, heads, dtype=torch.int32, device=qkv.device)
+        elif (counters.shape != (batch, heads) or counters.dtype != torch.int32
+              or not counters.is_contiguous()):
+            raise ValueError(f"counters must be contiguous int32 [{batch}, {heads}] (zeros)")
     if batch == 0:
-        return out
+        return out, []
     if use_pdl is None:
         use_pdl = pdl_enabled(qkv)
     launch = {"launch_pdl": True} if use_pdl else {}
-    _kda_decode_kernel[(batch * heads,)](
-        qkv, f, beta, conv_weight, a_log, dt_bias, conv_state, recurrent_state, slots, out,
-        step_states, step_conv,
-        qkv.stride(0), qkv.stride(1), f.stride(0), f.stride(1), beta.stride(0), beta.stride(1),
-        float(k_dim**-0.5 if scale is None else scale), float(lower_bound),
-        H=heads, K=k_dim, V=v_dim, T=steps, W=width,
-        WP=triton.next_power_of_2(width - 1 + steps), BV=block_v,
-        LOWER_BOUND=gate == "lower_bound", STORE_STEPS=step_states is not None, USE_PDL=use_pdl,
-        num_warps=num_warps, **launch,
+    scale = float(k_dim**-0.5 if scale is None else scale)
+    common = dict(H=heads, K=k_dim, V=v_dim, T=steps, W=width,
+                  WP=triton.next_power_of_2(width - 1 + steps),
+                  LOWER_BOUND=gate == "lower_bound", STORE_STEPS=step_states is not None,
+                  USE_PDL=use_pdl)
+    strides = (qkv.stride(0), qkv.stride(1), f.stride(0), f.stride(1), beta.stride(0),
+               beta.stride(1))
+    if variant == "onepass":
+        return out, [lambda: _kda_onepass_kernel[(batch * heads * (v_dim // block_v),)](
+            qkv, f, beta, conv_weight, a_log, dt_bias, conv_state, recurrent_state, slots, out,
+            counters, step_states, step_conv, *strides, scale, float(lower_bound),
+            BV=block_v, num_warps=num_warps, **common, **launch,
+        )]
+    if variant == "fused":
+        return out, [lambda: _kda_decode_kernel[(batch * heads,)](
+            qkv, f, beta, conv_weight, a_log, dt_bias, conv_state, recurrent_state, slots, out,
+            step_states, step_conv, *strides, scale, float(lower_bound),
+            BV=block_v, num_warps=num_warps, **common, **launch,
+        )]
+    return out, [
+        lambda: _kda_prep_kernel[(batch * heads,)](
+            qkv, f, beta, conv_weight, a_log, dt_bias, conv_state, slots, scratch, step_conv,
+            *strides, scale, float(lower_bound), D=record, num_warps=PREP_WARPS, **common,
+            **launch,
+        ),
+        lambda: _kda_recurrent_kernel[(batch * heads * (v_dim // block_v),)](
+            qkv, conv_weight, conv_state, scratch, recurrent_state, slots, out, step_states,
+            step_conv, qkv.stride(0), qkv.stride(1), D=record, BV=block_v, num_warps=num_warps,
+            **{k: v for k, v in common.items() if k != "LOWER_BOUND"}, **launch,
+        ),
+    ]
+
+
+def kda_decode(
+    qkv: torch.Tensor,
+    f: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    gate: str = "softplus",
+    lower_bound: float = -5.0,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    step_states: torch.Tensor | None = None,
+    step_conv: torch.Tensor | None = None,
+    variant: str = "split",
+    scratch: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    use_pdl: bool | None = None,
+) -> torch.Tensor:
+    """One decode / verify step of a KDA layer for B rows of T new tokens each.
+
+    qkv: [B, T, 2*H*K + H*V] pre-conv q|k|v projections (model dtype);
+    f: [B, T, H*K] raw gate (f_b(f_a(x)), before dt_bias); beta: [B, T, H] raw (before sigmoid);
+    conv_weight: [C, W] depthwise taps of the stacked q|k|v channels; a_log: [H]; dt_bias: [H*K];
+    conv_state: [S, C, W-1] pool (last W-1 inputs, oldest first); recurrent_state: [S, H, K, V]
+    fp32 pool; slots: [B] int32/int64 slot of each row (padding rows may share a sink slot, whose
+    contents then become garbage); gate: "softplus" or "lower_bound"; scale: q scale (K^-1/2).
+    step_states [B, T, H, K, V] fp32 and step_conv [B, T, C, W-1] (both or neither): also keep
+    the state after every token, for `kda_decode_rollback`.
+    variant: "split" (prep + recurrence launches, default), "onepass" or "fused" (one launch
+    each); see the module docstring. scratch: the split variant's [B, T, H, scratch_width(K, V)]
+    fp32 buffer (`decode_scratch`, contents irrelevant). counters: the onepass variant's [B, H]
+    int32 buffer, all zero (each launch leaves it zero again: allocate it once with
+    torch.zeros and reuse it). Either is allocated per call when None (fine inside CUDA graph
+    capture; for counters that adds a memset).
+    block_v / num_warps: the state kernel's config (default `default_config(K, V, variant)`).
+    Returns o: [B, T, H, V] in qkv's dtype (or `out`). Both pools are updated in place.
+
+    Preconditions: the last dim of qkv, f and beta is contiguous (rows may be strided views);
+    pools, weights, out and the step buffers are contiguous; K, V and block_v are powers of two;
+    no two real rows share a slot. No host sync: safe inside CUDA graphs.
+    """
+    out, launches = _plan(
+        qkv, f, beta, conv_weight, a_log, dt_bias, conv_state, recurrent_state, slots,
+        gate=gate, lower_bound=lower_bound, scale=scale, out=out, step_states=step_states,
+        step_conv=step_conv, variant=variant, scratch=scratch, counters=counters, block_v=block_v,
+        num_warps=num_warps, use_pdl=use_pdl,
     )
+    for run in launches:
+        run()
     return out
+
+
+def kda_decode_stages(*args, **kwargs) -> list:
+    """The launches `kda_decode(*args, **kwargs)` would make, as callables, without making them:
+    [prep, recurrence] for the split variant, one launch for the others. For timing the stages
+    separately (benchmarks/kda_decode.py); each call of one repeats that launch."""
+    return _plan(*args, **kwargs)[1]
 
 
 def kda_decode_rollback(
