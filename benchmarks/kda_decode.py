@@ -62,7 +62,9 @@ DEFAULT = "split"  # kda_decode's default variant
 # (block_v, num_warps) swept at --sweep-at requests, per variant.
 SWEEP = {
     "split": [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)],
-    "onepass": [(16, 2), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)],
+    # (128, 8) is left out: with one V block per head Triton 3.6 fails to compile onepass
+    # (first H200 run of this variant, 2026-11-29).
+    "onepass": [(16, 2), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)],
     "fused": [(128, 8), (64, 4), (32, 4)],
 }
 
@@ -227,8 +229,12 @@ def check(gate: str) -> dict[str, list[str]]:
         for steps, (block_v, num_warps) in configs:
             inp = make_inputs(8, steps, seed=steps)
             o_ref, s_ref = reference(inp, gate)
-            o = kda_decode(**inp, gate=gate, variant=variant, block_v=block_v,
-                           num_warps=num_warps)
+            try:
+                o = kda_decode(**inp, gate=gate, variant=variant, block_v=block_v,
+                               num_warps=num_warps)
+            except Exception as exc:  # a config that does not compile here is a failure too
+                failures[variant].append(f"{variant} bv={block_v} warps={num_warps}: {exc!r:.200}")
+                continue
             rows = inp["recurrent_state"][inp["slots"].long()].cpu()
             # bf16 output: half an ulp (2^-8) of the value + 1e-4 of the largest; fp32 state 1e-4.
             excess = (o.float().cpu() - o_ref).abs() - 2.0**-8 * o_ref.abs()
