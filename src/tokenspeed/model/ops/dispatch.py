@@ -8,6 +8,7 @@ install without Triton, or a GPU without fla, still runs (on the references).
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -21,16 +22,22 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_kernels(x: torch.Tensor) -> bool:
-    """Whether the Triton fast paths apply to tensors like x (CUDA, Triton installed)."""
-    return x.is_cuda and _has("triton")
+    """Whether the Triton fast paths apply to tensors like x: CUDA tensors with Triton
+    installed, or any tensor under TRITON_INTERPRET=1 (how CPU tests run the whole model through
+    the kernels)."""
+    return (x.is_cuda or _interpreting()) and _has("triton")
 
 
 def fla_prefill(x: torch.Tensor) -> bool:
     """Whether fla-core's chunked KDA runs the prefill of tensors like x: half-precision models
-    on CUDA with fla installed. fp32 models keep the reference (fla's tensor-core dots round
-    fp32 inputs to TF32, which an fp32 model is usually run to avoid)."""
-    return triton_kernels(x) and x.dtype in (torch.bfloat16, torch.float16) and _has("fla")
+    on CUDA with fla installed (fla's chunked kernels do not run under the interpreter). fp32
+    models keep the reference (fla's tensor-core dots round fp32 inputs to TF32)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _has("fla")
 
 
 def routed_experts(
@@ -107,10 +114,20 @@ def mla_decode(
         from .mla.decode import decode_parallelism, mla_decode_paged_split, uniform_split_count
 
         if plan is None:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            sms = (
+                torch.cuda.get_device_properties(q.device).multi_processor_count
+                if q.is_cuda else 8
+            )
             budget = decode_parallelism(sms, q.shape[1], q.shape[0] // page_table.shape[0])
             return mla_decode_paged_split(
-                q, pages, page_table, context_lens, w_uk, w_uv, scale, gate=gate,
+                q,
+                pages,
+                page_table,
+                context_lens,
+                w_uk,
+                w_uv,
+                scale,
+                gate=gate,
                 uniform_splits=uniform_split_count(page_table.shape[0], budget),
             )
         return mla_decode_paged_split(
@@ -137,13 +154,15 @@ def mla_prefill_paged(
     return kernel(q, pages, page_table, cu_seqlens_q, context_lens, kv_b_weight, v_head_dim, scale)
 
 
-def attn_res_mix_norm(bank, query, mix_weight, mix_eps, norm_weight, norm_eps, *, delta=None,
-                      accumulate=True):
+def attn_res_mix_norm(
+    bank, query, mix_weight, mix_eps, norm_weight, norm_eps, *, delta=None, accumulate=True
+):
     """Fused AttnRes mix + RMSNorm with the partial-entry update (see ops.attn_res.fused)."""
     from .attn_res.fused import attn_res_mix_norm as kernel
 
-    return kernel(bank, query, mix_weight, mix_eps, norm_weight, norm_eps, delta=delta,
-                  accumulate=accumulate)
+    return kernel(
+        bank, query, mix_weight, mix_eps, norm_weight, norm_eps, delta=delta, accumulate=accumulate
+    )
 
 
 def fused_moe(x: torch.Tensor) -> bool:
