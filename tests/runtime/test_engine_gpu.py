@@ -18,7 +18,7 @@ def _generate(model, graphs: bool):
         device="cuda", page_size=16, max_num_seqs=8, max_model_len=512,
         prefill_token_budget=128, enable_cuda_graph=graphs,
     ))
-    assert (engine.runner.graphs is not None) == graphs
+    assert engine.runner.graphs.captured == graphs
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9)]
     for i, p in enumerate(prompts):

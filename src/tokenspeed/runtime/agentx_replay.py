@@ -84,7 +84,9 @@ def replay(
         state.history = prompt
         rid = (state.session.sid, state.turn)
         engine.add_request(
-            rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            rid,
+            prompt,
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
             session=state.session.sid,
         )
         live[rid] = state

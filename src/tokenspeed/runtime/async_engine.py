@@ -36,8 +36,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it progresses; the last one has `finished` set."""
         queue: asyncio.Queue = asyncio.Queue()
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                session=session)
+        self.engine.add_request(
+            request_id, prompt_token_ids, params, prompt=prompt, session=session
+        )
         self._queues[request_id] = queue
         self._ensure_loop()
         try:

@@ -12,8 +12,9 @@ class EngineConfigError(ValueError):
 
 def _positive(instance, attribute, value) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise EngineConfigError(f"EngineConfig.{attribute.name} must be a positive integer, "
-                                f"got {value!r}")
+        raise EngineConfigError(
+            f"EngineConfig.{attribute.name} must be a positive integer, got {value!r}"
+        )
 
 
 @frozen(kw_only=True)

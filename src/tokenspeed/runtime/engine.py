@@ -147,10 +147,15 @@ class Engine:
         )
         self.scheduler.decode.save_state_on_preempt = self._save_state
         self.runner = ModelRunner(self.model, self.cache, self.device)
-        if config.enable_cuda_graph and self.device.type == "cuda":
+        if self.device.type == "cuda":
             from .graphs import DecodeGraphs
 
-            self.runner.graphs = DecodeGraphs(self.runner, sizes, config.max_pages_per_request)
+            # Eager mode runs the same padded steps without capturing them, so that the two
+            # modes compute identical numbers.
+            self.runner.graphs = DecodeGraphs(
+                self.runner, sizes, config.max_pages_per_request,
+                capture=config.enable_cuda_graph,
+            )
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.metrics = EngineMetrics()
         self._records: dict[Hashable, _Record] = {}
@@ -202,8 +207,13 @@ class Engine:
         sched = Request(request_id, len(ids), max_new, keys=chain.keys, session=session)
         now = time.monotonic()
         record = _Record(
-            rid=request_id, prompt=prompt, prompt_ids=ids, params=params, sched=sched,
-            chain=chain, stop=StopChecker(params, self.tokenizer, self._eos),
+            rid=request_id,
+            prompt=prompt,
+            prompt_ids=ids,
+            params=params,
+            sched=sched,
+            chain=chain,
+            stop=StopChecker(params, self.tokenizer, self._eos),
             metrics=RequestMetrics(arrival_time=now),
         )
         self._records[request_id] = record
@@ -350,9 +360,7 @@ class Engine:
         if state is None and kept is not None and kept[0] == position:
             state = kept[1]
         if state is None:
-            raise RuntimeError(
-                f"no KDA state kept for request {req.rid!r} at position {position}"
-            )
+            raise RuntimeError(f"no KDA state kept for request {req.rid!r} at position {position}")
         self.runner.write_checkpoint(slot, state)
 
     def _finish(self, record: _Record, reason: str, abort_reason: str | None = None) -> None:

@@ -17,7 +17,10 @@ from tokenspeed.model import ForwardBatch
 
 
 class DecodeGraphs:
-    def __init__(self, runner, sizes: Sequence[int], max_pages: int):
+    """capture=False runs the very same padded steps eagerly (same buffers, shapes and split
+    plans, hence the same numbers): the engine's eager mode on a GPU."""
+
+    def __init__(self, runner, sizes: Sequence[int], max_pages: int, capture: bool = True):
         self.runner = runner
         self.cache = runner.cache
         self.sizes = tuple(sorted(sizes))
@@ -36,7 +39,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.plans = self._split_plans(device)
-        self._capture()
+        self.captured = capture
+        if capture:
+            self._capture()
 
     def _split_plans(self, device) -> dict[int, object]:
         """Static split-plan buffers of the MLA decode kernel, one per graph size, refilled by
@@ -117,8 +122,14 @@ class DecodeGraphs:
 
             lens = [p + 1 for p in prefix_lens] + [1] * (size - n)
             plan_decode_splits(
-                lens, parallelism=self.parallelism, max_batch=size, max_splits=plan.max_splits,
-                granularity=self.cache.page_size, out=plan,
+                lens,
+                parallelism=self.parallelism,
+                max_batch=size,
+                max_splits=plan.max_splits,
+                granularity=self.cache.page_size,
+                out=plan,
             )
+        if not self.captured:
+            return self._forward(size)[:n].clone()
         self.graphs[size].replay()
         return self.logits[size][:n].clone()

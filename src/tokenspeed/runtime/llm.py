@@ -1,10 +1,10 @@
 """`LLM`: offline batch generation, with the calling conventions vLLM users know.
 
-    from tokenspeed import LLM, SamplingParams
-    llm = LLM(model="tiny")                       # a preset (random weights) or a checkpoint dir
-    outs = llm.generate(["Hello", {"prompt_token_ids": [5, 6, 7]}],
-                        SamplingParams(temperature=0, max_tokens=32))
-    outs[0].text, outs[1].token_ids
+from tokenspeed import LLM, SamplingParams
+llm = LLM(model="tiny")                       # a preset (random weights) or a checkpoint dir
+outs = llm.generate(["Hello", {"prompt_token_ids": [5, 6, 7]}],
+                    SamplingParams(temperature=0, max_tokens=32))
+outs[0].text, outs[1].token_ids
 """
 
 from __future__ import annotations

@@ -76,7 +76,10 @@ class ModelRunner:
         if logits_rows is not None:
             last = last[torch.tensor(list(logits_rows), dtype=torch.long, device=self.device)]
         out = self.model(
-            ids, batch, self.paged_state(slots, table), logits_indices=last,
+            ids,
+            batch,
+            self.paged_state(slots, table),
+            logits_indices=last,
             before_layer=self._waiter(handles),
         )
         return out.logits

@@ -113,8 +113,7 @@ class TiktokenTokenizer:
                 "or in a tokenization_*.py next to it"
             )
         named = {
-            entry["content"]: int(i)
-            for i, entry in config.get("added_tokens_decoder", {}).items()
+            entry["content"]: int(i) for i, entry in config.get("added_tokens_decoder", {}).items()
         }
         taken = set(named.values())
         base = len(ranks)

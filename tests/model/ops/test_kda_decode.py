@@ -358,7 +358,7 @@ def test_rejects_bad_shapes():
 
 
 def test_defaults_and_scratch_shape():
-    assert default_config(128, 128) == (32, 4)  # split is the default variant
+    assert default_config(128, 128) == (64, 4)  # split is the default variant
     assert default_config(128, 128, "fused") == (128, 8)
     assert scratch_width(128) % 32 == 0 and scratch_width(128) >= 3 * 128 + 2
     assert decode_scratch(2, 3, 4, 16, "cpu").shape == (2, 3, 4, scratch_width(16))
