@@ -1,9 +1,9 @@
 """The `tokenspeed` command.
 
-    tokenspeed generate                     # the tiny preset (random weights), a few prompts
-    tokenspeed generate --model PATH        # a Hugging Face layout Kimi Linear / K3 checkpoint
-    tokenspeed bench agentx                 # an AgentX-style replay through the real engine
-    tokenspeed sim ...                      # the cluster simulator (see `tokenspeed sim --help`)
+tokenspeed generate                     # the tiny preset (random weights), a few prompts
+tokenspeed generate --model PATH        # a Hugging Face layout Kimi Linear / K3 checkpoint
+tokenspeed bench agentx                 # an AgentX-style replay through the real engine
+tokenspeed sim ...                      # the cluster simulator (see `tokenspeed sim --help`)
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ DEFAULT_PROMPTS = (
 
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(
-        dtype=args.dtype, device=args.device, seed=args.seed,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
         enable_cuda_graph=not args.eager,
     )
 
@@ -38,8 +41,10 @@ def generate(args: argparse.Namespace) -> int:
     else:
         prompts = list(args.prompt or DEFAULT_PROMPTS)
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_new_tokens,
-        ignore_eos=args.model in PRESETS, seed=args.seed,
+        temperature=args.temperature,
+        max_tokens=args.max_new_tokens,
+        ignore_eos=args.model in PRESETS,
+        seed=args.seed,
     )
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     start = time.perf_counter()
@@ -49,11 +54,15 @@ def generate(args: argparse.Namespace) -> int:
     for out in outputs:
         head = out.token_ids[:12] + (["..."] if len(out.token_ids) > 12 else [])
         text = "" if random_weights or llm.tokenizer is None else f" {out.text!r}"
-        print(f"{len(out.prompt_token_ids):4d} prompt tokens -> {len(out.token_ids)} tokens "
-              f"{head}{text}")
+        print(
+            f"{len(out.prompt_token_ids):4d} prompt tokens -> {len(out.token_ids)} tokens "
+            f"{head}{text}"
+        )
     if random_weights:
-        print(f"({args.model} is a preset with random weights: its tokens are noise; "
-              "this run measures speed)")
+        print(
+            f"({args.model} is a preset with random weights: its tokens are noise; "
+            "this run measures speed)"
+        )
     generated = sum(len(o.token_ids) for o in outputs)
     model = llm.engine.model
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
@@ -72,9 +81,12 @@ def bench_agentx(args: argparse.Namespace) -> int:
 
     options = _engine_options(args)
     config = EngineConfig(
-        device=options["device"], max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, enable_cuda_graph=options["enable_cuda_graph"],
-        page_size=args.page_size, seed=args.seed,
+        device=options["device"],
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_cuda_graph=options["enable_cuda_graph"],
+        page_size=args.page_size,
+        seed=args.seed,
     )
     from tokenspeed.runtime.engine import resolve_device
 
@@ -83,8 +95,10 @@ def bench_agentx(args: argparse.Namespace) -> int:
     sessions, block = agentx_sessions(args.sessions, args.seed, args.scale, args.max_turns)
     result = replay(engine, sessions, args.concurrency, block)
     engine.check_integrity()
-    print(f"AgentX replay: model {model.config.name}, {args.sessions} sessions (scale "
-          f"{args.scale:g}, up to {args.max_turns} turns), concurrency {args.concurrency}")
+    print(
+        f"AgentX replay: model {model.config.name}, {args.sessions} sessions (scale "
+        f"{args.scale:g}, up to {args.max_turns} turns), concurrency {args.concurrency}"
+    )
     for key, value in result.items():
         shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"  {key:24s} {shown}")
@@ -123,8 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     agentx.add_argument("--sessions", type=int, default=12)
     agentx.add_argument("--concurrency", type=int, default=8)
     agentx.add_argument("--max-turns", type=int, default=3)
-    agentx.add_argument("--scale", type=float, default=1 / 128,
-                        help="token counts relative to AgentX (1/128 suits the tiny preset)")
+    agentx.add_argument(
+        "--scale",
+        type=float,
+        default=1 / 128,
+        help="token counts relative to AgentX (1/128 suits the tiny preset)",
+    )
     agentx.add_argument("--page-size", type=int, default=16)
     agentx.set_defaults(func=bench_agentx)
     sub.add_parser("sim", help="the cluster simulator: tokenspeed sim --help")

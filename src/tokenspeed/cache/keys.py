@@ -170,7 +170,11 @@ def page_keys_for_tokens(tokens: Sequence[int], page_size: int, *, salt: bytes =
 
 
 def page_keys_for_blocks(
-    block_ids: Sequence[int], num_tokens: int, *, block_size: int, page_size: int,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    *,
+    block_size: int,
+    page_size: int,
     salt: bytes = b"",
 ) -> list:
     """Keys of the full pages of a sequence given as trace blocks (a one-shot `KeyChain`)."""

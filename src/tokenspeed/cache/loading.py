@@ -91,7 +91,10 @@ class Loader:
             g.kda_state_bytes if from_l2 else 0
         )
         load = LoadHandle(
-            mla_events, kda_events, l2_pages=len(l2_pids), l2_checkpoint=from_l2,
+            mla_events,
+            kda_events,
+            l2_pages=len(l2_pids),
+            l2_checkpoint=from_l2,
             keepalive=keepalive,
         )
         if events:

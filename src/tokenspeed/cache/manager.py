@@ -168,8 +168,14 @@ class CacheManager:
         scope = (limit, keys[limit - 1] if limit else None)
         if limit <= 0:
             return PrefixMatch(
-                num_tokens=0, l1_tokens=0, l2_tokens=0, checkpoint_tier=None,
-                mla_covered_tokens=0, epoch=self._epoch(), owner=self._token, scope=scope,
+                num_tokens=0,
+                l1_tokens=0,
+                l2_tokens=0,
+                checkpoint_tier=None,
+                mla_covered_tokens=0,
+                epoch=self._epoch(),
+                owner=self._token,
+                scope=scope,
                 sources=(),
             )
         pids = self._pages.lookup(keys)

@@ -42,8 +42,12 @@ class DeviceStorage:
         self.device = device
         self._pin = device.type == "cuda"
         self.mla = torch.zeros(
-            g.num_mla_layers, sizes.num_pages, g.page_size, g.mla_row_width,
-            dtype=g.mla_dtype, device=device,
+            g.num_mla_layers,
+            sizes.num_pages,
+            g.page_size,
+            g.mla_row_width,
+            dtype=g.mla_dtype,
+            device=device,
         )
 
         def kda(slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +55,11 @@ class DeviceStorage:
                 g.num_kda_layers, slots, *g.kda_conv_shape, dtype=g.kda_conv_dtype, device=device
             )
             rec = torch.zeros(
-                g.num_kda_layers, slots, *g.kda_recurrent_shape,
-                dtype=g.kda_recurrent_dtype, device=device,
+                g.num_kda_layers,
+                slots,
+                *g.kda_recurrent_shape,
+                dtype=g.kda_recurrent_dtype,
+                device=device,
             )
             return conv, rec
 

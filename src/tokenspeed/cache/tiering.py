@@ -164,7 +164,8 @@ class Tiering:
         if not missing:
             return
         objects = self._page_objects(
-            [keys[j] for j in missing], [positions[j] for j in missing],
+            [keys[j] for j in missing],
+            [positions[j] for j in missing],
             [pids[j] for j in missing],
         )
         self.counters.pages_written_back += self.l2.put(objects)
@@ -219,6 +220,9 @@ class Tiering:
     def _checkpoint_object(self, entry: CheckpointEntry) -> HostObject:
         payload = self.storage.read_checkpoint(entry.slot) if self.storage is not None else None
         return HostObject(
-            ObjectKind.CHECKPOINT, entry.key, entry.num_tokens, self.geometry.kda_state_bytes,
+            ObjectKind.CHECKPOINT,
+            entry.key,
+            entry.num_tokens,
+            self.geometry.kda_state_bytes,
             payload,
         )

@@ -42,8 +42,10 @@ class ForwardBatch:
         device: torch.device | str | None = None,
     ) -> ForwardBatch:
         seq_lens = tuple(int(n) for n in seq_lens)
-        prefix_lens = tuple(0 for _ in seq_lens) if prefix_lens is None else tuple(
-            int(n) for n in prefix_lens
+        prefix_lens = (
+            tuple(0 for _ in seq_lens)
+            if prefix_lens is None
+            else tuple(int(n) for n in prefix_lens)
         )
         if not seq_lens:
             raise BatchError("a forward step needs at least one request")

@@ -137,9 +137,7 @@ class MoeConfig:
                 f"moe.top_k ({self.top_k}) exceeds moe.num_experts ({self.num_experts})"
             )
         if self.num_shared_experts < 0:
-            raise ConfigError(
-                f"moe.num_shared_experts must be >= 0, got {self.num_shared_experts}"
-            )
+            raise ConfigError(f"moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.num_experts % self.num_groups:
             raise ConfigError(
                 f"moe.num_groups ({self.num_groups}) must divide moe.num_experts "

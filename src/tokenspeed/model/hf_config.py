@@ -87,8 +87,7 @@ def _layer_kinds(cfg: _Reader, linear: Mapping[str, Any], num_layers: int) -> tu
         absent = [i + 1 for i, k in enumerate(kinds_by_layer) if k is None]
         if absent:
             raise ConfigError(
-                f"layers {absent} are in neither linear_attn_config.kda_layers nor "
-                "full_attn_layers"
+                f"layers {absent} are in neither linear_attn_config.kda_layers nor full_attn_layers"
             )
         kinds = tuple(kinds_by_layer)  # type: ignore[arg-type]
     else:

@@ -76,7 +76,6 @@ class KimiModel(nn.Module):
         new_state = DecoderState(kda=kda, mla=mla, num_tokens=list(batch.total_lens))
         return self.norm(hidden), new_state
 
-
     def _forward_fused_attn_res(self, hidden, batch, state, before_layer):
         """The attention-residual stream with each mix, its following RMSNorm and the residual
         add fused in one kernel (ops.attn_res.fused) over a preallocated bank: slots 0..n-1
@@ -94,8 +93,13 @@ class KimiModel(nn.Module):
                 before_layer(layer.index)
             site = layer.self_attention_res
             x = dispatch.attn_res_mix_norm(
-                bank[: n + 1], site.proj.weight, site.norm.weight, eps,
-                layer.input_layernorm.weight, layer.input_layernorm.eps, delta=pending,
+                bank[: n + 1],
+                site.proj.weight,
+                site.norm.weight,
+                eps,
+                layer.input_layernorm.weight,
+                layer.input_layernorm.eps,
+                delta=pending,
             )
             # A layer at a block boundary closes the running sum into a completed entry (at layer
             # 0: the embedding) and starts a new partial with its attention output.
@@ -106,15 +110,25 @@ class KimiModel(nn.Module):
             (kda if layer.kind == "kda" else mla)[layer.index] = new
             site = layer.mlp_res
             x = dispatch.attn_res_mix_norm(
-                bank[: n + 1], site.proj.weight, site.norm.weight, eps,
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                delta=out, accumulate=not opened,
+                bank[: n + 1],
+                site.proj.weight,
+                site.norm.weight,
+                eps,
+                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.eps,
+                delta=out,
+                accumulate=not opened,
             )
             pending = layer.mlp(x)
         site = self.output_attn_res
         hidden = dispatch.attn_res_mix_norm(
-            bank[: n + 1], site.proj.weight, site.norm.weight, eps, self.norm.weight,
-            self.norm.eps, delta=pending,
+            bank[: n + 1],
+            site.proj.weight,
+            site.norm.weight,
+            eps,
+            self.norm.weight,
+            self.norm.eps,
+            delta=pending,
         )
         if isinstance(state, PagedState):
             return hidden, state

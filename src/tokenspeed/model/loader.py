@@ -213,4 +213,3 @@ def load_checkpoint(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
-

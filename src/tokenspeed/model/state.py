@@ -56,12 +56,19 @@ class DecoderState:
         kda = {
             layer: KdaState(
                 conv=torch.zeros(
-                    batch_size, kda_cfg.conv_channels, kda_cfg.conv_kernel - 1,
-                    dtype=dtype, device=device,
+                    batch_size,
+                    kda_cfg.conv_channels,
+                    kda_cfg.conv_kernel - 1,
+                    dtype=dtype,
+                    device=device,
                 ),
                 recurrent=torch.zeros(
-                    batch_size, kda_cfg.num_heads, kda_cfg.head_dim, kda_cfg.head_dim,
-                    dtype=torch.float32, device=device,
+                    batch_size,
+                    kda_cfg.num_heads,
+                    kda_cfg.head_dim,
+                    kda_cfg.head_dim,
+                    dtype=torch.float32,
+                    device=device,
                 ),
             )
             for layer in config.kda_layers

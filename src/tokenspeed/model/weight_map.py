@@ -129,11 +129,13 @@ def _moe_specs(p: str, config: ModelConfig) -> Iterator[TensorSpec]:
         )
     if m.latent_size is not None:
         yield _copy(
-            f"{p}.routed_expert_down_proj.weight", (width, hidden),
+            f"{p}.routed_expert_down_proj.weight",
+            (width, hidden),
             f"{ck}.routed_expert_down_proj.weight",
         )
         yield _copy(
-            f"{p}.routed_expert_up_proj.weight", (hidden, width),
+            f"{p}.routed_expert_up_proj.weight",
+            (hidden, width),
             f"{ck}.routed_expert_up_proj.weight",
         )
         if m.latent_norm:
@@ -173,7 +175,9 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
             specs += _moe_specs(f"{p}.mlp", config)
         else:
             specs += _glu_specs(
-                f"{p}.mlp", (f"{p}.mlp", f"{p}.block_sparse_moe"), hidden,
+                f"{p}.mlp",
+                (f"{p}.mlp", f"{p}.block_sparse_moe"),
+                hidden,
                 config.dense_intermediate_size,
             )
     specs.append(_copy("model.norm.weight", (hidden,)))

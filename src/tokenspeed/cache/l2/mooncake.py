@@ -184,8 +184,13 @@ class MooncakeHostCache(HostCache):
         def setup() -> Any:
             store = self._factory()
             rc = store.setup(
-                cfg.local_hostname, cfg.metadata_server, cfg.global_segment_bytes,
-                cfg.local_buffer_bytes, cfg.protocol, cfg.device_name, cfg.master_address,
+                cfg.local_hostname,
+                cfg.metadata_server,
+                cfg.global_segment_bytes,
+                cfg.local_buffer_bytes,
+                cfg.protocol,
+                cfg.device_name,
+                cfg.master_address,
             )
             if rc != 0:
                 raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
@@ -213,7 +218,8 @@ class MooncakeHostCache(HostCache):
         self._down_until = time.monotonic() + self.config.retry_interval_s
         logger.warning(
             "Mooncake L2 unavailable (%s); treating it as empty for %.1f s",
-            reason, self.config.retry_interval_s,
+            reason,
+            self.config.retry_interval_s,
         )
 
     def _name(self, kind: ObjectKind, key: PageKey) -> str:
@@ -249,7 +255,11 @@ class MooncakeHostCache(HostCache):
                 continue
             payload = memoryview(obj.payload.contiguous().numpy())
             header = encode_header(
-                obj.kind, obj.key, obj.position, payload, self._fingerprint,
+                obj.kind,
+                obj.key,
+                obj.position,
+                payload,
+                self._fingerprint,
                 checksum=self.config.checksum,
             )
             batch.append((obj, header + payload.tobytes()))
@@ -310,7 +320,12 @@ class MooncakeHostCache(HostCache):
                 out.append(None)
                 continue
             payload = decode(
-                blob, kind, key, position, nbytes, self._fingerprint,
+                blob,
+                kind,
+                key,
+                position,
+                nbytes,
+                self._fingerprint,
                 checksum=self.config.checksum,
             )
             if payload is None:

@@ -115,7 +115,9 @@ def _start(
     try:
         proc = subprocess.Popen(
             [sys.executable, "-c", _LAUNCHER, *argv],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
     finally:
         if out is not subprocess.DEVNULL:

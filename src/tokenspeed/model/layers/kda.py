@@ -69,14 +69,21 @@ class KdaAttention(nn.Module):
                 return x.reshape(batch.batch_size, n, *x.shape[1:])
 
             kda = kda_recurrent if n <= RECURRENT_MAX_TOKENS else kda_chunked
-            o, final = kda(fold(q), fold(k), fold(v), fold(g), fold(beta),
-                           initial_state=state.recurrent)
+            o, final = kda(
+                fold(q), fold(k), fold(v), fold(g), fold(beta), initial_state=state.recurrent
+            )
             return o.reshape(-1, *o.shape[2:]), final
         outs, finals = [], []
         for i, seg in batch.segments():
             kda = kda_recurrent if batch.seq_lens[i] <= RECURRENT_MAX_TOKENS else kda_chunked
-            o, final = kda(q[seg][None], k[seg][None], v[seg][None], g[seg][None],
-                           beta[seg][None], initial_state=state.recurrent[i : i + 1])
+            o, final = kda(
+                q[seg][None],
+                k[seg][None],
+                v[seg][None],
+                g[seg][None],
+                beta[seg][None],
+                initial_state=state.recurrent[i : i + 1],
+            )
             outs.append(o[0])
             finals.append(final)
         return torch.cat(outs), torch.cat(finals)
@@ -109,8 +116,14 @@ class KdaAttention(nn.Module):
             qkv.view(rows, n, -1),
             self.f_b_proj(self.f_a_proj(x)).view(rows, n, -1),
             self.b_proj(x).view(rows, n, -1),
-            self.conv_weight, self.A_log, self.dt_bias, state.conv, state.recurrent,
-            state.slots, gate=c.gate, lower_bound=c.gate_lower_bound,
+            self.conv_weight,
+            self.A_log,
+            self.dt_bias,
+            state.conv,
+            state.recurrent,
+            state.slots,
+            gate=c.gate,
+            lower_bound=c.gate_lower_bound,
         )
         return self._tail(x, o.view(tokens, c.num_heads, c.head_dim))
 
@@ -126,10 +139,19 @@ class KdaAttention(nn.Module):
         state.conv.index_copy_(0, slots, conv_state.to(state.conv.dtype))
         q, k, v = (t.reshape(tokens, c.num_heads, c.head_dim) for t in mixed.chunk(3, dim=-1))
         o = dispatch.kda_prefill(
-            q.contiguous(), k.contiguous(), v.contiguous(),
-            self.f_b_proj(self.f_a_proj(x)).contiguous(), self.b_proj(x).contiguous(),
-            self.A_log, self.dt_bias, state.recurrent, slots, batch.cu_seqlens,
-            gate=c.gate, lower_bound=c.gate_lower_bound, cu_seqlens_cpu=batch.cu_seqlens.cpu(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            self.f_b_proj(self.f_a_proj(x)).contiguous(),
+            self.b_proj(x).contiguous(),
+            self.A_log,
+            self.dt_bias,
+            state.recurrent,
+            slots,
+            batch.cu_seqlens,
+            gate=c.gate,
+            lower_bound=c.gate_lower_bound,
+            cu_seqlens_cpu=batch.cu_seqlens.cpu(),
         )
         return self._tail(x, o)
 

@@ -100,7 +100,12 @@ class GatedMla(nn.Module):
             o = mla_decode(q, latent, w_uk, w_uv, batch.cu_seqlens, cu_k, c.softmax_scale)
         else:
             o = mla_prefill(
-                q, latent, self.kv_b_proj.weight, batch.cu_seqlens, cu_k, c.v_head_dim,
+                q,
+                latent,
+                self.kv_b_proj.weight,
+                batch.cu_seqlens,
+                cu_k,
+                c.v_head_dim,
                 c.softmax_scale,
             )
         return self._output(o, x), new_latents
@@ -122,13 +127,26 @@ class GatedMla(nn.Module):
                 self._absorbed_contiguous() if dispatch.half_kernels(x) else self._absorbed()
             )
             o = dispatch.mla_decode(
-                q, pages, cache.page_table, batch.context_lens, w_uk, w_uv, c.softmax_scale,
-                gate, plan=batch.attn_plan,
+                q,
+                pages,
+                cache.page_table,
+                batch.context_lens,
+                w_uk,
+                w_uv,
+                c.softmax_scale,
+                gate,
+                plan=batch.attn_plan,
             )
             return self.o_proj(o.reshape(x.shape[0], -1))  # the gate is applied already
         o = dispatch.mla_prefill_paged(
-            q, pages, cache.page_table, batch.cu_seqlens, batch.context_lens,
-            self.kv_b_proj.weight, c.v_head_dim, c.softmax_scale,
+            q,
+            pages,
+            cache.page_table,
+            batch.cu_seqlens,
+            batch.context_lens,
+            self.kv_b_proj.weight,
+            c.v_head_dim,
+            c.softmax_scale,
         )
         if o is None:
             # Reference (eager only): gather each request's rows and expand them.
@@ -138,7 +156,12 @@ class GatedMla(nn.Module):
             cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
             cu_k[1:] = torch.tensor(lens).cumsum(0)
             o = mla_prefill(
-                q, latent, self.kv_b_proj.weight, batch.cu_seqlens, cu_k, c.v_head_dim,
+                q,
+                latent,
+                self.kv_b_proj.weight,
+                batch.cu_seqlens,
+                cu_k,
+                c.v_head_dim,
                 c.softmax_scale,
             )
         return self._output(o, x)

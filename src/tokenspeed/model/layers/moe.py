@@ -26,8 +26,14 @@ class Router(nn.Module):
         """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
         c = self.config
         return route(
-            x, self.weight, self.e_score_correction_bias, c.top_k, c.num_groups,
-            c.topk_groups, c.renormalize, c.routed_scaling_factor,
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            c.top_k,
+            c.num_groups,
+            c.topk_groups,
+            c.renormalize,
+            c.routed_scaling_factor,
         )
 
 
@@ -112,15 +118,27 @@ class MoE(nn.Module):
 
         def routed() -> torch.Tensor:
             r = dispatch.route_fused(
-                x, router, self.gate.e_score_correction_bias, c.top_k, c.num_groups,
-                c.topk_groups, c.renormalize, c.routed_scaling_factor,
+                x,
+                router,
+                self.gate.e_score_correction_bias,
+                c.top_k,
+                c.num_groups,
+                c.topk_groups,
+                c.renormalize,
+                c.routed_scaling_factor,
             )
             h = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
             norm = self.routed_expert_norm
             y = dispatch.fused_experts(
-                h, r.weights, r.ids, experts, activation=act.kind, beta=act.situ_beta,
+                h,
+                r.weights,
+                r.ids,
+                experts,
+                activation=act.kind,
+                beta=act.situ_beta,
                 linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
-                counts=r.counts, ranks=r.ranks,
+                counts=r.counts,
+                ranks=r.ranks,
                 norm_weight=None if norm is None else norm.weight,
                 norm_eps=1e-6 if norm is None else norm.eps,
             )

@@ -31,9 +31,23 @@ from .reference import attn_res_mix
 
 @triton.jit
 def _mix_norm_kernel(
-    bank_ptr, delta_ptr, q_ptr, mw_ptr, nw_ptr, out_ptr,
-    D, stride_bn, stride_bt, stride_dt, stride_ot, mix_eps, norm_eps,
-    N: tl.constexpr, HAS_DELTA: tl.constexpr, ACCUMULATE: tl.constexpr, BD: tl.constexpr,
+    bank_ptr,
+    delta_ptr,
+    q_ptr,
+    mw_ptr,
+    nw_ptr,
+    out_ptr,
+    D,
+    stride_bn,
+    stride_bt,
+    stride_dt,
+    stride_ot,
+    mix_eps,
+    norm_eps,
+    N: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BD: tl.constexpr,
 ):
     """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D]."""
     t = tl.program_id(0).to(tl.int64)
@@ -66,8 +80,9 @@ def _mix_norm_kernel(
     for i in tl.static_range(N):
         v = ahead.to(tl.float32)
         if i + 2 < N:
-            ahead = tl.load(row + (i + 1) * stride_bn, mask=dmask, other=0.0,
-                            eviction_policy="evict_first")
+            ahead = tl.load(
+                row + (i + 1) * stride_bn, mask=dmask, other=0.0, eviction_policy="evict_first"
+            )
         elif i + 2 == N:
             ahead = partial
         score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
@@ -122,10 +137,24 @@ def attn_res_mix_norm(
     if num_warps is None:
         num_warps = 8 if bd >= 4096 else 4 if bd >= 1024 else 2
     _mix_norm_kernel[(tokens,)](
-        bank, delta if delta is not None else out, query, mix_weight, norm_weight, out,
-        dim, bank.stride(0), bank.stride(1), delta.stride(0) if delta is not None else 0,
-        out.stride(0), float(mix_eps), float(norm_eps),
-        N=n, HAS_DELTA=delta is not None, ACCUMULATE=accumulate, BD=bd, num_warps=num_warps,
+        bank,
+        delta if delta is not None else out,
+        query,
+        mix_weight,
+        norm_weight,
+        out,
+        dim,
+        bank.stride(0),
+        bank.stride(1),
+        delta.stride(0) if delta is not None else 0,
+        out.stride(0),
+        float(mix_eps),
+        float(norm_eps),
+        N=n,
+        HAS_DELTA=delta is not None,
+        ACCUMULATE=accumulate,
+        BD=bd,
+        num_warps=num_warps,
     )
     return out
 

@@ -57,13 +57,17 @@ def kda_prefill(
         raise ValueError(f"unknown KDA gate form {gate!r} (softplus or lower_bound)")
     tokens, heads, k_dim = q.shape
     if k.shape != q.shape or v.shape[:2] != (tokens, heads) or beta.shape != (tokens, heads):
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"beta {tuple(beta.shape)} do not describe one [T, H, ...] batch")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+            f"beta {tuple(beta.shape)} do not describe one [T, H, ...] batch"
+        )
     if f.numel() != tokens * heads * k_dim:
         raise ValueError(f"f {tuple(f.shape)} is not [T, H, K] = [{tokens}, {heads}, {k_dim}]")
     if recurrent_state.dtype != torch.float32 or recurrent_state.shape[1:3] != (heads, k_dim):
-        raise ValueError(f"recurrent_state {tuple(recurrent_state.shape)} "
-                         f"{recurrent_state.dtype} is not an fp32 [S, {heads}, {k_dim}, V] pool")
+        raise ValueError(
+            f"recurrent_state {tuple(recurrent_state.shape)} "
+            f"{recurrent_state.dtype} is not an fp32 [S, {heads}, {k_dim}, V] pool"
+        )
     if slots.shape != (cu_seqlens.shape[0] - 1,):
         raise ValueError(f"{slots.shape[0]} slots for {cu_seqlens.shape[0] - 1} sequences")
     from fla.ops.kda import chunk_kda  # imported late: fla is an optional GPU dependency

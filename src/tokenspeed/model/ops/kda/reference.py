@@ -104,9 +104,9 @@ def _chunk(q, k, v, g, beta, state):
     delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     out = (q * gam.exp()) @ state + qk @ delta
     tail = gam[:, :, -1:]  # [B, H, 1, K]
-    new_state = state * tail.transpose(-1, -2).exp() + (k * (tail - gam).exp()).transpose(
-        -1, -2
-    ) @ delta
+    new_state = (
+        state * tail.transpose(-1, -2).exp() + (k * (tail - gam).exp()).transpose(-1, -2) @ delta
+    )
     return out, new_state
 
 

@@ -94,8 +94,9 @@ def kda_output_tail(
     tokens = o.shape[0]
     width = o.shape[1:].numel()
     if width % v_dim or v_dim & (v_dim - 1):
-        raise ValueError(f"o has {width} values per token; weight [{v_dim}] must divide it "
-                         f"and be a power of two")
+        raise ValueError(
+            f"o has {width} values per token; weight [{v_dim}] must divide it and be a power of two"
+        )
     if gate.numel() != o.numel():
         raise ValueError(f"gate {tuple(gate.shape)} does not match o {tuple(o.shape)}")
     heads = width // v_dim
@@ -112,8 +113,7 @@ def kda_output_tail(
         scales = None
     elif scales is None:
         scales = torch.empty(tokens, 1, dtype=torch.float32, device=o.device)
-    elif (scales.shape != (tokens, 1) or scales.dtype != torch.float32
-          or not scales.is_contiguous()):
+    elif scales.shape != (tokens, 1) or scales.dtype != torch.float32 or not scales.is_contiguous():
         raise ValueError(f"scales must be contiguous fp32 [{tokens}, 1]")
     if tokens:
         block_h = triton.next_power_of_2(heads)
@@ -124,10 +124,24 @@ def kda_output_tail(
             use_pdl = pdl_enabled(o)
         launch = {"launch_pdl": True} if use_pdl else {}
         _kda_tail_kernel[(tokens,)](
-            o2, gate2, weight, y, scales, o2.stride(0), gate2.stride(0), y.stride(0), float(eps),
-            FP8_MAX, FP8_MIN_AMAX,
-            H=heads, V=v_dim, BH=block_h, FP8=fp8, USE_PDL=use_pdl,
-            num_warps=num_warps, **launch,
+            o2,
+            gate2,
+            weight,
+            y,
+            scales,
+            o2.stride(0),
+            gate2.stride(0),
+            y.stride(0),
+            float(eps),
+            FP8_MAX,
+            FP8_MIN_AMAX,
+            H=heads,
+            V=v_dim,
+            BH=block_h,
+            FP8=fp8,
+            USE_PDL=use_pdl,
+            num_warps=num_warps,
+            **launch,
         )
     return (y, scales) if fp8 else y
 

@@ -57,10 +57,22 @@ def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, P, first_expert, num_local, BP
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, ranks_ptr, counts_ptr,
-    pair_row_ptr, row_pair_ptr, block_expert_ptr, expert_start_ptr, num_blocks_ptr,
-    P, first_expert, num_local, max_blocks,
-    BLOCK_M: tl.constexpr, E2: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr,
+    ids_ptr,
+    ranks_ptr,
+    counts_ptr,
+    pair_row_ptr,
+    row_pair_ptr,
+    block_expert_ptr,
+    expert_start_ptr,
+    num_blocks_ptr,
+    P,
+    first_expert,
+    num_local,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E2: tl.constexpr,
+    BP: tl.constexpr,
+    BB: tl.constexpr,
 ):
     """Every program recomputes the (tiny) expert prefix sums from the final counts, then
     places its BP pairs and labels its BB blocks: one launch, no cross-program sync."""
@@ -143,8 +155,22 @@ def align_pairs(
     bb = bp
     grid = (max(triton.cdiv(pairs, bp), triton.cdiv(max_blocks, bb), 1),)
     _align_kernel[grid](
-        flat, ranks, counts, pair_row, row_pair, block_expert, expert_start, num_blocks,
-        pairs, first_expert, num_local, max_blocks,
-        BLOCK_M=block_m, E2=e2, BP=bp, BB=bb, num_warps=4,
+        flat,
+        ranks,
+        counts,
+        pair_row,
+        row_pair,
+        block_expert,
+        expert_start,
+        num_blocks,
+        pairs,
+        first_expert,
+        num_local,
+        max_blocks,
+        BLOCK_M=block_m,
+        E2=e2,
+        BP=bp,
+        BB=bb,
+        num_warps=4,
     )
     return PairLayout(pair_row, row_pair, block_expert, expert_start, counts, num_blocks, block_m)

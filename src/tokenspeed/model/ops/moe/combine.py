@@ -9,9 +9,18 @@ import triton.language as tl
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, pair_row_ptr, w_ptr, norm_ptr, out_ptr,
-    L, stride_y, stride_o, eps,
-    K: tl.constexpr, BL: tl.constexpr, HAS_NORM: tl.constexpr,
+    y_ptr,
+    pair_row_ptr,
+    w_ptr,
+    norm_ptr,
+    out_ptr,
+    L,
+    stride_y,
+    stride_o,
+    eps,
+    K: tl.constexpr,
+    BL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     """y: [rows, L] expert outputs in the segment layout; pair_row, w: [T, K] (row -1: not
     local); out: [T, L] = sum_j w[t, j] * y[pair_row[t, j]] in fp32, summed in slot order
@@ -53,9 +62,18 @@ def combine(
         return out
     bl = triton.next_power_of_2(width)
     _combine_kernel[(tokens,)](
-        y, pair_row, weights.contiguous(), norm_weight if norm_weight is not None else out, out,
-        width, y.stride(0), out.stride(0), eps,
-        K=top_k, BL=bl, HAS_NORM=norm_weight is not None,
+        y,
+        pair_row,
+        weights.contiguous(),
+        norm_weight if norm_weight is not None else out,
+        out,
+        width,
+        y.stride(0),
+        out.stride(0),
+        eps,
+        K=top_k,
+        BL=bl,
+        HAS_NORM=norm_weight is not None,
         num_warps=4 if bl <= 2048 else 8,
     )
     return out

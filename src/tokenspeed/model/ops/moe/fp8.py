@@ -45,8 +45,16 @@ def to_fp8(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
-    GPB: tl.constexpr, GROUP_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_x,
+    stride_q,
+    stride_s,
+    GPB: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """x: [T, K] -> q [T, K] e4m3, s [T, K/GROUP] fp32; GPB groups of one row per program."""
     row = tl.program_id(0).to(tl.int64)
@@ -75,8 +83,17 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gpb = min(8, triton.next_power_of_2(groups))
     if tokens:
         _quantize_rows_kernel[(tokens, triton.cdiv(groups, gpb))](
-            x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
-            GPB=gpb, GROUP_SIZE=GROUP, INTERPRET=is_interpreting(), num_warps=4,
+            x,
+            q,
+            s,
+            k,
+            x.stride(0),
+            q.stride(0),
+            s.stride(0),
+            GPB=gpb,
+            GROUP_SIZE=GROUP,
+            INTERPRET=is_interpreting(),
+            num_warps=4,
         )
     return q, s
 

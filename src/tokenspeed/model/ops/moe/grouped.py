@@ -56,12 +56,18 @@ class ExpertWeights:
         e, i = self.w1.shape[:2]
         width = self.w2.shape[1]
         packed = 2 if self.format == "mxfp4" else 1
-        want = {"w1": (e, i, width // packed), "w3": (e, i, width // packed),
-                "w2": (e, width, i // packed)}
+        want = {
+            "w1": (e, i, width // packed),
+            "w3": (e, i, width // packed),
+            "w2": (e, width, i // packed),
+        }
         if self.format == "fp8":
             g = FP8_GROUP
-            want |= {"s1": (e, i // g, width // g), "s3": (e, i // g, width // g),
-                     "s2": (e, width // g, i // g)}
+            want |= {
+                "s1": (e, i // g, width // g),
+                "s3": (e, i // g, width // g),
+                "s2": (e, width // g, i // g),
+            }
             if width % g or i % g:
                 raise ValueError(f"fp8 experts need L, I multiples of {g}, got {width}, {i}")
         elif self.format == "mxfp4":
@@ -190,8 +196,10 @@ def fused_experts(
     fmt, num_local = experts.format, experts.num_experts
     width, inter = experts.width, experts.intermediate
     if x.shape != (tokens, width) or weights.shape != (tokens, top_k):
-        raise ValueError(f"x {tuple(x.shape)}, weights {tuple(weights.shape)} and ids "
-                         f"{tuple(ids.shape)} disagree with experts of width {width}")
+        raise ValueError(
+            f"x {tuple(x.shape)}, weights {tuple(weights.shape)} and ids "
+            f"{tuple(ids.shape)} disagree with experts of width {width}"
+        )
     if x.stride(1) != 1:
         raise ValueError("x must be contiguous along its last dim")
     x_is_fp8 = x.dtype == FP8_DTYPE
@@ -228,31 +236,71 @@ def fused_experts(
     up = _fit(cfg.gate_up, inter, width, fmt, FP8_GROUP if fmt == "fp8" else None)
     grid = (max(1, min(programs, max_blocks * triton.cdiv(inter, up.block_n))),)
     gg._gate_up_kernel[grid](
-        x, xs if xs is not None else dummy, experts.w1, experts.w3,
-        s1 if s1 is not None else dummy, s3 if s3 is not None else dummy, h, hs,
-        layout.row_pair, layout.block_expert, layout.expert_start, layout.counts,
+        x,
+        xs if xs is not None else dummy,
+        experts.w1,
+        experts.w3,
+        s1 if s1 is not None else dummy,
+        s3 if s3 is not None else dummy,
+        h,
+        hs,
+        layout.row_pair,
+        layout.block_expert,
+        layout.expert_start,
+        layout.counts,
         layout.num_blocks,
-        width, inter, top_k,
-        x.stride(0), xs.stride(0) if xs is not None else 0,
-        experts.w1.stride(0), experts.w1.stride(1),
-        s1.stride(0) if s1 is not None else 0, s1.stride(1) if s1 is not None else 0,
-        h.stride(0), hs.stride(0),
-        float(beta), float(linear_beta or 1.0),
-        WFMT=wfmt, ACT=gg.SITU if activation == "situ" else gg.SILU,
-        CAP_UP=linear_beta is not None, OUT_FP8=fmt == "fp8", ROUND=_TL_DTYPES[compute],
-        EXACT=exact, INTERPRET=is_interpreting(), BM=cfg.block_m, BN=up.block_n, BK=up.block_k,
-        num_warps=up.num_warps, num_stages=up.num_stages,
+        width,
+        inter,
+        top_k,
+        x.stride(0),
+        xs.stride(0) if xs is not None else 0,
+        experts.w1.stride(0),
+        experts.w1.stride(1),
+        s1.stride(0) if s1 is not None else 0,
+        s1.stride(1) if s1 is not None else 0,
+        h.stride(0),
+        hs.stride(0),
+        float(beta),
+        float(linear_beta or 1.0),
+        WFMT=wfmt,
+        ACT=gg.SITU if activation == "situ" else gg.SILU,
+        CAP_UP=linear_beta is not None,
+        OUT_FP8=fmt == "fp8",
+        ROUND=_TL_DTYPES[compute],
+        EXACT=exact,
+        INTERPRET=is_interpreting(),
+        BM=cfg.block_m,
+        BN=up.block_n,
+        BK=up.block_k,
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
     )
     down = _fit(cfg.down, width, inter, fmt, None)
     grid = (max(1, min(programs, max_blocks * triton.cdiv(width, down.block_n))),)
     gg._down_kernel[grid](
-        h, hs, experts.w2, s2 if s2 is not None else dummy, y,
-        layout.block_expert, layout.expert_start, layout.counts, layout.num_blocks,
-        width, inter,
-        h.stride(0), hs.stride(0), experts.w2.stride(0), experts.w2.stride(1),
-        s2.stride(0) if s2 is not None else 0, s2.stride(1) if s2 is not None else 0,
+        h,
+        hs,
+        experts.w2,
+        s2 if s2 is not None else dummy,
+        y,
+        layout.block_expert,
+        layout.expert_start,
+        layout.counts,
+        layout.num_blocks,
+        width,
+        inter,
+        h.stride(0),
+        hs.stride(0),
+        experts.w2.stride(0),
+        experts.w2.stride(1),
+        s2.stride(0) if s2 is not None else 0,
+        s2.stride(1) if s2 is not None else 0,
         y.stride(0),
-        WFMT=wfmt, BM=cfg.block_m, BN=down.block_n, BK=down.block_k,
-        num_warps=down.num_warps, num_stages=down.num_stages,
+        WFMT=wfmt,
+        BM=cfg.block_m,
+        BN=down.block_n,
+        BK=down.block_k,
+        num_warps=down.num_warps,
+        num_stages=down.num_stages,
     )
     return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps)

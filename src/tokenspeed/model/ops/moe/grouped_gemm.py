@@ -56,8 +56,16 @@ def _tanh(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _glu(g, u, beta, linear_beta, ACT: tl.constexpr, CAP_UP: tl.constexpr,
-         ROUND: tl.constexpr, EXACT: tl.constexpr):
+def _glu(
+    g,
+    u,
+    beta,
+    linear_beta,
+    ACT: tl.constexpr,
+    CAP_UP: tl.constexpr,
+    ROUND: tl.constexpr,
+    EXACT: tl.constexpr,
+):
     """fp32 gate/up (already rounded to ROUND like the reference's GEMM outputs) -> fp32 h.
 
     SiLU mirrors `F.silu(gate) * up` on ROUND tensors (silu rounded, then the product);
@@ -75,8 +83,20 @@ def _glu(g, u, beta, linear_beta, ACT: tl.constexpr, CAP_UP: tl.constexpr,
 
 
 @triton.jit
-def _mma_step(acc, a, a_scale, w_tile, s_tile, k0, K, ks, nmask,
-              WFMT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+def _mma_step(
+    acc,
+    a,
+    a_scale,
+    w_tile,
+    s_tile,
+    k0,
+    K,
+    ks,
+    nmask,
+    WFMT: tl.constexpr,
+    BK: tl.constexpr,
+    BN: tl.constexpr,
+):
     """acc += a [BM, BK] @ W[:, k0:k0+BK]^T for one weight.
 
     w_tile: [1, BN] pointers to the weight rows (K contiguous); s_tile: [1, BN] pointers to
@@ -107,14 +127,42 @@ def _mma_step(acc, a, a_scale, w_tile, s_tile, k0, K, ks, nmask,
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, hs_ptr,
-    row_pair_ptr, block_expert_ptr, expert_start_ptr, counts_ptr, num_blocks_ptr,
-    L, inter, top_k,
-    stride_xt, stride_xst, stride_we, stride_wn, stride_se, stride_sn, stride_ht, stride_hst,
-    beta, linear_beta,
-    WFMT: tl.constexpr, ACT: tl.constexpr, CAP_UP: tl.constexpr, OUT_FP8: tl.constexpr,
-    ROUND: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    xs_ptr,
+    w1_ptr,
+    w3_ptr,
+    s1_ptr,
+    s3_ptr,
+    h_ptr,
+    hs_ptr,
+    row_pair_ptr,
+    block_expert_ptr,
+    expert_start_ptr,
+    counts_ptr,
+    num_blocks_ptr,
+    L,
+    inter,
+    top_k,
+    stride_xt,
+    stride_xst,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ht,
+    stride_hst,
+    beta,
+    linear_beta,
+    WFMT: tl.constexpr,
+    ACT: tl.constexpr,
+    CAP_UP: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    ROUND: tl.constexpr,
+    EXACT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """x: [T, L] (FP8: e4m3 with xs [T, L/128]); w1, w3: [E, I, L] (MXFP4: [E, I, L/2]);
     h: [rows, I] in the segment layout (FP8: e4m3 with hs [rows, I/128])."""
@@ -140,15 +188,20 @@ def _gate_up_kernel(
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, L, BK):
             ks = k0 + tl.arange(0, BK)
-            a = tl.load(x_ptr + token[:, None] * stride_xt + ks[None, :],
-                        mask=rmask[:, None] & (ks < L)[None, :], other=0.0)
+            a = tl.load(
+                x_ptr + token[:, None] * stride_xt + ks[None, :],
+                mask=rmask[:, None] & (ks < L)[None, :],
+                other=0.0,
+            )
             a_scale = tl.zeros([BM], dtype=tl.float32)  # only FP8 has activation scales
             if WFMT == 1:
                 a_scale = tl.load(xs_ptr + token * stride_xst + k0 // 128, mask=rmask, other=0.0)
-            acc_g = _mma_step(acc_g, a, a_scale, w1_ptr + w_off, s1_ptr + s_off, k0, L, ks,
-                              nmask, WFMT, BK, BN)
-            acc_u = _mma_step(acc_u, a, a_scale, w3_ptr + w_off, s3_ptr + s_off, k0, L, ks,
-                              nmask, WFMT, BK, BN)
+            acc_g = _mma_step(
+                acc_g, a, a_scale, w1_ptr + w_off, s1_ptr + s_off, k0, L, ks, nmask, WFMT, BK, BN
+            )
+            acc_u = _mma_step(
+                acc_u, a, a_scale, w3_ptr + w_off, s3_ptr + s_off, k0, L, ks, nmask, WFMT, BK, BN
+            )
         g = acc_g.to(ROUND).to(tl.float32)
         u = acc_u.to(ROUND).to(tl.float32)
         h = _glu(g, u, beta, linear_beta, ACT, CAP_UP, ROUND, EXACT).to(ROUND)
@@ -169,11 +222,28 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr,
-    block_expert_ptr, expert_start_ptr, counts_ptr, num_blocks_ptr,
-    L, inter,
-    stride_ht, stride_hst, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
-    WFMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    h_ptr,
+    hs_ptr,
+    w2_ptr,
+    s2_ptr,
+    y_ptr,
+    block_expert_ptr,
+    expert_start_ptr,
+    counts_ptr,
+    num_blocks_ptr,
+    L,
+    inter,
+    stride_ht,
+    stride_hst,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_yt,
+    WFMT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """h: [rows, I] segment layout (FP8: e4m3 + hs [rows, I/128]); w2: [E, L, I]
     (MXFP4: [E, L, I/2]); y: [rows, L] segment layout."""
@@ -198,12 +268,16 @@ def _down_kernel(
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, inter, BK):
             ks = k0 + tl.arange(0, BK)
-            a = tl.load(h_ptr + r64[:, None] * stride_ht + ks[None, :],
-                        mask=rmask[:, None] & (ks < inter)[None, :], other=0.0)
+            a = tl.load(
+                h_ptr + r64[:, None] * stride_ht + ks[None, :],
+                mask=rmask[:, None] & (ks < inter)[None, :],
+                other=0.0,
+            )
             a_scale = tl.zeros([BM], dtype=tl.float32)
             if WFMT == 1:
                 a_scale = tl.load(hs_ptr + r64 * stride_hst + k0 // 128, mask=rmask, other=0.0)
-            acc = _mma_step(acc, a, a_scale, w2_ptr + w_off, s2_ptr + s_off, k0, inter, ks, nmask,
-                            WFMT, BK, BN)
+            acc = _mma_step(
+                acc, a, a_scale, w2_ptr + w_off, s2_ptr + s_off, k0, inter, ks, nmask, WFMT, BK, BN
+            )
         y_ptrs = y_ptr + r64[:, None] * stride_yt + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask)

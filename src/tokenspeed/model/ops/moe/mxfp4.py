@@ -117,8 +117,16 @@ def mxfp4_dequant_pair(packed, scale):
 
 @triton.jit
 def _dequant_kernel(
-    p_ptr, s_ptr, out_ptr, rows, half_k, stride_p, stride_s, stride_o,
-    BR: tl.constexpr, BH: tl.constexpr,
+    p_ptr,
+    s_ptr,
+    out_ptr,
+    rows,
+    half_k,
+    stride_p,
+    stride_s,
+    stride_o,
+    BR: tl.constexpr,
+    BH: tl.constexpr,
 ):
     """packed [R, K/2] + scale [R, K/32] -> out [R, K]; BH packed columns per program."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -147,8 +155,17 @@ def dequantize_mxfp4(
     if p2.shape[0]:
         grid = (triton.cdiv(p2.shape[0], br), triton.cdiv(half_k, bh))
         _dequant_kernel[grid](
-            p2, s2, out, p2.shape[0], half_k, p2.stride(0), s2.stride(0), out.stride(0),
-            BR=br, BH=bh, num_warps=4,
+            p2,
+            s2,
+            out,
+            p2.shape[0],
+            half_k,
+            p2.stride(0),
+            s2.stride(0),
+            out.stride(0),
+            BR=br,
+            BH=bh,
+            num_warps=4,
         )
     return out.reshape(*packed.shape[:-1], 2 * half_k)
 
@@ -193,13 +210,16 @@ def load_experts_mxfp4(
     if in_features % GROUP:
         raise ValueError(f"in_features {in_features} is not a multiple of {GROUP}")
     experts = list(experts)
-    packed = torch.empty(len(experts), out_features, in_features // 2, dtype=torch.uint8,
-                         device=device)
-    scale = torch.empty(len(experts), out_features, in_features // GROUP, dtype=torch.uint8,
-                        device=device)
+    packed = torch.empty(
+        len(experts), out_features, in_features // 2, dtype=torch.uint8, device=device
+    )
+    scale = torch.empty(
+        len(experts), out_features, in_features // GROUP, dtype=torch.uint8, device=device
+    )
     for local, expert in enumerate(experts):
-        for name, dst in zip(checkpoint_names(f"{expert_prefix}.{expert}.{proj}"),
-                             (packed, scale), strict=True):
+        for name, dst in zip(
+            checkpoint_names(f"{expert_prefix}.{expert}.{proj}"), (packed, scale), strict=True
+        ):
             src = get_tensor(name)
             if src.dtype != torch.uint8 or tuple(src.shape) != tuple(dst.shape[1:]):
                 raise ValueError(

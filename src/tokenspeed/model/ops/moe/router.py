@@ -46,10 +46,20 @@ class RouterOutput(NamedTuple):
 
 @triton.jit
 def _logits_kernel(
-    x_ptr, w_ptr, out_ptr,
-    T, E, D, k_per_split, stride_xt, stride_we,
-    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-    LOW_PRECISION: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    E,
+    D,
+    k_per_split,
+    stride_xt,
+    stride_we,
+    BT: tl.constexpr,
+    BE: tl.constexpr,
+    BK: tl.constexpr,
+    LOW_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """x: [T, D]; w: [E, D] (K contiguous); out: [S, T, E] fp32 partial logits over split s."""
     pid_t = tl.program_id(0)
@@ -65,11 +75,13 @@ def _logits_kernel(
         kmask = ks < k_hi
         a = tl.load(
             x_ptr + rows[:, None].to(tl.int64) * stride_xt + ks[None, :],
-            mask=(rows < T)[:, None] & kmask[None, :], other=0.0,
+            mask=(rows < T)[:, None] & kmask[None, :],
+            other=0.0,
         )
         b = tl.load(
             w_ptr + cols[None, :].to(tl.int64) * stride_we + ks[:, None],
-            mask=(cols < E)[None, :] & kmask[:, None], other=0.0,
+            mask=(cols < E)[None, :] & kmask[:, None],
+            other=0.0,
         )
         if LOW_PRECISION:
             # bf16/fp16 operands: products are exact in the fp32 accumulator.
@@ -108,12 +120,29 @@ def _sigmoid(x, EXACT: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(
-    part_ptr, bias_ptr, w_out_ptr, id_out_ptr, counts_ptr, ranks_ptr,
-    T, scaling, first_expert, num_local,
-    E: tl.constexpr, S: tl.constexpr, G: tl.constexpr, EG: tl.constexpr,
-    G2: tl.constexpr, EG2: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    K: tl.constexpr, K2: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-    EXACT: tl.constexpr, BT: tl.constexpr,
+    part_ptr,
+    bias_ptr,
+    w_out_ptr,
+    id_out_ptr,
+    counts_ptr,
+    ranks_ptr,
+    T,
+    scaling,
+    first_expert,
+    num_local,
+    E: tl.constexpr,
+    S: tl.constexpr,
+    G: tl.constexpr,
+    EG: tl.constexpr,
+    G2: tl.constexpr,
+    EG2: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    K: tl.constexpr,
+    K2: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    EXACT: tl.constexpr,
+    BT: tl.constexpr,
 ):
     """part: [S, T, E] fp32 partial logits; bias: [E]. Writes weights [T, K] fp32, ids [T, K]
     int32, ranks [T, K] int32 and adds to counts [num_local] int32.
@@ -231,9 +260,22 @@ def router_logits(
     out = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(tokens, bt), triton.cdiv(experts, be), splits)
     _logits_kernel[grid](
-        x, weight, out, tokens, experts, dim, k_per_split, x.stride(0), weight.stride(0),
-        BT=bt, BE=be, BK=bk, LOW_PRECISION=low, PRECISION=precision,
-        num_warps=4, num_stages=4 if low else 3,
+        x,
+        weight,
+        out,
+        tokens,
+        experts,
+        dim,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        BT=bt,
+        BE=be,
+        BK=bk,
+        LOW_PRECISION=low,
+        PRECISION=precision,
+        num_warps=4,
+        num_stages=4 if low else 3,
     )
     return out
 
@@ -291,11 +333,29 @@ def route_fused(
     exact = device.type == "cuda" and not is_interpreting()
     bias_arg = bias.float().contiguous() if bias is not None else weights
     _topk_kernel[(triton.cdiv(tokens, bt),)](
-        logits, bias_arg, weights, ids, counts, ranks,
-        tokens, float(scaling), first_expert, num_local,
-        E=experts, S=logits.shape[0], G=num_groups, EG=per_group, G2=g2, EG2=eg2,
-        TOPK_GROUPS=topk_groups, K=top_k, K2=triton.next_power_of_2(top_k),
-        HAS_BIAS=bias is not None, RENORM=renormalize, EXACT=exact, BT=bt,
+        logits,
+        bias_arg,
+        weights,
+        ids,
+        counts,
+        ranks,
+        tokens,
+        float(scaling),
+        first_expert,
+        num_local,
+        E=experts,
+        S=logits.shape[0],
+        G=num_groups,
+        EG=per_group,
+        G2=g2,
+        EG2=eg2,
+        TOPK_GROUPS=topk_groups,
+        K=top_k,
+        K2=triton.next_power_of_2(top_k),
+        HAS_BIAS=bias is not None,
+        RENORM=renormalize,
+        EXACT=exact,
+        BT=bt,
         num_warps=4 if bt * g2 * eg2 <= 2048 else 8,
     )
     return RouterOutput(weights, ids, counts, ranks)
