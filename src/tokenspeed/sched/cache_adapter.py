@@ -1,0 +1,81 @@
+"""`CachePort` over the real `tokenspeed.cache.CacheManager` of one rank.
+
+The manager hands out one opaque `RequestCache` per request; this port keeps them by request id,
+so an engine gets page tables and live slots through `handle(rid)`. Capacity errors
+(`CacheFullError`, and `BudgetTooSmallError` for a request that can never fit) become the
+port's "not now" answers; any other cache error is a bug and propagates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from tokenspeed.cache import (
+    BudgetTooSmallError,
+    CacheFullError,
+    CacheManager,
+    CheckpointKind,
+    RequestCache,
+)
+from tokenspeed.sched.request import Request
+
+_CAPACITY_ERRORS = (CacheFullError, BudgetTooSmallError)
+
+
+class CacheManagerPort:
+    def __init__(self, cache: CacheManager) -> None:
+        self.cache = cache
+        self.page_size = cache.page_size
+        self._handles: dict[Hashable, RequestCache] = {}
+
+    def handle(self, rid: Hashable) -> RequestCache:
+        """The cache handle a request holds on this rank (page table, live slot, loads)."""
+        return self._handles[rid]
+
+    def holds(self, rid: Hashable) -> bool:
+        return rid in self._handles
+
+    def lookup(self, req: Request, limit: int) -> int:
+        if limit < self.page_size:
+            return 0
+        # `match` leaves at least one token of `prompt_tokens` uncached: limit + 1 caps at limit.
+        return self.cache.match(req.keys, limit + 1).num_tokens
+
+    def acquire(self, req: Request, limit: int) -> int | None:
+        try:
+            handle = self.cache.allocate(req.rid, req.keys, limit + 1, reserve_tokens=1)
+        except _CAPACITY_ERRORS:
+            return None
+        self._handles[req.rid] = handle
+        return handle.num_cached_tokens
+
+    def reserve(self, req: Request, length: int) -> bool:
+        handle = self._handles[req.rid]
+        if length <= handle.num_tokens:
+            return True
+        known = len(handle.page_keys)
+        try:
+            self.cache.extend(handle, length, req.keys[known:] if len(req.keys) > known else ())
+        except _CAPACITY_ERRORS:
+            return False
+        return True
+
+    def covered(self, req: Request) -> int:
+        return self._handles[req.rid].num_tokens
+
+    def checkpoint(
+        self, req: Request, length: int, *, turn_end: bool, from_live: bool
+    ) -> int | None:
+        kind = CheckpointKind.TURN_END if turn_end else CheckpointKind.INTERVAL
+        return self.cache.checkpoint(self._handles[req.rid], length, kind=kind, from_live=from_live)
+
+    def publish(self, req: Request, length: int) -> None:
+        # The manager publishes the deepest checkpointed prefix, which the scheduler has just
+        # made `length`.
+        self.cache.publish(self._handles[req.rid])
+
+    def release(self, req: Request) -> None:
+        self.cache.release(self._handles.pop(req.rid))
+
+    def free_pages(self) -> int:
+        return self.cache.available_pages

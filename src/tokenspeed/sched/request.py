@@ -1,0 +1,116 @@
+"""A request as the scheduler sees it, and the lifecycle it moves through.
+
+    WAITING -> PREFILLING -> (TRANSFERRING, P/D only) -> DECODING -> FINISHED
+         ^         |                                        |
+         +---------+--------------- preempt ----------------+        any live state -> ABORTED
+
+Preemption sends a request back to WAITING with its cache published (the scheduler does that
+through its cache port), never dropped; its generated tokens become part of the prompt it
+re-prefills. Every transition goes through `Request.move`, which rejects the ones the diagram does
+not have, so a scheduler bug surfaces as an exception at the faulty step rather than as a
+silently lost request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Sequence
+
+import attrs
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_S = RequestState
+ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    _S.WAITING: frozenset({_S.PREFILLING, _S.ABORTED}),
+    # A one-token answer finishes straight out of prefill; aggregated mode skips the transfer.
+    _S.PREFILLING: frozenset({_S.TRANSFERRING, _S.DECODING, _S.FINISHED, _S.WAITING, _S.ABORTED}),
+    _S.TRANSFERRING: frozenset({_S.DECODING, _S.WAITING, _S.ABORTED}),
+    _S.DECODING: frozenset({_S.FINISHED, _S.WAITING, _S.ABORTED}),
+    _S.FINISHED: frozenset(),
+    _S.ABORTED: frozenset(),
+}
+TERMINAL_STATES = frozenset({_S.FINISHED, _S.ABORTED})
+
+
+class LifecycleError(RuntimeError):
+    """A transition the lifecycle does not allow (a scheduler or caller bug)."""
+
+
+@attrs.define(eq=False, slots=True)
+class Request:
+    """Scheduling state of one request (one turn of a conversation).
+
+    `keys` are the cache keys of the request's pages, opaque here and handed to the cache port;
+    a caller that knows the output in advance (the simulator) may list the output pages too.
+    `num_computed` counts tokens whose cache exists on the rank currently holding the request
+    (prefix hit plus prefilled chunks, plus decoded tokens while decoding).
+    """
+
+    rid: Hashable
+    prompt_len: int
+    max_new_tokens: int
+    keys: Sequence[Hashable] = ()
+    session: Hashable | None = None
+    state: RequestState = RequestState.WAITING
+    num_computed: int = 0
+    num_cached: int = 0  # prefix reused at the last prefill admission
+    num_output: int = 0  # tokens generated so far (the first comes out of prefill)
+    preemptions: int = 0
+    abort_reason: str | None = None
+    prefill_rank: int | None = None
+    decode_rank: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt_len <= 0:
+            raise ValueError(f"request {self.rid!r}: prompt_len must be positive")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"request {self.rid!r}: max_new_tokens must be positive")
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence so far: prompt plus generated output."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens a prefill must cover: the prompt, plus any output kept across a preemption."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def prefill_remaining(self) -> int:
+        return max(self.prefill_target - self.num_computed, 0)
+
+    @property
+    def output_remaining(self) -> int:
+        return self.max_new_tokens - self.num_output
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def move(self, new: RequestState) -> None:
+        if new not in ALLOWED_TRANSITIONS[self.state]:
+            raise LifecycleError(
+                f"request {self.rid!r}: {self.state.value} -> {new.value} is not a lifecycle step"
+            )
+        self.state = new
+
+    def preempt(self) -> None:
+        """Back to WAITING; generated tokens stay and are re-prefilled with the prompt."""
+        self.move(RequestState.WAITING)
+        self.preemptions += 1
+        self.num_computed = 0
+        self.num_cached = 0
+
+    def abort(self, reason: str) -> None:
+        self.move(RequestState.ABORTED)
+        self.abort_reason = reason

@@ -1,0 +1,7 @@
+"""`python -m tokenspeed.sim ...` (see `tokenspeed.sim.cli`)."""
+
+import sys
+
+from tokenspeed.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,187 @@
+"""`python -m tokenspeed.sim`: run a scenario over one or more concurrencies and write a report.
+
+Writes, under --out: report.md (scenario, results table, plots), summary.json (every score of
+every run), throughput_vs_interactivity.png and hit_rate_over_time.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tokenspeed.cache import CheckpointPolicy
+from tokenspeed.sched import SchedulerConfig
+from tokenspeed.sim.cluster import ClusterConfig, SimResult, k3_geometry, simulate
+from tokenspeed.sim.cost import LinearCostModel, TableCostModel
+from tokenspeed.sim.plots import plot_hit_rate_over_time, plot_throughput_vs_interactivity
+from tokenspeed.sim.report import results_table, scenario_line
+from tokenspeed.sim.workload import (
+    AgentXConfig,
+    AgentXWorkload,
+    load_aiperf_dataset,
+    load_mooncake_trace,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tokenspeed.sim",
+        description="Simulate a prefill/decode cluster serving an agentic workload.",
+    )
+    p.add_argument("--mode", choices=("pd", "aggregated"), default="pd")
+    p.add_argument(
+        "--prefill-ranks", type=int, default=16, help="prefill ranks (P/D) or ranks (aggregated)"
+    )
+    p.add_argument("--decode-ranks", type=int, default=16, help="decode ranks (P/D only)")
+    p.add_argument(
+        "--concurrency",
+        default="64,128,256,512",
+        help="comma-separated concurrencies, one run each",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=3600.0,
+        help="seconds of load; in-flight requests then drain (0: whole workload)",
+    )
+    p.add_argument("--workload", choices=("agentx", "aiperf", "mooncake"), default="agentx")
+    p.add_argument("--trace", type=Path, help="dataset.jsonl / trace file for aiperf|mooncake")
+    p.add_argument(
+        "--on-error",
+        choices=("skip", "raise"),
+        default="skip",
+        help="malformed trace lines: report and skip, or stop",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--l2", choices=("shared", "local", "none"), default="shared")
+    p.add_argument("--l2-gib-per-rank", type=float, default=512.0)
+    p.add_argument("--device-cache-gib", type=float, default=80.0)
+    p.add_argument("--routing", choices=("least_work", "affinity"), default="least_work")
+    p.add_argument("--admission", choices=("independent", "coupled"), default="independent")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--checkpoint-interval-pages", type=int, default=64)
+    p.add_argument("--prefill-budget", type=int, default=16384, help="tokens per prefill forward")
+    p.add_argument("--cost-table", type=Path, help="measured cost table (JSON, see docs/sim.md)")
+    p.add_argument("--out", type=Path, default=Path("sim-report"))
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, concurrency: int) -> ClusterConfig:
+    aggregated = args.mode == "aggregated"
+    return ClusterConfig(
+        mode=args.mode,
+        prefill_ranks=args.prefill_ranks,
+        decode_ranks=0 if aggregated else args.decode_ranks,
+        routing=args.routing,
+        admission=args.admission,
+        l2=args.l2,
+        geometry=k3_geometry(args.page_size),
+        checkpoints=CheckpointPolicy(interval_pages=args.checkpoint_interval_pages),
+        scheduler=SchedulerConfig(
+            page_size=args.page_size,
+            prefill_token_budget=args.prefill_budget,
+            checkpoint_interval_pages=args.checkpoint_interval_pages,
+        ),
+        device_cache_bytes=int(args.device_cache_gib * (1 << 30)),
+        l2_bytes_per_rank=int(args.l2_gib_per_rank * (1 << 30)),
+        concurrency=concurrency,
+        duration_s=args.duration or None,
+    )
+
+
+def load_workload(args: argparse.Namespace):
+    if args.workload == "agentx":
+        return AgentXWorkload(AgentXConfig(), seed=args.seed)
+    if args.trace is None:
+        raise SystemExit(f"--workload {args.workload} needs --trace PATH")
+    loader = load_aiperf_dataset if args.workload == "aiperf" else load_mooncake_trace
+    workload = loader(args.trace, on_error=args.on_error)
+    for issue in workload.issues:
+        print(f"{args.trace}: skipped {issue}", file=sys.stderr)
+    return workload
+
+
+def write_report(out: Path, results: list[SimResult], command: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    label = "sim"
+    plot_throughput_vs_interactivity(
+        {
+            label: [
+                (r.summary.p90_interactivity, r.summary.throughput_per_gpu, r.config.concurrency)
+                for r in results
+            ]
+        },
+        out / "throughput_vs_interactivity.png",
+    )
+    plot_hit_rate_over_time(
+        {f"concurrency {r.config.concurrency}": r.hit_rate_over_time for r in results},
+        out / "hit_rate_over_time.png",
+    )
+    (out / "summary.json").write_text(
+        json.dumps(
+            [
+                {
+                    "concurrency": r.config.concurrency,
+                    **r.summary.as_dict(),
+                    "abort_reasons": r.abort_reasons,
+                }
+                for r in results
+            ],
+            indent=2,
+        )
+    )
+    lines = [
+        "# Simulation report",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Scenario: {scenario_line(results[0])}.",
+        "",
+        results_table([(f"c={r.config.concurrency}", r) for r in results]),
+        "",
+        "![throughput vs interactivity](throughput_vs_interactivity.png)",
+        "",
+        "![hit rate over time](hit_rate_over_time.png)",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        configs = [config_from_args(args, c) for c in concurrencies]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cost = TableCostModel.from_file(args.cost_table) if args.cost_table else LinearCostModel()
+        workload = load_workload(args)
+    except (OSError, ValueError) as exc:  # TraceError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results = []
+    for cfg in configs:
+        res = simulate(cfg, workload, cost, progress=not args.no_progress)
+        s = res.summary
+        print(
+            f"concurrency {cfg.concurrency}: {s.throughput_per_gpu:.1f} tok/s/GPU, "
+            f"P90 interactivity {s.p90_interactivity:.1f} tok/s, hit rate {s.hit_rate:.3f}, "
+            f"{s.requests_finished} finished, {s.requests_aborted} aborted, "
+            f"{s.events_per_s:.0f} events/s",
+            file=sys.stderr,
+        )
+        results.append(res)
+    command = "python -m tokenspeed.sim " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = write_report(args.out, results, command)
+    print(path)
+    return 0
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,20 @@
+"""Discrete-event simulator of a prefill/decode (or aggregated) cluster that drives the real
+`tokenspeed.sched` schedulers over real metadata-only `tokenspeed.cache` caches."""
+
+from tokenspeed.sim.cluster.config import ClusterConfig, L2Mode, Mode, k3_geometry
+from tokenspeed.sim.cluster.engine import LostRequestError
+from tokenspeed.sim.cluster.records import RequestRecord, Summary
+from tokenspeed.sim.cluster.simulate import SimResult, build_simulator, simulate
+
+__all__ = [
+    "ClusterConfig",
+    "L2Mode",
+    "LostRequestError",
+    "Mode",
+    "RequestRecord",
+    "SimResult",
+    "Summary",
+    "build_simulator",
+    "k3_geometry",
+    "simulate",
+]

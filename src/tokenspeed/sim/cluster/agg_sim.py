@@ -1,0 +1,132 @@
+"""Aggregated cluster: every rank prefills and decodes, chunked prefill riding on decode steps.
+
+The router places each turn on the rank with the least outstanding prefill work (or by
+conversation affinity). A rank's forward holds its decode rows plus prefill chunks within the
+token budget; the first token of a request comes out of its last prefill chunk. With no prefill
+pending a rank runs several decode steps per event, cut short when a new request arrives.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from tokenspeed.sched import Request, RequestState, Router, RouterConfig
+from tokenspeed.sim.cluster.config import ClusterConfig
+from tokenspeed.sim.cluster.engine import EventLoop
+from tokenspeed.sim.cluster.ranks import AggregatedRank, build_cache, build_host_tiers
+from tokenspeed.sim.cost import CostModel, decode_run_ends
+from tokenspeed.sim.workload import SessionSource
+
+
+class AggregatedSimulator(EventLoop):
+    def __init__(
+        self, config: ClusterConfig, workload: SessionSource, cost: CostModel, **kw
+    ) -> None:
+        super().__init__(config, workload, cost, **kw)
+        tiers = build_host_tiers(config)
+        self.host_tiers = tiers
+        self.agg = [
+            AggregatedRank(i, build_cache(config, config.decode_live_requests, tiers[i]), config)
+            for i in range(config.prefill_ranks)
+        ]
+        self.router = Router(
+            RouterConfig(num_prefill_ranks=config.prefill_ranks, policy=config.routing)
+        )
+        g = config.geometry
+        self._bytes_per_token = g.mla_page_bytes / g.page_size
+        self._state_bytes = g.kda_state_bytes
+
+    @property
+    def ranks(self):
+        return self.agg
+
+    def _admit_request(self, req: Request) -> None:
+        r = self.router.pick_prefill([a.sched.outstanding_tokens() for a in self.agg], req.session)
+        req.prefill_rank = req.decode_rank = r
+        rank = self.agg[r]
+        rank.sched.add(req)
+        self._kick(rank)
+
+    def _kick(self, rank: AggregatedRank) -> None:
+        if rank.busy:
+            self._cut(rank)
+            return
+        plan = rank.sched.schedule(max_decode_steps=self.config.max_decode_steps)
+        self._drain(rank)
+        if plan.empty:
+            return
+        load_bytes = 0
+        spans = []
+        if plan.prefill is not None:
+            rank.admitted.intersection_update(rank.sched.prefill.running)  # drop requeued ones
+            for chunk in plan.prefill.chunks:
+                req = chunk.request
+                spans.append((chunk.start, chunk.end))
+                if req.rid in rank.admitted:
+                    continue
+                rank.admitted.add(req.rid)
+                rec = self.records[req.rid]
+                if rec.prefill_start is None:
+                    rec.prefill_start = self.now
+                rec.cached_tokens += req.num_cached
+                rec.prefilled_tokens += req.prefill_target
+                handle = rank.port.handle(req.rid)
+                load_bytes += handle.l2_cached_tokens * self._bytes_per_token
+                if handle.load.l2_checkpoint:
+                    load_bytes += self._state_bytes
+        ends, total = [], 0.0
+        decode = plan.decode
+        if decode is not None:
+            for req in decode.requests:
+                rec = self.records[req.rid]
+                if rec.first_decode_step is None:
+                    rec.first_decode_step = self.now
+            ends = decode_run_ends(
+                self.cost, decode.size, decode.padded_size, sum(decode.history_lens), decode.steps
+            )
+            total = ends[-1]
+        if spans:
+            # A mixed forward: the prefill chunks ride on the (single) decode step.
+            total += max(self.cost.prefill_time(spans), self.cost.load_time(load_bytes))
+            ends = [total]
+        rank.plan, rank.busy, rank.start, rank.ends = plan, True, self.now, ends
+        rank.steps = len(ends)
+        rank.epoch += 1
+        self.at(self.now + total, self._done, (rank, rank.epoch))
+
+    def _cut(self, rank: AggregatedRank) -> None:
+        j = bisect.bisect_left(rank.ends, self.now - rank.start)
+        if j + 1 >= rank.steps:
+            return
+        rank.steps = j + 1
+        rank.epoch += 1
+        self.at(rank.start + rank.ends[j], self._done, (rank, rank.epoch))
+
+    def _done(self, arg: tuple[AggregatedRank, int]) -> None:
+        rank, epoch = arg
+        if epoch != rank.epoch:
+            return
+        rank.busy = False
+        plan = rank.plan
+        finished = rank.sched.complete(plan, decode_steps=rank.steps)
+        if plan.prefill is not None:
+            for chunk in plan.prefill.chunks:
+                req = chunk.request
+                if chunk.is_last and req.state in (RequestState.DECODING, RequestState.FINISHED):
+                    rank.admitted.discard(req.rid)
+                    rec = self.records[req.rid]
+                    rec.prefill_end = self.now
+                    if rec.first_token is None:
+                        rec.first_token = self.now
+        for req in finished:
+            self._finished(req)
+        rank.plan = None
+        self._kick(rank)
+
+    def _drain(self, rank: AggregatedRank) -> None:
+        for req in rank.sched.take_aborted():
+            rank.admitted.discard(req.rid)
+            self._aborted(req)
+        for req in rank.sched.take_preempted():
+            rank.admitted.discard(req.rid)
+            self.at(self.now, self._admit_request, req)

@@ -1,0 +1,243 @@
+"""P/D cluster: prefill ranks and decode ranks, each a real scheduler over a real cache.
+
+Flow of one request (DESIGN.md section 4): the router picks a prefill rank (least outstanding
+prefill work, or conversation affinity) and a decode rank (load); the `TransferGate` decides
+whether the prefill is queued at once (independent admission) or after the decode rank has
+reserved the destination (coupled). The transfer of KV pages and KDA state starts once both are
+done, serialized on the decode rank's inbound link; until then the finished prefill stays pinned
+on its prefill rank. When the transfer lands the prefill rank releases the request and it joins
+the decode batch at the next step boundary. The first token reaches the client then.
+
+Decode ranks advance several steps per event while their batch is unchanged (the scheduler
+reserves the pages for all of them); a request that lands mid-run cuts the run at the step that
+is in flight, exactly where a real engine would let it join.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from tokenspeed.sched import Request, RequestState, Router, RouterConfig, TransferGate
+from tokenspeed.sim.cluster.config import ClusterConfig
+from tokenspeed.sim.cluster.engine import EventLoop
+from tokenspeed.sim.cluster.ranks import (
+    DecodeRank,
+    PrefillRank,
+    build_cache,
+    build_host_tiers,
+)
+from tokenspeed.sim.cost import CostModel, decode_run_ends
+from tokenspeed.sim.workload import SessionSource
+
+
+class PDSimulator(EventLoop):
+    def __init__(
+        self, config: ClusterConfig, workload: SessionSource, cost: CostModel, **kw
+    ) -> None:
+        super().__init__(config, workload, cost, **kw)
+        tiers = build_host_tiers(config)
+        self.host_tiers = tiers
+        self.prefill = [
+            PrefillRank(i, build_cache(config, config.prefill_live_requests, tiers[i]), config)
+            for i in range(config.prefill_ranks)
+        ]
+        self.decode = [
+            DecodeRank(
+                i,
+                build_cache(
+                    config,
+                    config.decode_live_requests,
+                    tiers[config.prefill_ranks + i],
+                    decode=True,
+                ),
+                config,
+            )
+            for i in range(config.decode_ranks)
+        ]
+        self.router = Router(
+            RouterConfig(
+                num_prefill_ranks=config.prefill_ranks,
+                num_decode_ranks=config.decode_ranks,
+                policy=config.routing,
+            )
+        )
+        self.gate = TransferGate(config.admission)
+        g = config.geometry
+        self._bytes_per_token = g.mla_page_bytes / g.page_size
+        self._state_bytes = g.kda_state_bytes
+
+    @property
+    def ranks(self):
+        return self.prefill + self.decode
+
+    # ---- routing ------------------------------------------------------------------------------
+    def _admit_request(self, req: Request) -> None:
+        p = self.router.pick_prefill(
+            [r.sched.outstanding_tokens() for r in self.prefill], req.session
+        )
+        d = self.router.pick_decode([r.sched.load() for r in self.decode])
+        req.prefill_rank, req.decode_rank = p, d
+        if self.gate.on_route(req.rid):
+            self._queue_prefill(req)
+        self.decode[d].sched.add(req)
+        self._admit_decode(self.decode[d])
+
+    def _queue_prefill(self, req: Request) -> None:
+        rank = self.prefill[req.prefill_rank]
+        rank.sched.add(req)
+        self._kick_prefill(rank)
+
+    # ---- prefill ranks ------------------------------------------------------------------------
+    def _kick_prefill(self, rank: PrefillRank) -> None:
+        if rank.busy:
+            return
+        batch = rank.sched.schedule()
+        self._drain_prefill_aborts(rank)
+        if batch is None:
+            return
+        load_bytes = 0
+        rank.admitted.intersection_update(rank.sched.running)  # drop requeued ones
+        for chunk in batch.chunks:
+            req = chunk.request
+            if req.rid not in rank.admitted:  # first chunk of this admission
+                rank.admitted.add(req.rid)
+                rec = self.records[req.rid]
+                if rec.prefill_start is None:
+                    rec.prefill_start = self.now
+                rec.cached_tokens += req.num_cached
+                rec.prefilled_tokens += req.prefill_target
+                handle = rank.port.handle(req.rid)
+                load_bytes += handle.l2_cached_tokens * self._bytes_per_token
+                if handle.load.l2_checkpoint:
+                    load_bytes += self._state_bytes
+        spans = [(c.start, c.end) for c in batch.chunks]
+        dt = max(self.cost.prefill_time(spans), self.cost.load_time(load_bytes))
+        rank.batch, rank.busy = batch, True
+        self.at(self.now + dt, self._prefill_done, rank)
+
+    def _prefill_done(self, rank: PrefillRank) -> None:
+        rank.busy = False
+        for req in rank.sched.complete(rank.batch):
+            rank.admitted.discard(req.rid)
+            self.records[req.rid].prefill_end = self.now
+            if req.state is RequestState.FINISHED:  # a one-token answer
+                self.records[req.rid].first_token = self.now
+                self._drop_decode_side(req)
+                self._finished(req)
+            elif self.gate.on_prefill_done(req.rid):
+                self._start_transfer(req)
+        rank.batch = None
+        self._kick_prefill(rank)
+
+    def _drain_prefill_aborts(self, rank: PrefillRank) -> None:
+        while rank.sched.aborted:
+            self._abort_everywhere(rank.sched.aborted.pop())
+
+    def _abort_everywhere(self, req: Request) -> None:
+        """A scheduler aborted `req`: free what the other stage holds, then report it."""
+        self.gate.forget(req.rid)
+        prefill, decode = self.prefill[req.prefill_rank], self.decode[req.decode_rank]
+        prefill.admitted.discard(req.rid)
+        prefill.sched.abort(req.rid, req.abort_reason)
+        decode.sched.abort(req.rid, req.abort_reason)
+        self._aborted(req)
+        self.at(self.now, self._kick_prefill, prefill)
+        self.at(self.now, self._kick_decode_idle, decode)
+
+    def _drop_decode_side(self, req: Request) -> None:
+        """The request will not reach decode: give back its decode reservation."""
+        self.gate.forget(req.rid)
+        rank = self.decode[req.decode_rank]
+        if rank.sched.abort(req.rid, req.abort_reason or "finished in prefill") is not None:
+            self._admit_decode(rank)
+
+    # ---- transfer -----------------------------------------------------------------------------
+    def _start_transfer(self, req: Request) -> None:
+        rank = self.decode[req.decode_rank]
+        self.records[req.rid].transfer_start = self.now
+        start = max(self.now, rank.link_free)
+        nbytes = req.prefill_target * self._bytes_per_token + self._state_bytes
+        rank.link_free = start + self.cost.transfer_time(int(nbytes))
+        self.at(rank.link_free, self._transfer_done, req)
+
+    def _transfer_done(self, req: Request) -> None:
+        prefill = self.prefill[req.prefill_rank]
+        prefill.sched.release(req)
+        rec = self.records[req.rid]
+        if rec.first_token is None:
+            rec.first_token = self.now
+        decode = self.decode[req.decode_rank]
+        decode.sched.start(req)
+        self._kick_decode(decode)
+        self._kick_prefill(prefill)  # its pages are free now
+
+    # ---- decode ranks -------------------------------------------------------------------------
+    def _admit_decode(self, rank: DecodeRank) -> None:
+        admitted = rank.sched.admit_pending()
+        while rank.sched.aborted:  # requests that can never fit on this decode rank
+            self._abort_everywhere(rank.sched.aborted.pop())
+        for req in admitted:
+            rec = self.records[req.rid]
+            if rec.decode_admitted is None:
+                rec.decode_admitted = self.now
+            queue_prefill, transfer = self.gate.on_decode_admitted(req.rid)
+            if queue_prefill:
+                self._queue_prefill(req)
+            if transfer:
+                self._start_transfer(req)
+
+    def _kick_decode(self, rank: DecodeRank) -> None:
+        if rank.busy:
+            self._cut(rank)
+            return
+        batch = rank.sched.schedule(max_steps=self.config.max_decode_steps)
+        self._drain_decode_side_effects(rank)
+        if batch is None:
+            return
+        for req in batch.requests:
+            rec = self.records[req.rid]
+            if rec.first_decode_step is None:
+                rec.first_decode_step = self.now
+        ends = decode_run_ends(
+            self.cost, batch.size, batch.padded_size, sum(batch.history_lens), batch.steps
+        )
+        total = ends[-1]
+        rank.batch, rank.busy, rank.start, rank.ends = batch, True, self.now, ends
+        rank.steps = batch.steps
+        rank.epoch += 1
+        self.at(self.now + total, self._decode_done, (rank, rank.epoch))
+
+    def _kick_decode_idle(self, rank: DecodeRank) -> None:
+        self._admit_decode(rank)
+        if not rank.busy:
+            self._kick_decode(rank)
+
+    def _cut(self, rank: DecodeRank) -> None:
+        """Something must join: end the current run after the step now in flight."""
+        j = bisect.bisect_left(rank.ends, self.now - rank.start)
+        if j + 1 >= rank.steps:
+            return
+        rank.steps = j + 1
+        rank.epoch += 1
+        self.at(rank.start + rank.ends[j], self._decode_done, (rank, rank.epoch))
+
+    def _decode_done(self, arg: tuple[DecodeRank, int]) -> None:
+        rank, epoch = arg
+        if epoch != rank.epoch:
+            return  # superseded by a cut
+        rank.busy = False
+        for req in rank.sched.complete(rank.batch, rank.steps):
+            self._finished(req)
+        rank.batch = None
+        self._admit_decode(rank)
+        self._kick_decode(rank)
+
+    def _drain_decode_side_effects(self, rank: DecodeRank) -> None:
+        sched = rank.sched
+        while sched.aborted:
+            self._abort_everywhere(sched.aborted.pop())
+        while sched.preempted:
+            req = sched.preempted.pop()
+            self.gate.forget(req.rid)
+            self._admit_request(req)  # back through the router, like a new arrival
+        self._admit_decode(rank)

@@ -1,0 +1,97 @@
+"""What a workload is: sessions (conversations) made of turns, whatever produced them.
+
+A turn appends `new_tokens` tokens to its conversation and asks for `output_tokens` tokens; its
+prompt is the whole conversation so far (every earlier turn's new tokens and output, then its own
+new tokens), as a chat client replays it. Content identity comes from trace blocks: `blocks` lists
+one id per `block_size` tokens of the new tokens (the last block may be partial); equal ids mean
+equal content, so sessions that start with the same ids share a prefix. Tokens without a block id
+(outputs, a trace's un-hashed tail) are unique to their session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class Turn:
+    new_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...] = ()
+    delay_s: float = 0.0  # after the previous turn's last token (tool call or human think time)
+    # Subagents launched when this turn's response is complete; the next turn waits for them.
+    subagents: tuple[Session, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if self.new_tokens <= 0 or self.output_tokens <= 0:
+            raise ValueError(
+                f"a turn needs new_tokens > 0 and output_tokens > 0, got "
+                f"{self.new_tokens} and {self.output_tokens}"
+            )
+        if self.delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
+
+
+@attrs.frozen(kw_only=True)
+class Session:
+    sid: str
+    turns: tuple[Turn, ...]
+    start_s: float | None = None  # open-loop arrival of the first turn; None: when a slot frees
+    group: int | None = None
+    kind: str = "main"  # "main" or "subagent"
+
+    def __attrs_post_init__(self) -> None:
+        if not self.turns:
+            raise ValueError(f"session {self.sid} has no turns")
+
+    @property
+    def num_requests(self) -> int:
+        """Requests this session issues, its subagents' included."""
+        return sum(1 + sum(s.num_requests for s in t.subagents) for t in self.turns)
+
+
+class SessionSource(Protocol):
+    """Where a simulation takes its sessions from, in order."""
+
+    block_size: int
+
+    def __iter__(self) -> Iterator[Session]: ...
+
+
+@attrs.frozen(kw_only=True)
+class TraceIssue:
+    """A malformed trace line that was skipped."""
+
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    """A finite, loaded workload (a trace); generators are `SessionSource`s of their own."""
+
+    sessions: tuple[Session, ...]
+    block_size: int = 512
+    name: str = "trace"
+    issues: tuple[TraceIssue, ...] = ()  # lines skipped while loading
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(self.sessions)
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def timed(self) -> bool:
+        """Sessions arrive at recorded times (open loop) rather than when a slot frees."""
+        return any(s.start_s is not None for s in self.sessions)
+
+    @classmethod
+    def of(cls, sessions: Sequence[Session], **kw: object) -> Workload:
+        return cls(sessions=tuple(sessions), **kw)

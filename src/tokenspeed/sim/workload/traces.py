@@ -1,0 +1,223 @@
+"""Loaders for workloads written by others: aiperf `dataset.jsonl` and Mooncake traces.
+
+Both are JSON lines with `input_length`, `output_length` and `hash_ids` (one id per 512-token
+block; equal ids mean equal content). Rows that carry a `session_id` form multi-turn sessions, in
+file order: a session's first row may give `timestamp` (ms) and `group_id`; every later row gives
+`delay` (ms after the previous turn's response ended) and covers only the turn's NEW tokens, the
+prompt being the conversation so far plus these (DESIGN.md section 7; aiperf `synthesize
+agentic-code` writes exactly this). Rows without a `session_id` are single-turn sessions whose
+`hash_ids` describe the whole prompt (the original Mooncake trace).
+
+Blocks are rendered as aiperf renders them: every id is a full block except the last, which holds
+the rest of `input_length`; with fewer ids than blocks, the un-hashed tail is unique content.
+
+aiperf datasets are replayed closed-loop (a session starts when a concurrency slot frees; their
+timestamps are all 0). Mooncake traces are replayed open-loop: a session starts at its first
+row's timestamp.
+
+A malformed line is reported with its line number; `on_error="skip"` keeps going (the issues are
+returned with the workload), `on_error="raise"` stops at the first one with a `TraceError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from tokenspeed.sim.workload.model import Session, TraceIssue, Turn, Workload
+
+OnError = Literal["skip", "raise"]
+
+
+class TraceError(ValueError):
+    """A malformed trace line (raised with on_error="raise")."""
+
+
+@attrs.frozen
+class _Row:
+    line: int
+    session_id: str | None
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    timestamp_ms: float | None
+    delay_ms: float | None
+    group_id: int | None
+
+
+def _int_field(row: dict, name: str, *, required: bool, minimum: int) -> int | None:
+    value = row.get(name)
+    if value is None:
+        if required:
+            raise ValueError(f"missing {name!r}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float_field(row: dict, name: str) -> float | None:
+    value = row.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name!r} must be a finite number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name!r} must be >= 0, got {value}")
+    return float(value)
+
+
+def _parse_row(text: str, line: int, block_size: int) -> _Row:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    input_length = _int_field(row, "input_length", required=True, minimum=1)
+    output_length = _int_field(row, "output_length", required=True, minimum=1)
+    hash_ids = row.get("hash_ids", [])
+    if not isinstance(hash_ids, list) or any(
+        isinstance(h, bool) or not isinstance(h, int) for h in hash_ids
+    ):
+        raise ValueError("'hash_ids' must be a list of integers")
+    if len(hash_ids) > math.ceil(input_length / block_size):
+        raise ValueError(
+            f"{len(hash_ids)} hash_ids describe more than input_length={input_length} tokens in "
+            f"blocks of {block_size}"
+        )
+    session_id = row.get("session_id")
+    if session_id is not None and not isinstance(session_id, str | int):
+        raise ValueError(f"'session_id' must be a string, got {session_id!r}")
+    group_id = _int_field(row, "group_id", required=False, minimum=0)
+    return _Row(
+        line=line,
+        session_id=None if session_id is None else str(session_id),
+        input_length=input_length,
+        output_length=output_length,
+        hash_ids=tuple(hash_ids),
+        timestamp_ms=_float_field(row, "timestamp"),
+        delay_ms=_float_field(row, "delay"),
+        group_id=group_id,
+    )
+
+
+def _read_rows(
+    path: Path, block_size: int, on_error: OnError
+) -> tuple[list[_Row], list[TraceIssue]]:
+    if on_error not in ("skip", "raise"):
+        raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+    rows, issues = [], []
+    with open(path, encoding="utf-8") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                rows.append(_parse_row(text, line, block_size))
+            except ValueError as exc:
+                if on_error == "raise":
+                    raise TraceError(f"{path}:{line}: {exc}") from None
+                issues.append(TraceIssue(line=line, message=str(exc)))
+    return rows, issues
+
+
+def _turn(row: _Row, first: bool) -> Turn:
+    return Turn(
+        new_tokens=row.input_length,
+        output_tokens=row.output_length,
+        blocks=row.hash_ids,
+        delay_s=0.0 if first or row.delay_ms is None else row.delay_ms / 1000.0,
+    )
+
+
+def _sessions(rows: list[_Row], *, timed: bool) -> list[Session]:
+    grouped: dict[str, list[_Row]] = {}
+    singles: list[tuple[int, Session]] = []
+    for row in rows:
+        if row.session_id is None:
+            start = row.timestamp_ms / 1000.0 if timed and row.timestamp_ms is not None else None
+            session = Session(sid=f"line{row.line}", turns=(_turn(row, True),), start_s=start)
+            singles.append((row.line, session))
+        else:
+            grouped.setdefault(row.session_id, []).append(row)
+    sessions = singles + [
+        (
+            group[0].line,
+            Session(
+                sid=sid,
+                turns=tuple(_turn(r, i == 0) for i, r in enumerate(group)),
+                start_s=(group[0].timestamp_ms or 0.0) / 1000.0 if timed else None,
+                group=group[0].group_id,
+            ),
+        )
+        for sid, group in grouped.items()
+    ]
+    sessions.sort(key=lambda pair: pair[0])  # file order of each session's first row
+    return [s for _, s in sessions]
+
+
+def load_aiperf_dataset(
+    path: str | Path, *, block_size: int = 512, on_error: OnError = "skip"
+) -> Workload:
+    """Sessions from an aiperf `dataset.jsonl`, replayed closed-loop."""
+    path = Path(path)
+    rows, issues = _read_rows(path, block_size, on_error)
+    return Workload.of(
+        _sessions(rows, timed=False),
+        block_size=block_size,
+        name=f"aiperf:{path.name}",
+        issues=tuple(issues),
+    )
+
+
+def load_mooncake_trace(
+    path: str | Path, *, block_size: int = 512, on_error: OnError = "skip"
+) -> Workload:
+    """Requests (or sessions) from a Mooncake-layout trace, replayed open-loop by timestamp."""
+    path = Path(path)
+    rows, issues = _read_rows(path, block_size, on_error)
+    return Workload.of(
+        _sessions(rows, timed=True),
+        block_size=block_size,
+        name=f"mooncake:{path.name}",
+        issues=tuple(issues),
+    )
+
+
+def write_aiperf_dataset(sessions: list[Session], path: str | Path) -> Path:
+    """Write sessions as an aiperf `dataset.jsonl` (subagents become sessions of their own,
+    listed after their parent; the wait for them is not representable there)."""
+    path = Path(path)
+    flat: list[Session] = []
+
+    def visit(s: Session) -> None:
+        flat.append(s)
+        for t in s.turns:
+            for sub in t.subagents:
+                visit(sub)
+
+    for s in sessions:
+        visit(s)
+    with open(path, "w", encoding="utf-8") as f:
+        for s in flat:
+            for i, t in enumerate(s.turns):
+                row: dict = {
+                    "session_id": s.sid,
+                    "input_length": t.new_tokens,
+                    "output_length": t.output_tokens,
+                    "hash_ids": list(t.blocks),
+                }
+                if i == 0:
+                    row["timestamp"] = 0.0 if s.start_s is None else round(s.start_s * 1000, 1)
+                    if s.group is not None:
+                        row["group_id"] = s.group
+                else:
+                    row["delay"] = round(t.delay_s * 1000, 1)
+                f.write(json.dumps(row) + "\n")
+    return path

@@ -1,0 +1,91 @@
+import pytest
+
+from tests.sched.fake_cache import FakeCache, make_request
+from tokenspeed.sched.aggregated import AggregatedScheduler
+from tokenspeed.sched.config import SchedulerConfig
+from tokenspeed.sched.request import RequestState
+
+P = 16
+
+
+def _sched(*, budget=128, pages=1000, sizes=(1, 2, 4, 8)):
+    cache = FakeCache(page_size=P, num_pages=pages)
+    cfg = SchedulerConfig(
+        page_size=P,
+        prefill_token_budget=budget,
+        checkpoint_interval_pages=4,
+        decode_batch_sizes=sizes,
+    )
+    return AggregatedScheduler(cfg, cache), cache
+
+
+def test_prefill_joins_decode_without_transfer_and_shares_the_budget():
+    sched, _ = _sched(budget=128)
+    a = make_request("a", 40, max_new_tokens=3)
+    sched.add(a)
+    plan = sched.schedule()
+    assert plan.decode is None and plan.prefill.num_tokens == 40
+    sched.complete(plan)
+    assert a.state is RequestState.DECODING and list(sched.decode.running) == ["a"]
+    b = make_request("b", 300)
+    sched.add(b)
+    plan = sched.schedule()
+    # One decode row takes one token of the budget; prefill gets the rest, aligned (64 of 127).
+    assert plan.decode.size == 1 and plan.decode.padded_size == 1
+    assert [(c.start, c.end) for c in plan.prefill.chunks] == [(0, 64)]
+    sched.complete(plan)
+    assert a.num_output == 2
+
+
+def test_multi_step_decode_only_when_no_prefill_pending():
+    sched, _ = _sched()
+    a = make_request("a", 40, max_new_tokens=20)
+    sched.add(a)
+    sched.complete(sched.schedule())
+    plan = sched.schedule(max_decode_steps=50)
+    assert plan.prefill is None and plan.decode.steps == 19
+    sched.add(make_request("b", 40))
+    plan2 = sched.schedule(max_decode_steps=50)
+    assert plan2.decode.steps == 1 and plan2.prefill is not None
+    with pytest.raises(ValueError, match="single forward"):
+        sched.complete(plan2, decode_steps=2)
+
+
+def test_finishes_flow_out_and_abort_reaches_both_stages():
+    sched, cache = _sched()
+    one, two, slow = (make_request(r, 20, n) for r, n in (("one", 1), ("two", 2), ("slow", 9)))
+    for r in (one, two, slow):
+        sched.add(r)
+    done = sched.complete(sched.schedule())
+    assert done == [one]  # a one-token answer ends in prefill
+    done = sched.complete(sched.schedule())
+    assert done == [two]
+    queued = make_request("queued", 500)
+    sched.add(queued)
+    assert sched.abort("slow", "x") is slow and slow.state is RequestState.ABORTED
+    assert sched.abort("queued", "x") is queued and queued.state is RequestState.ABORTED
+    assert not sched.has_work and cache.used_pages == 0
+
+
+def test_admission_stops_at_the_decode_cap():
+    sched, _ = _sched(sizes=(1, 2))
+    reqs = [make_request(f"r{i}", 16, 5) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    sched.complete(sched.schedule())
+    assert [r.state for r in reqs] == [RequestState.DECODING] * 2 + [RequestState.WAITING]
+    plan = sched.schedule()
+    assert plan.prefill is None and plan.decode.size == 2
+
+
+def test_preempted_and_aborted_are_handed_to_the_caller():
+    sched, _ = _sched(pages=7, budget=256)
+    a, b = make_request("a", 47, 30), make_request("b", 47, 30)
+    sched.add(a)
+    sched.add(b)
+    sched.complete(sched.schedule())  # both prefilled: 3 pages each
+    sched.complete(sched.schedule())
+    sched.schedule()  # both need a 4th page, 1 free
+    assert sched.take_preempted() == [b] and sched.take_preempted() == []
+    assert b.state is RequestState.WAITING
+    assert sched.take_aborted() == []

@@ -1,0 +1,187 @@
+import pytest
+
+from tests.sched.fake_cache import FakeCache, make_request
+from tokenspeed.sched.config import SchedulerConfig
+from tokenspeed.sched.decode import DecodeScheduler
+from tokenspeed.sched.request import RequestState
+
+P = 16
+
+
+def _sched(*, pages=1000, sizes=(1, 2, 4, 8), reserve=0, disaggregated=True, max_preempt=8):
+    cache = FakeCache(page_size=P, num_pages=pages)
+    cfg = SchedulerConfig(
+        page_size=P,
+        prefill_token_budget=256,
+        checkpoint_interval_pages=4,
+        decode_batch_sizes=sizes,
+        decode_reserve_pages=reserve,
+        max_preemptions=max_preempt,
+    )
+    return DecodeScheduler(cfg, cache, disaggregated=disaggregated), cache
+
+
+def _prefilled(rid, prompt, new, **kw):
+    """A request as it leaves a P/D prefill rank: first token sampled, in TRANSFERRING."""
+    req = make_request(rid, prompt, new, page_size=P, **kw)
+    req.move(RequestState.PREFILLING)
+    req.move(RequestState.TRANSFERRING)
+    req.num_output = 1
+    return req
+
+
+def _join(sched, *reqs):
+    for r in reqs:
+        sched.add(r)
+    admitted = sched.admit_pending()
+    for r in admitted:
+        sched.start(r)
+    return admitted
+
+
+def test_admission_reserves_destination_pages_fifo():
+    sched, cache = _sched(pages=10)
+    a, b, c = _prefilled("a", 64, 4), _prefilled("b", 100, 4), _prefilled("c", 16, 4)
+    for r in (a, b, c):
+        sched.add(r)
+    # a: 5 pages (65 tokens), b: 7 pages -> b does not fit; c must wait behind it (FIFO).
+    assert sched.admit_pending() == [a]
+    assert cache.pages["a"] == 5 and list(sched.pending) == [b, c]
+    assert sched.load().running == 3  # pending requests count toward the rank's load
+    assert a.state is RequestState.TRANSFERRING  # admission does not touch the lifecycle
+
+
+def test_admission_keeps_reserve_headroom():
+    sched, _ = _sched(pages=10, reserve=3)
+    a = _prefilled("a", 100, 4)  # 7 pages + 3 headroom = 10: fits exactly
+    b = _prefilled("b", 16, 4)  # 2 pages + 3 > the 3 left
+    sched.add(a)
+    sched.add(b)
+    assert sched.admit_pending() == [a]
+
+
+def test_admission_capped_by_largest_graph():
+    sched, _ = _sched(sizes=(1, 2))
+    reqs = [_prefilled(f"r{i}", 16, 4) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    assert sched.admit_pending() == reqs[:2]
+
+
+def test_start_requires_admission_and_joins_decoding():
+    sched, _ = _sched()
+    req = _prefilled("r", 40, 4)
+    with pytest.raises(KeyError, match="not admitted"):
+        sched.start(req)
+    _join(sched, req)
+    assert req.state is RequestState.DECODING and req.num_computed == 41 - 1
+
+
+def test_batches_padded_to_graph_sizes():
+    sched, _ = _sched(sizes=(1, 2, 4, 8))
+    reqs = [_prefilled(f"r{i}", 30, 10) for i in range(5)]
+    _join(sched, *reqs)
+    batch = sched.schedule()
+    assert batch.size == 5 and batch.padded_size == 8
+    assert batch.history_lens == (31,) * 5
+
+
+def test_step_completion_and_finish_publishes_history():
+    sched, cache = _sched()
+    a, b = _prefilled("a", 40, 3), _prefilled("b", 40, 40)
+    _join(sched, a, b)
+    batch = sched.schedule()
+    assert batch.steps == 1
+    assert sched.complete(batch) == []
+    assert (a.num_output, a.num_computed) == (2, 41)
+    assert sched.complete(sched.schedule()) == [a]
+    assert a.state is RequestState.FINISHED and not cache.holds("a")
+    assert b.state is RequestState.DECODING
+    # a's KV covers 42 tokens; the last full page (32) is not past the prompt's last page (32).
+    assert cache.calls("publish", "a") == []
+    for _ in range(37):
+        done = sched.complete(sched.schedule())
+    assert done == [b] and b.num_output == 40
+    assert cache.calls("checkpoint", "b") == [("checkpoint", "b", 64)]
+    assert cache.calls("publish", "b") == [("publish", "b", 64)]
+
+
+def test_eos_reported_by_the_engine_finishes_early():
+    sched, _ = _sched()
+    a, b = _prefilled("a", 40, 50), _prefilled("b", 40, 50)
+    _join(sched, a, b)
+    assert sched.complete(sched.schedule(), finished={"b"}) == [b]
+    assert b.state is RequestState.FINISHED and b.num_output == 2
+    assert list(sched.running) == ["a"]
+
+
+def test_multi_step_batches_stop_at_the_first_finishing_row():
+    sched, cache = _sched()
+    a, b = _prefilled("a", 40, 6), _prefilled("b", 60, 30)
+    _join(sched, a, b)
+    batch = sched.schedule(max_steps=100)
+    assert batch.steps == 5  # a has 5 tokens left
+    assert cache.covered(b) >= b.num_computed + 5  # pages reserved for all steps
+    # The caller may stop early (a new request arrived) and resume later.
+    assert sched.complete(batch, steps=2) == []
+    with pytest.raises(ValueError, match="steps must be in 1..5"):
+        sched.complete(batch, steps=6)
+    assert sched.complete(sched.schedule(max_steps=100), steps=3) == [a]
+    assert b.num_output == 6
+
+
+def test_out_of_pages_preempts_the_youngest_row():
+    sched, cache = _sched(pages=7)
+    a, b = _prefilled("a", 47, 30), _prefilled("b", 47, 30)
+    _join(sched, a, b)  # 3 pages each; 1 free
+    assert cache.free_pages() == 1
+    batch = sched.schedule()  # both at 47 tokens: the step writes token 48 -> fits page 3
+    sched.complete(batch)
+    batch = sched.schedule()  # both need a 4th page; only one is free
+    assert [r.rid for r in batch.requests] == ["a"]
+    assert b.state is RequestState.WAITING and b.preemptions == 1
+    assert sched.preempted == [b] and not cache.holds("b")
+    # b's history up to its last full page was published for its re-prefill.
+    assert cache.calls("publish", "b") == [("publish", "b", 48)]
+    assert b.prefill_target == 47 + 2  # prompt plus the two tokens it generated
+
+
+def test_request_preempted_too_often_is_aborted():
+    sched, _ = _sched(pages=7, max_preempt=0)
+    a, b = _prefilled("a", 47, 30), _prefilled("b", 47, 30)
+    _join(sched, a, b)
+    sched.complete(sched.schedule())
+    sched.schedule()
+    assert b.state is RequestState.ABORTED and "preempted 0 times" in b.abort_reason
+    assert sched.aborted == [b] and sched.preempted == []
+
+
+def test_lone_row_that_outgrows_the_rank_is_aborted():
+    sched, cache = _sched(pages=3)
+    a = _prefilled("a", 47, 30)
+    _join(sched, a)
+    sched.complete(sched.schedule())
+    assert sched.schedule() is None
+    assert a.state is RequestState.ABORTED and "outgrew" in a.abort_reason
+    assert not cache.holds("a")
+
+
+def test_abort_pending_admitted_and_running():
+    sched, cache = _sched(pages=12)
+    run, adm, pend = _prefilled("run", 40, 9), _prefilled("adm", 40, 9), _prefilled("pend", 200, 9)
+    _join(sched, run)
+    sched.add(adm)
+    sched.add(pend)
+    assert sched.admit_pending() == [adm]
+    # Still in their prefill stage: only the decode-side reservation goes.
+    assert sched.abort("pend", "x") is pend and pend.state is RequestState.TRANSFERRING
+    assert sched.abort("adm", "x") is adm and not cache.holds("adm")
+    assert sched.abort("run", "client gone") is run
+    assert run.state is RequestState.ABORTED and not cache.holds("run")
+    assert sched.load().running == 0 and cache.used_pages == 0
+
+
+def test_aggregated_decode_rejects_pd_admission():
+    sched, _ = _sched(disaggregated=False)
+    with pytest.raises(RuntimeError, match="P/D"):
+        sched.add(_prefilled("r", 16, 2))

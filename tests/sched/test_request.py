@@ -1,0 +1,87 @@
+import itertools
+
+import pytest
+
+from tokenspeed.sched.request import (
+    ALLOWED_TRANSITIONS,
+    TERMINAL_STATES,
+    LifecycleError,
+    Request,
+    RequestState,
+)
+
+S = RequestState
+EXPECTED = {
+    (S.WAITING, S.PREFILLING),
+    (S.WAITING, S.ABORTED),
+    (S.PREFILLING, S.TRANSFERRING),
+    (S.PREFILLING, S.DECODING),
+    (S.PREFILLING, S.FINISHED),
+    (S.PREFILLING, S.WAITING),
+    (S.PREFILLING, S.ABORTED),
+    (S.TRANSFERRING, S.DECODING),
+    (S.TRANSFERRING, S.WAITING),
+    (S.TRANSFERRING, S.ABORTED),
+    (S.DECODING, S.FINISHED),
+    (S.DECODING, S.WAITING),
+    (S.DECODING, S.ABORTED),
+}
+
+
+def _at(state: RequestState) -> Request:
+    req = Request("r", 100, 8)
+    req.state = state
+    return req
+
+
+def test_transition_table_is_the_documented_diagram():
+    table = {(a, b) for a, targets in ALLOWED_TRANSITIONS.items() for b in targets}
+    assert table == EXPECTED
+    assert all(not ALLOWED_TRANSITIONS[s] for s in TERMINAL_STATES)
+
+
+@pytest.mark.parametrize(("src", "dst"), sorted(EXPECTED, key=lambda p: (p[0].value, p[1].value)))
+def test_allowed_transition(src, dst):
+    req = _at(src)
+    req.move(dst)
+    assert req.state is dst
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [p for p in itertools.product(S, S) if p not in EXPECTED],
+)
+def test_forbidden_transition_raises_and_keeps_state(src, dst):
+    req = _at(src)
+    with pytest.raises(LifecycleError, match=f"{src.value} -> {dst.value}"):
+        req.move(dst)
+    assert req.state is src
+
+
+def test_preempt_requeues_with_output_kept():
+    req = _at(S.DECODING)
+    req.num_output = 5
+    req.num_computed = 104
+    req.num_cached = 64
+    req.preempt()
+    assert req.state is S.WAITING
+    assert req.preemptions == 1
+    assert (req.num_computed, req.num_cached) == (0, 0)
+    # Generated tokens stay: the re-prefill covers prompt plus output so far.
+    assert req.prefill_target == 105
+    assert req.output_remaining == 3
+
+
+def test_abort_records_reason_and_is_terminal():
+    req = _at(S.PREFILLING)
+    req.abort("client went away")
+    assert req.state is S.ABORTED and req.abort_reason == "client went away"
+    assert req.done
+    with pytest.raises(LifecycleError):
+        req.abort("again")
+
+
+@pytest.mark.parametrize(("prompt", "new"), [(0, 1), (5, 0), (-1, 3)])
+def test_request_rejects_empty_prompt_or_output(prompt, new):
+    with pytest.raises(ValueError, match="must be positive"):
+        Request("bad", prompt, new)

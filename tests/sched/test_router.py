@@ -1,0 +1,50 @@
+import pytest
+
+from tokenspeed.sched.config import RouterConfig, RoutingPolicy
+from tokenspeed.sched.router import DecodeLoad, Router
+
+
+def test_prefill_goes_to_least_outstanding_work():
+    router = Router(RouterConfig(num_prefill_ranks=4, num_decode_ranks=1))
+    assert router.pick_prefill([900, 120, 5_000, 300]) == 1
+    assert router.pick_prefill([0, 10, 10, 10]) == 0
+    assert router.pick_prefill([10, 10, 10, 3]) == 3
+
+
+def test_ties_rotate_instead_of_piling_on_rank_zero():
+    router = Router(RouterConfig(num_prefill_ranks=3))
+    picks = [router.pick_prefill([0, 0, 0]) for _ in range(6)]
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2]
+
+
+def test_least_work_ignores_conversation_history():
+    router = Router(RouterConfig(num_prefill_ranks=2))
+    assert router.pick_prefill([0, 50], session="s") == 0
+    assert router.pick_prefill([70, 50], session="s") == 1
+
+
+def test_affinity_keeps_a_conversation_on_its_first_rank():
+    router = Router(RouterConfig(num_prefill_ranks=3, policy=RoutingPolicy.AFFINITY))
+    first = router.pick_prefill([500, 0, 900], session="conv-a")
+    assert first == 1
+    # Later turns stick even when that rank is now the busiest.
+    assert router.pick_prefill([0, 10_000, 0], session="conv-a") == 1
+    # Another conversation is placed by least work.
+    assert router.pick_prefill([0, 10_000, 5], session="conv-b") == 0
+    router.forget("conv-a")
+    assert router.pick_prefill([3, 10_000, 0], session="conv-a") == 2
+
+
+def test_decode_by_load_then_free_pages():
+    router = Router(RouterConfig(num_prefill_ranks=1, num_decode_ranks=3))
+    loads = [DecodeLoad(5, 100), DecodeLoad(2, 10), DecodeLoad(2, 400)]
+    assert router.pick_decode(loads) == 2
+    assert router.pick_decode([DecodeLoad(1, 0), DecodeLoad(3, 999), DecodeLoad(2, 9)]) == 0
+
+
+def test_load_vector_must_match_rank_count():
+    router = Router(RouterConfig(num_prefill_ranks=2, num_decode_ranks=2))
+    with pytest.raises(ValueError, match="2 ranks"):
+        router.pick_prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="2 ranks"):
+        router.pick_decode([DecodeLoad(0, 1)])

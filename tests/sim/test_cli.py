@@ -1,0 +1,104 @@
+import json
+
+from tokenspeed.sim import cli
+
+
+def test_cli_writes_report_table_and_plots(tmp_path, capsys):
+    out = tmp_path / "report"
+    rc = cli.main(
+        [
+            "--prefill-ranks",
+            "2",
+            "--decode-ranks",
+            "2",
+            "--concurrency",
+            "2,4",
+            "--duration",
+            "30",
+            "--page-size",
+            "128",
+            "--checkpoint-interval-pages",
+            "32",
+            "--device-cache-gib",
+            "40",
+            "--l2-gib-per-rank",
+            "64",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    report = (out / "report.md").read_text()
+    assert "| scenario | conc. | tok/s/GPU |" in report
+    assert "| c=2 | 2 |" in report and "| c=4 | 4 |" in report
+    assert "2 prefill + 2 decode ranks, page 128, L2 shared" in report
+    for png in ("throughput_vs_interactivity.png", "hit_rate_over_time.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["concurrency"] for s in summary] == [2, 4]
+    assert all(
+        s["requests_finished"] + s["requests_aborted"] == s["requests_issued"] for s in summary
+    )
+    assert "concurrency 4:" in capsys.readouterr().err
+
+
+def test_cli_rejects_impossible_configuration(capsys):
+    assert cli.main(["--prefill-ranks", "0", "--concurrency", "4", "--no-progress"]) == 2
+    assert "at least one prefill and one decode rank" in capsys.readouterr().err
+    assert cli.main(["--page-size", "64", "--prefill-budget", "32", "--no-progress"]) == 2
+    assert "smaller than one page" in capsys.readouterr().err
+
+
+def test_cli_trace_with_bad_lines(tmp_path, capsys):
+    trace = tmp_path / "dataset.jsonl"
+    trace.write_text(
+        '{"session_id": "a", "input_length": 3000, "output_length": 20, "hash_ids": [1,2,3,4,5,6],'
+        ' "timestamp": 0.0, "group_id": 0}\n'
+        "oops\n"
+        '{"session_id": "a", "input_length": 500, "output_length": 10, "hash_ids": [9],'
+        ' "delay": 100.0}\n'
+    )
+    out = tmp_path / "r"
+    rc = cli.main(
+        [
+            "--workload",
+            "aiperf",
+            "--trace",
+            str(trace),
+            "--prefill-ranks",
+            "1",
+            "--decode-ranks",
+            "1",
+            "--concurrency",
+            "1",
+            "--duration",
+            "0",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "skipped line 2: not valid JSON" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary[0]["requests_finished"] == 2
+    rc = cli.main(
+        [
+            "--workload",
+            "aiperf",
+            "--trace",
+            str(trace),
+            "--on-error",
+            "raise",
+            "--concurrency",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 2
+    assert "dataset.jsonl:2: not valid JSON" in capsys.readouterr().err

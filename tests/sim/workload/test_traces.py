@@ -1,0 +1,139 @@
+import json
+
+import pytest
+
+from tokenspeed.sim.workload import (
+    AgentXConfig,
+    AgentXWorkload,
+    TraceError,
+    load_aiperf_dataset,
+    load_mooncake_trace,
+    write_aiperf_dataset,
+)
+
+# The layout `aiperf synthesize agentic-code` writes (DESIGN.md section 7): a session's first row
+# has timestamp and group_id and the whole initial context; later rows have delay (ms after the
+# previous answer) and only the turn's new tokens.
+AIPERF_ROWS = [
+    {
+        "session_id": "sess-a",
+        "input_length": 1300,
+        "output_length": 40,
+        "hash_ids": [0, 1, 7],
+        "timestamp": 0.0,
+        "group_id": 3,
+    },
+    {
+        "session_id": "sess-b",
+        "input_length": 1100,
+        "output_length": 20,
+        "hash_ids": [0, 1, 9],
+        "timestamp": 0.0,
+        "group_id": 1,
+    },
+    {
+        "session_id": "sess-a",
+        "input_length": 600,
+        "output_length": 30,
+        "hash_ids": [100, 101],
+        "delay": 2500.0,
+    },
+    {
+        "session_id": "sess-a",
+        "input_length": 200,
+        "output_length": 10,
+        "hash_ids": [102],
+        "delay": 41000.0,
+    },
+]
+
+
+def _write(tmp_path, rows, name="dataset.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_aiperf_dataset_becomes_sessions(tmp_path):
+    w = load_aiperf_dataset(_write(tmp_path, AIPERF_ROWS))
+    assert not w.issues and not w.timed and w.block_size == 512
+    a, b = w.sessions
+    assert (a.sid, b.sid) == ("sess-a", "sess-b") and a.group == 3
+    assert [t.new_tokens for t in a.turns] == [1300, 600, 200]
+    assert [t.output_tokens for t in a.turns] == [40, 30, 10]
+    assert [t.delay_s for t in a.turns] == [0.0, 2.5, 41.0]
+    assert a.turns[1].blocks == (100, 101)
+    # Shared hash ids are the shared prefix.
+    assert a.turns[0].blocks[:2] == b.turns[0].blocks[:2]
+
+
+def test_malformed_lines_are_reported_with_line_numbers_and_skipped(tmp_path):
+    rows = [
+        AIPERF_ROWS[0],
+        "{not json",
+        {"session_id": "x", "output_length": 5},
+        {"session_id": "x", "input_length": 10, "output_length": 5, "hash_ids": [1, 2]},
+        {"session_id": "x", "input_length": -3, "output_length": 5},
+        {"session_id": "x", "input_length": 10, "output_length": 5, "delay": "soon"},
+        "[1, 2]",
+        "",
+        AIPERF_ROWS[2],
+    ]
+    w = load_aiperf_dataset(_write(tmp_path, rows))
+    assert [(i.line, i.message.split(" (")[0]) for i in w.issues] == [
+        (2, "not valid JSON"),
+        (3, "missing 'input_length'"),
+        (4, "2 hash_ids describe more than input_length=10 tokens in blocks of 512"),
+        (5, "'input_length' must be >= 1, got -3"),
+        (6, "'delay' must be a finite number, got 'soon'"),
+        (7, "expected a JSON object, got list"),
+    ]
+    assert str(w.issues[0]).startswith("line 2: not valid JSON")
+    (a,) = w.sessions
+    assert [t.new_tokens for t in a.turns] == [1300, 600]
+
+
+def test_malformed_line_rejected_by_flag(tmp_path):
+    path = _write(tmp_path, [AIPERF_ROWS[0], AIPERF_ROWS[2], '{"input_length": 5}'])
+    with pytest.raises(TraceError, match=r"dataset.jsonl:3: missing 'output_length'"):
+        load_aiperf_dataset(path, on_error="raise")
+    with pytest.raises(ValueError, match="on_error"):
+        load_aiperf_dataset(path, on_error="ignore")
+
+
+def test_mooncake_trace_is_timed_single_turn(tmp_path):
+    rows = [
+        {
+            "timestamp": 27482,
+            "input_length": 6955,
+            "output_length": 52,
+            "hash_ids": list(range(14)),
+        },
+        {
+            "timestamp": 30535,
+            "input_length": 6472,
+            "output_length": 26,
+            "hash_ids": [*range(12), 46, 47, 48][:13],
+        },
+    ]
+    w = load_mooncake_trace(_write(tmp_path, rows, "trace.jsonl"))
+    assert w.timed
+    assert [s.start_s for s in w.sessions] == [27.482, 30.535]
+    assert all(len(s.turns) == 1 for s in w.sessions)
+    # Full-prompt hash ids: the two requests share their first 12 blocks.
+    assert w.sessions[0].turns[0].blocks[:12] == w.sessions[1].turns[0].blocks[:12]
+
+
+def test_generated_workload_round_trips_through_aiperf_format(tmp_path):
+    gen = AgentXWorkload(AgentXConfig(subagent_probability=0.0, max_turns=6), seed=4)
+    sessions = list(gen.take(5))
+    path = write_aiperf_dataset(sessions, tmp_path / "dataset.jsonl")
+    back = load_aiperf_dataset(path)
+    assert not back.issues
+    assert [(s.sid, s.group) for s in back] == [(s.sid, s.group) for s in sessions]
+    for s, b in zip(sessions, back, strict=True):
+        assert [(t.new_tokens, t.output_tokens, t.blocks) for t in s.turns] == [
+            (t.new_tokens, t.output_tokens, t.blocks) for t in b.turns
+        ]
+        # Delays are written in ms with one decimal, as aiperf writes them.
+        assert [t.delay_s for t in b.turns] == pytest.approx([t.delay_s for t in s.turns], abs=1e-4)
