@@ -88,27 +88,27 @@ class GatedMla(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor] | PagedMla]:
         if isinstance(latents, PagedMla):
             return self._forward_paged(x, batch, latents), latents
-        c = self.config
         q = self._queries(x)
         rows = self.latent_rows(x).to(latents[0].dtype)
         new_latents = [torch.cat([latents[i], rows[seg]]) for i, seg in batch.segments()]
+        return self._output(self._attend_rows(q, new_latents, batch, x.dtype), x), new_latents
+
+    def _attend_rows(
+        self, q: torch.Tensor, latents: list[torch.Tensor], batch: ForwardBatch, dtype
+    ) -> torch.Tensor:
+        """Reference attention of the step's queries over each request's rows (its prefix and
+        this step's): absorbed for few new tokens per request, expanded otherwise."""
+        c = self.config
         cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
-        cu_k[1:] = torch.tensor(batch.total_lens).cumsum(0)
-        latent = torch.cat(new_latents).to(x.dtype)
+        cu_k[1:] = torch.tensor([r.shape[0] for r in latents]).cumsum(0)
+        latent = torch.cat(latents).to(dtype)
         if max(batch.seq_lens) <= ABSORBED_MAX_TOKENS:
             w_uk, w_uv = self._absorbed()
-            o = mla_decode(q, latent, w_uk, w_uv, batch.cu_seqlens, cu_k, c.softmax_scale)
-        else:
-            o = mla_prefill(
-                q,
-                latent,
-                self.kv_b_proj.weight,
-                batch.cu_seqlens,
-                cu_k,
-                c.v_head_dim,
-                c.softmax_scale,
-            )
-        return self._output(o, x), new_latents
+            return mla_decode(q, latent, w_uk, w_uv, batch.cu_seqlens, cu_k, c.softmax_scale)
+        return mla_prefill(
+            q, latent, self.kv_b_proj.weight, batch.cu_seqlens, cu_k, c.v_head_dim,
+            c.softmax_scale,
+        )
 
     def _forward_paged(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedMla):
         """Write this step's rows into their pages, then attend over the pages."""
@@ -149,19 +149,8 @@ class GatedMla(nn.Module):
             c.softmax_scale,
         )
         if o is None:
-            # Reference (eager only): gather each request's rows and expand them.
-            lens = batch.total_lens
+            # Reference (eager only): gather each request's rows and attend over them.
             rows = gather_pages(pages, cache.page_table)
-            latent = torch.cat([rows[i, :n_rows] for i, n_rows in enumerate(lens)]).to(x.dtype)
-            cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
-            cu_k[1:] = torch.tensor(lens).cumsum(0)
-            o = mla_prefill(
-                q,
-                latent,
-                self.kv_b_proj.weight,
-                batch.cu_seqlens,
-                cu_k,
-                c.v_head_dim,
-                c.softmax_scale,
-            )
+            lens = batch.total_lens
+            o = self._attend_rows(q, [rows[i, :n] for i, n in enumerate(lens)], batch, x.dtype)
         return self._output(o, x)
