@@ -125,3 +125,16 @@ def test_bad_requests_are_refused_before_any_work(tiny):
     with pytest.raises(RequestError, match="already in use"):
         engine.add_request("x", [6], GREEDY)
     assert engine.num_unfinished == 1
+
+
+def test_a_stop_token_as_the_first_output_ends_the_request(tiny):
+    prompt = tokens(23, seed=9)
+    first = reference(tiny, prompt, 1)[0]
+    engine = small_engine(tiny)
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[first])
+    other = tokens(10, seed=10)
+    done = run(engine, [("a", prompt, params), ("b", other, GREEDY)])
+    assert done["a"].token_ids == [first]
+    assert done["a"].outputs[0].finish_reason == "stop"
+    assert done["b"].token_ids == reference(tiny, other, 12)
+    assert engine.cache.get("a") is None

@@ -89,3 +89,18 @@ def test_preempted_and_aborted_are_handed_to_the_caller():
     assert sched.take_preempted() == [b] and sched.take_preempted() == []
     assert b.state is RequestState.WAITING
     assert sched.take_aborted() == []
+
+
+def test_a_prefill_whose_first_token_stops_finishes_without_decoding():
+    from tokenspeed.sched import AggregatedScheduler, Request, RequestState, SchedulerConfig
+
+    from .fake_cache import FakeCache
+
+    cache = FakeCache(page_size=16, num_pages=64)
+    sched = AggregatedScheduler(SchedulerConfig(page_size=16, prefill_token_budget=64), cache)
+    req = Request("a", 20, 10, keys=[("a", 0), ("a", 1)])
+    sched.add(req)
+    plan = sched.schedule()
+    done = sched.complete(plan, finished={"a"})
+    assert done == [req] and req.state is RequestState.FINISHED and req.num_output == 1
+    assert not sched.has_work

@@ -70,7 +70,7 @@ class AggregatedScheduler:
         if plan.decode is not None:
             done.extend(self.decode.complete(plan.decode, decode_steps, finished, save_state))
         if plan.prefill is not None:
-            for req in self.prefill.complete(plan.prefill, save_state):
+            for req in self.prefill.complete(plan.prefill, save_state, finished):
                 if req.state is RequestState.DECODING:
                     self.decode.start(req)
                 else:

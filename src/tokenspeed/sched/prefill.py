@@ -15,7 +15,7 @@ Driving it (engine or simulator): `add` requests, call `schedule()`, run the bat
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 
 from tokenspeed.sched.batch import PrefillBatch, PrefillChunk
 from tokenspeed.sched.cache_port import CachePort
@@ -174,16 +174,22 @@ class PrefillScheduler:
         return req.prefill_target - 1
 
     # ---- results -------------------------------------------------------------------------------
-    def complete(self, batch: PrefillBatch, save_state: SaveState | None = None) -> list[Request]:
+    def complete(
+        self,
+        batch: PrefillBatch,
+        save_state: SaveState | None = None,
+        finished: Collection[Hashable] = (),
+    ) -> list[Request]:
         """Record a finished forward; returns the requests whose prefill is now complete.
 
         Checkpoints are taken at every `chunk.checkpoints` position: from the live state at the
         chunk's end, and for positions inside the chunk into a slot handed to
         `save_state(request, position, slot)`, which must write the kernel's state at that
         position there before returning (an engine with device tensors must pass it).
-        Completed requests are FINISHED (output of one token), DECODING (aggregated) or
-        TRANSFERRING (P/D, pinned here until `release`), their prompt published at its last full
-        page and their first output token counted.
+        Completed requests are FINISHED (output of one token, or their rid is in `finished`: the
+        first token the engine sampled was an EOS), DECODING (aggregated) or TRANSFERRING (P/D,
+        pinned here until `release`), their prompt published at its last full page and their
+        first output token counted.
         """
         done = []
         page = self.config.page_size
@@ -204,7 +210,7 @@ class PrefillScheduler:
             if turn_end > req.num_cached:
                 self.cache.publish(req, turn_end)
             req.num_output += 1
-            if req.output_remaining <= 0:
+            if req.output_remaining <= 0 or req.rid in finished:
                 req.move(RequestState.FINISHED)
                 self.cache.release(req)
             elif self.disaggregated:
