@@ -101,6 +101,18 @@ def _case_padding_ids():
     assert_close_scaled(got, want, 1e-5)
 
 
+def _case_fused_gate_up_views():
+    # w1 / w3 as the two halves of one [E, 2I, L] gate_up tensor (transformers' layout): views
+    # with an expert stride of 2 I L, read in place.
+    x, w1, w2, w3, ids, weights = random_problem(8, 3, 8, 32, 48, seed=7)
+    gate_up = torch.cat([w1, w3], dim=1)
+    experts = ExpertWeights(format="dense", w1=gate_up[:, :48], w2=w2, w3=gate_up[:, 48:])
+    assert not experts.w1.is_contiguous()
+    got = fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0)
+    want = local_reference(x, weights, ids.long(), w1, w2, w3, make_glu("situ"))
+    assert_close_scaled(got, want, 1e-5)
+
+
 def _case_router_pipeline():
     # route_fused's counts/ranks feed fused_experts directly (no count launch).
     from tokenspeed.model.ops.moe.router import route_fused
@@ -180,6 +192,7 @@ CASES = {
         config=MoeKernelConfig(32, GemmTile(32, 32, 4, 2), GemmTile(32, 16, 4, 2)),
     ),
     "padding-ids": _case_padding_ids,
+    "fused-gate-up-views": _case_fused_gate_up_views,
     "router-pipeline": _case_router_pipeline,
     "align-layout": _case_align_layout,
     "fp8-situ": _case_fp8,
@@ -205,9 +218,13 @@ def test_expert_weights_validate_shapes():
         ExpertWeights(format="mxfp4", w1=torch.zeros(2, 32, 16, dtype=torch.uint8),
                       w2=torch.zeros(2, 32, 16, dtype=torch.uint8),
                       w3=torch.zeros(2, 32, 16, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous rows"):
         ExpertWeights(format="dense", w1=w.transpose(1, 2).contiguous().transpose(1, 2),
                       w2=torch.zeros(2, 16, 8), w3=w)
+    fused = torch.zeros(2, 16, 16)
+    ExpertWeights(format="dense", w1=fused[:, :8], w2=torch.zeros(2, 16, 8), w3=fused[:, 8:])
+    with pytest.raises(ValueError, match="same strides"):
+        ExpertWeights(format="dense", w1=fused[:, :8], w2=torch.zeros(2, 16, 8), w3=w)
 
 
 # ---------------------------------------------------------------- GPU (K3 widths)

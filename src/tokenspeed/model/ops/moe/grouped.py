@@ -40,7 +40,8 @@ class ExpertWeights:
         [E, L/128, I/128] (one scale per 128 x 128 block); L, I multiples of 128.
     format "mxfp4": w1, w3: uint8 [E, I, L/2]; w2: uint8 [E, L, I/2] (packed E2M1); s1, s3:
         uint8 [E, I, L/32]; s2: uint8 [E, L, I/32] (E8M0), the checkpoint layout as stored.
-    All contiguous (checked here, never copied per call).
+    Rows (the last dim) contiguous; w1 and w3 (s1 and s3) with the same strides, so they may be
+    views of one fused gate_up tensor. Checked here, never copied per call.
     """
 
     format: str = attrs.field(validator=attrs.validators.in_(tuple(_FORMATS)))
@@ -80,8 +81,19 @@ class ExpertWeights:
             if t is None or tuple(t.shape) != shape:
                 got = None if t is None else tuple(t.shape)
                 raise ValueError(f"{self.format} experts: {name} must be {shape}, got {got}")
-            if not t.is_contiguous():
-                raise ValueError(f"{self.format} experts: {name} must be contiguous")
+            # The kernels address rows through the tensor's own strides (so w1 / w3 may be the
+            # two halves of a checkpoint's fused [E, 2I, L] gate_up tensor, views, no copies),
+            # but each row must be contiguous.
+            if t.stride(-1) != 1:
+                raise ValueError(f"{self.format} experts: {name} must have contiguous rows")
+        for a, b in (("w1", "w3"), ("s1", "s3")):
+            ta, tb = getattr(self, a), getattr(self, b)
+            if ta is not None and ta.stride() != tb.stride():
+                # One stride pair serves both in the gate/up kernel.
+                raise ValueError(
+                    f"{self.format} experts: {a} and {b} must have the same strides, got "
+                    f"{ta.stride()} and {tb.stride()}"
+                )
         dtypes = {"dense": None, "fp8": FP8_DTYPE, "mxfp4": torch.uint8}
         if dtypes[self.format] is not None and self.w1.dtype != dtypes[self.format]:
             raise ValueError(f"{self.format} experts: weights must be {dtypes[self.format]}")
