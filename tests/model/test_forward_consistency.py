@@ -1,7 +1,11 @@
 """One forward, many step shapes: prefill, extend, decode and verify must agree exactly enough
 that a served request gets the tokens it would get from a single pass over its whole text."""
 
+import itertools
+
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenspeed.model import DecoderState, ForwardBatch
 
@@ -52,6 +56,23 @@ def test_chunked_prefill_at_arbitrary_boundaries_ends_in_the_same_state(model):
             logits.append(out.logits)
         assert (torch.cat(logits) - full.logits).abs().max() <= TOL
         _assert_states_close(state, full.state)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(cuts=st.sets(st.integers(1, 47), max_size=7))
+def test_prefill_cut_anywhere_ends_in_the_same_state(model, cuts):
+    # Any set of cut points in a 48-token prompt: pieces of 1..4 tokens take the recurrent
+    # KDA and absorbed MLA forms, longer ones the chunked and expanded forms.
+    ids = _tokens(48, seed=5)
+    full = _run(model, ids, [48], model.empty_state())
+    bounds = [0, *sorted(cuts), 48]
+    state, logits = model.empty_state(), []
+    for start, end in itertools.pairwise(bounds):
+        out = _run(model, ids[start:end], [end - start], state)
+        state = out.state
+        logits.append(out.logits)
+    assert (torch.cat(logits) - full.logits).abs().max() <= TOL
+    _assert_states_close(state, full.state)
 
 
 def test_packed_batch_equals_each_sequence_alone(model):

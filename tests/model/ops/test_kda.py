@@ -11,7 +11,7 @@ from tokenspeed.model.ops.kda import kda_chunked, kda_gate, kda_recurrent
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # fla warns that Triton has no GPU here
     from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
-    from fla.ops.kda.naive import naive_recurrent_kda
+    from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
 TIGHT = 1e-5
 
@@ -57,6 +57,19 @@ def test_chunked_equals_recurrent(gate, chunk_size):
     oc, sc = kda_chunked(q, k, v, g, beta, initial_state=h0, chunk_size=chunk_size)
     assert (o - oc).abs().max() <= 1e-4
     assert (s - sc).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunked_matches_fla_naive_chunk(gate, chunk_size):
+    # fla's chunked reference needs T to be a multiple of the chunk size.
+    q, k, v, g, beta, h0, _ = _inputs(6, gate=gate, steps=128)
+    oc, sc = kda_chunked(q, k, v, g, beta, initial_state=h0, chunk_size=chunk_size)
+    o_ref, s_ref = naive_chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=chunk_size
+    )
+    assert (oc - o_ref).abs().max() <= 1e-4
+    assert (sc - s_ref).abs().max() <= 1e-4
 
 
 def test_chunked_survives_strong_decay_over_long_chunks():
