@@ -18,21 +18,13 @@ import torch
 from tokenspeed.cache import KeyChain, MooncakeConfig, MooncakeHostCache, ObjectKind
 from tokenspeed.cache.l2.base import HostObject
 from tokenspeed.cache.l2.codec import HEADER_BYTES
-from tokenspeed.cache.l2.mooncake_services import (
-    environment_ready,
-    start_master,
-    start_segment_owner,
-)
+from tokenspeed.cache.l2.mooncake_services import start_master, start_segment_owner
 
 from ..helpers import make_manager, tiny_geometry
+from .mooncake_env import needs_mooncake, require_mooncake
 
 ROOT = Path(__file__).resolve().parents[3]
 N_PAGES = 1000
-
-needs_mooncake = pytest.mark.skipif(
-    environment_ready() is not None, reason=str(environment_ready())
-)
-
 
 def _run_worker(mode: str, master: str, out: Path, n_pages: int, timeout: float = 180) -> dict:
     proc = subprocess.run(
@@ -48,6 +40,7 @@ def _run_worker(mode: str, master: str, out: Path, n_pages: int, timeout: float 
 @pytest.fixture
 def cluster(tmp_path):
     """A master and one long-lived segment owner (64 MiB) on loopback, killed afterwards."""
+    require_mooncake()
     master = start_master(log_dir=tmp_path / "logs")
     try:
         owner = start_segment_owner(

@@ -8,13 +8,19 @@ import pytest
 
 from tokenspeed.cache.l2.mooncake_services import (
     ServiceError,
-    environment_ready,
     free_port,
     start_master,
     start_segment_owner,
 )
 
-pytestmark = pytest.mark.skipif(environment_ready() is not None, reason=str(environment_ready()))
+from .mooncake_env import needs_mooncake, require_mooncake
+
+pytestmark = needs_mooncake
+
+
+@pytest.fixture(autouse=True)
+def _mooncake_runs_here() -> None:
+    require_mooncake()
 
 
 def _listening(address: str) -> bool:
