@@ -95,3 +95,43 @@ def test_decoding_to_waiting_and_to_aborted():
     assert a.state is S.WAITING and dec.preempted == [a] and not dc.holds("a")
     dec.abort("b", "client gone")
     assert b.state is S.ABORTED and not dc.holds("b")
+
+
+def test_decode_preemption_requeues_and_the_request_still_finishes():
+    """Preempted while decoding -> WAITING with its history published -> routed again: the
+    re-prefill covers prompt plus the tokens generated so far, reuses the published prefix, and
+    decoding resumes to exactly max_new_tokens."""
+    pre, dec, pc, dc = _pd()
+    req = make_request("r", 40, 30)
+    pre.add(req)
+    dec.add(req)
+    pre.complete(pre.schedule())
+    dec.admit_pending()
+    dec.start(req)
+    pre.release(req)
+    for _ in range(12):  # 13 tokens out: KV covers 40 + 12 = 52 tokens, 3 full pages
+        dec.complete(dec.schedule())
+    assert req.num_output == 13
+    assert dec.preempt("r") is req
+    assert req.state is S.WAITING and req.preemptions == 1 and dec.preempted == [req]
+    assert dc.calls("publish", "r")[-1] == ("publish", "r", 48)
+    assert dc.used_pages == 0
+    # The caller routes it again; the prefill rank sees the decode rank's published history
+    # (a shared L2 in the real cache; the fake caches share their index for that here).
+    dec.preempted.clear()
+    pc.published |= dc.published
+    pc.checkpointed |= dc.checkpointed
+    pre.add(req)
+    dec.add(req)
+    batch = pre.schedule()
+    assert req.state is S.PREFILLING and req.prefill_target == 40 + 13
+    assert [(c.start, c.end) for c in batch.chunks] == [(48, 53)]  # only the unpublished tail
+    pre.complete(batch)
+    assert req.state is S.TRANSFERRING and req.num_output == 14
+    dec.admit_pending()
+    dec.start(req)
+    pre.release(req)
+    while not req.done:
+        dec.complete(dec.schedule())
+    assert req.state is S.FINISHED and req.num_output == 30
+    assert pc.used_pages == 0 and dc.used_pages == 0

@@ -217,3 +217,16 @@ def test_preempt_running_prefill_publishes_computed_prefix():
     sched.add(req)
     chunk = sched.schedule().chunks[0]
     assert chunk.start == 64  # resumes from the published prefix
+
+
+def test_batch_holds_at_most_max_prefill_requests():
+    sched, _ = _sched(budget=1024, max_reqs=2)
+    reqs = [make_request(f"r{i}", 20) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    batch = sched.schedule()
+    # Budget for all three, but the forward takes two; the third stays queued in order.
+    assert [c.request.rid for c in batch.chunks] == ["r0", "r1"]
+    assert list(sched.waiting) == [reqs[2]]
+    sched.complete(batch)
+    assert [c.request.rid for c in sched.schedule().chunks] == ["r2"]

@@ -102,3 +102,20 @@ def test_cli_trace_with_bad_lines(tmp_path, capsys):
     )
     assert rc == 2
     assert "dataset.jsonl:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_cli_shows_a_progress_bar_per_run(tmp_path, capsys):
+    args = ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "1,2"]
+    args += ["--duration", "5", "--out", str(tmp_path / "r")]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    # One tqdm bar per concurrency, counting simulated seconds up to the end of the load.
+    assert "c=1 100%" in err and "c=2 100%" in err
+    assert "5/5 sim-s" in err and "in flight" in err
+    assert "sim-s" not in _run_quiet(tmp_path, capsys)
+
+
+def _run_quiet(tmp_path, capsys) -> str:
+    args = ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "1"]
+    assert cli.main([*args, "--duration", "5", "--out", str(tmp_path / "q"), "--no-progress"]) == 0
+    return capsys.readouterr().err

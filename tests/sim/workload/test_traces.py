@@ -1,7 +1,9 @@
+import itertools
 import json
 
 import pytest
 
+from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
 from tokenspeed.sim.workload import (
     AgentXConfig,
     AgentXWorkload,
@@ -137,3 +139,27 @@ def test_generated_workload_round_trips_through_aiperf_format(tmp_path):
         ]
         # Delays are written in ms with one decimal, as aiperf writes them.
         assert [t.delay_s for t in b.turns] == pytest.approx([t.delay_s for t in s.turns], abs=1e-4)
+
+
+def test_aiperf_turns_replay_as_growing_prompts_with_outputs_in_the_history(tmp_path):
+    """A later aiperf row holds only its turn's new tokens: the request the simulator issues has
+    the whole conversation so far as its prompt (earlier inputs AND the outputs generated for
+    them), and its page keys extend the previous turn's; equal hash ids across sessions give
+    equal keys (the shared prefix)."""
+    w = load_aiperf_dataset(_write(tmp_path, AIPERF_ROWS))
+    a, b = w.sessions
+    prefixes, ids = PrefixChains(64, 512), itertools.count(1)
+    conv = Conversation(a)
+    reqs = []
+    for _ in a.turns:
+        reqs.append(conv.next_request(len(reqs), prefixes, ids))
+        conv.index += 1
+    assert [r.prompt_len for r in reqs] == [1300, 1300 + 40 + 600, 1300 + 40 + 600 + 30 + 200]
+    assert [r.max_new_tokens for r in reqs] == [40, 30, 10]
+    for prev, cur in itertools.pairwise(reqs):
+        # Keys of the previous prompt and output are a prefix of this turn's keys.
+        assert cur.keys[: len(prev.keys)] == prev.keys
+    first_b = Conversation(b).next_request(99, prefixes, ids)
+    # Hash ids [0, 1] shared: 1024 tokens = 16 pages of 64 with identical keys; then they differ.
+    assert first_b.keys[:16] == reqs[0].keys[:16]
+    assert first_b.keys[16] != reqs[0].keys[16]
