@@ -124,6 +124,7 @@ def run_ours(hf, prompts, new_tokens: int):
     warm = (prompts[: max(1, 16384 // prompt_len)] + 7) % prompts.max()
     generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     print(f"tokenspeed warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
+    engine.reset_metrics()  # the metrics printed are the timed run's
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (see ../shared/GPU.md): the GPU tests and the benchmarks, logs under
 # $OUT (default ./out). Usage: bash scripts/gpu-suite.sh STAGE... with stages:
-#   tests-kda tests-mla tests-moe tests-runtime tests-cache tests-all
-#   bench-kda bench-mla bench-moe bench-attnres decode-step offline
+#   tests-kda tests-mla tests-moe tests-runtime tests-engine-gpu tests-cache tests-all
+#   bench-kda bench-mla bench-moe bench-attnres decode-step offline parity
+# STAGE_TIMEOUT=SECONDS bounds each stage: the stage's own process is killed at the limit (a
+# `timeout` around this whole script would kill only the shell and leave the stage's python
+# running on the GPU beside whatever runs next).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out}"
@@ -14,7 +17,9 @@ run() {  # run NAME CMD...: log to $out/NAME.log, remember failures, keep going
     shift
     echo "=== $name: $*"
     local start=$SECONDS
-    "$@" 2>&1 | tee "$out/$name.log" | tail -n 40
+    local limit=()
+    [ -n "${STAGE_TIMEOUT:-}" ] && limit=(timeout -s KILL "$STAGE_TIMEOUT")
+    "${limit[@]}" "$@" 2>&1 | tee "$out/$name.log" | tail -n 40
     local rc=${PIPESTATUS[0]}
     echo "=== $name: rc=$rc in $((SECONDS - start)) s"
     [ "$rc" -eq 0 ] || status=1
@@ -30,6 +35,8 @@ for stage in "$@"; do
             tests/model/ops/test_moe_grouped.py tests/model/ops/test_mxfp4.py \
             tests/model/ops/test_attn_res_fused.py ;;
         tests-runtime) run tests-runtime python3 -m pytest -q tests/runtime ;;
+        tests-engine-gpu) run tests-engine-gpu python3 -m pytest -q -m gpu tests/runtime \
+            tests/model/test_kernel_paths_gpu.py ;;
         tests-cache) run tests-cache python3 -m pytest -q tests/cache -k "gpu or storage or load" ;;
         tests-all) run tests-all python3 -m pytest -q -m "gpu" tests ;;
         bench-kda)
@@ -40,7 +47,9 @@ for stage in "$@"; do
         bench-moe) run bench-moe python3 benchmarks/moe.py --out "$out/moe.md" ;;
         bench-attnres) run bench-attnres python3 benchmarks/attn_res.py --out "$out/attn_res.md" ;;
         decode-step) run decode-step python3 benchmarks/decode_step.py --out "$out/decode_step.md" ;;
-        offline) run offline python3 benchmarks/offline.py --out "$out/offline.md" ;;
+        offline) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+            run offline python3 benchmarks/offline.py --out "$out/offline.md" ;;
+        parity) run parity python3 benchmarks/kimi_linear_parity.py --out "$out/parity.md" ;;
         *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

@@ -138,3 +138,13 @@ def test_a_stop_token_as_the_first_output_ends_the_request(tiny):
     assert done["a"].outputs[0].finish_reason == "stop"
     assert done["b"].token_ids == reference(tiny, other, 12)
     assert engine.cache.get("a") is None
+
+
+def test_reset_metrics_starts_the_counters_afresh(tiny):
+    engine = small_engine(tiny)
+    run(engine, [("warm", tokens(30, seed=11), GREEDY)])
+    before = engine.reset_metrics()
+    assert before.steps > 0 and len(before.ttfts) == 1
+    assert engine.metrics.summary()["steps"] == 0 and engine.metrics.ttfts == []
+    run(engine, [("a", tokens(20, seed=12), GREEDY)])
+    assert len(engine.metrics.ttfts) == 1 and engine.metrics.prompt_tokens == 20

@@ -394,6 +394,13 @@ class Engine:
             abort_reason=record.abort_reason,
         )
 
+    def reset_metrics(self) -> EngineMetrics:
+        """Start the engine-wide counters afresh (e.g. after a warm-up that compiled kernels);
+        returns the counters so far. Requests still running keep their own metrics."""
+        old, self.metrics = self.metrics, EngineMetrics()
+        self.metrics.queue_depth = old.queue_depth
+        return old
+
     def check_integrity(self) -> None:
         self.cache.check_integrity()
 
