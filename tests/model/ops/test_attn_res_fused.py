@@ -32,7 +32,7 @@ def make_bank(entries, tokens, dim, seed, dtype, device="cpu", slots=None):
 
 
 def check(entries, with_delta, accumulate, dtype, tokens=5, dim=48, slots=None, device="cpu",
-          atol=None):
+          atol=None, block_entries=0):
     bank, query, mix_w, norm_w, delta = make_bank(entries, tokens, dim, entries, dtype,
                                                   device, slots)
     delta = delta if with_delta else None
@@ -40,7 +40,7 @@ def check(entries, with_delta, accumulate, dtype, tokens=5, dim=48, slots=None, 
     want, want_partial = mix_norm_reference(bank, query, mix_w, 1e-6, norm_w, 1e-5,
                                             delta=delta, accumulate=accumulate)
     got = attn_res_mix_norm(bank, query, mix_w, 1e-6, norm_w, 1e-5, delta=delta,
-                            accumulate=accumulate)
+                            accumulate=accumulate, block_entries=block_entries)
     assert got.dtype == dtype and got.shape == (tokens, dim)
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
     assert torch.equal(bank[:-1], before[:-1])  # completed entries untouched
@@ -104,6 +104,16 @@ CASES = {
     "fp32-four-no-delta-pow2": lambda: check(4, False, True, torch.float32, dim=64, atol=1e-5),
     "fp16-three-accumulate": lambda: check(3, True, True, torch.float16, atol=2e-3),
     "fp16-nine-no-delta": lambda: check(9, False, True, torch.float16, atol=2e-3),
+    # Several completed entries per load: full tiles, a ragged last tile, a lone partial.
+    "fp32-five-accumulate-tiles-of-2": lambda: check(5, True, True, torch.float32, atol=1e-5,
+                                                     block_entries=2),
+    "fp32-nine-replace-strided-tiles-of-4": lambda: check(9, True, False, torch.float32,
+                                                          slots=12, atol=1e-5,
+                                                          block_entries=4),
+    "fp32-one-entry-tiles-of-4": lambda: check(1, True, True, torch.float32, atol=1e-5,
+                                               block_entries=4),
+    "fp16-three-no-delta-tiles-of-1": lambda: check(3, False, True, torch.float16, atol=2e-3,
+                                                    block_entries=1),
 }
 
 
@@ -126,6 +136,8 @@ def test_rejects_bad_banks():
         attn_res_mix_norm(torch.zeros(17, 3, 8), w, w, 1e-6, w, 1e-6)
     with pytest.raises(ValueError, match="delta"):
         attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, delta=torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="block_entries"):
+        attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, block_entries=3)
 
 
 @pytest.mark.gpu
@@ -135,6 +147,14 @@ def test_rejects_bad_banks():
 def test_k3_hidden_bf16(entries, tokens, with_delta, accumulate):
     check(entries, with_delta, accumulate, torch.bfloat16, tokens=tokens, dim=7168,
           slots=10, device="cuda", atol=1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entries", [2, 5, 9])
+@pytest.mark.parametrize("block_entries", [1, 2, 4])
+def test_k3_hidden_bf16_entry_tiles(entries, block_entries):
+    check(entries, True, True, torch.bfloat16, tokens=300, dim=7168, slots=10, device="cuda",
+          atol=1.6e-2, block_entries=block_entries)
 
 
 @pytest.mark.gpu

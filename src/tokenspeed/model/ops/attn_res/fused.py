@@ -48,8 +48,13 @@ def _mix_norm_kernel(
     HAS_DELTA: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BD: tl.constexpr,
+    BL: tl.constexpr,
 ):
-    """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D]."""
+    """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D].
+
+    BL = 0: the completed entries one at a time, each loaded while the previous one is reduced;
+    BL >= 1: BL completed entries per [BL, BD] load (more bytes in flight per program, more
+    registers), then the partial entry."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     dmask = d < D
@@ -68,30 +73,59 @@ def _mix_norm_kernel(
             partial = delta.to(dtype)
 
     # Online softmax over the entries: one read of each, running max / denominator / sum.
-    # The next entry is loaded before the current one is reduced, so every program keeps a
-    # load in flight while it reduces (the loop is unrolled: N is a compile-time constant).
-    if N == 1:
-        ahead = partial
-    else:
-        ahead = tl.load(row, mask=dmask, other=0.0, eviction_policy="evict_first")
     m = -float("inf")
     den = 0.0
     acc = tl.zeros([BD], dtype=tl.float32)
-    for i in tl.static_range(N):
-        v = ahead.to(tl.float32)
-        if i + 2 < N:
-            ahead = tl.load(
-                row + (i + 1) * stride_bn, mask=dmask, other=0.0, eviction_policy="evict_first"
-            )
-        elif i + 2 == N:
+    if BL == 0:
+        # The next entry is loaded before the current one is reduced, so every program keeps
+        # a load in flight while it reduces (the loop is unrolled: N is a compile-time constant).
+        if N == 1:
             ahead = partial
+        else:
+            ahead = tl.load(row, mask=dmask, other=0.0, eviction_policy="evict_first")
+        for i in tl.static_range(N):
+            v = ahead.to(tl.float32)
+            if i + 2 < N:
+                ahead = tl.load(
+                    row + (i + 1) * stride_bn, mask=dmask, other=0.0,
+                    eviction_policy="evict_first",
+                )
+            elif i + 2 == N:
+                ahead = partial
+            score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
+            m_new = tl.maximum(m, score)
+            rescale = tl.exp(m - m_new)
+            p = tl.exp(score - m_new)
+            den = den * rescale + p
+            acc = acc * rescale + p * v
+            m = m_new
+    else:
+        e = tl.arange(0, BL)
+        for first in tl.static_range(0, N - 1, BL):  # the completed entries, BL per load
+            emask = first + e < N - 1
+            v = tl.load(
+                row + (first + e)[:, None] * stride_bn,
+                mask=emask[:, None] & dmask[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            ).to(tl.float32)  # [BL, BD]
+            score = tl.sum(v * qw[None, :], axis=1) * tl.rsqrt(
+                tl.sum(v * v, axis=1) / D + mix_eps
+            )
+            score = tl.where(emask, score, -float("inf"))
+            m_new = tl.maximum(m, tl.max(score, axis=0))
+            rescale = tl.exp(m - m_new)
+            p = tl.exp(score - m_new)  # masked entries: exp(-inf) = 0
+            den = den * rescale + tl.sum(p, axis=0)
+            acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        v = partial.to(tl.float32)
         score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
         m_new = tl.maximum(m, score)
         rescale = tl.exp(m - m_new)
         p = tl.exp(score - m_new)
         den = den * rescale + p
         acc = acc * rescale + p * v
-        m = m_new
 
     mix = (acc / den).to(dtype).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
@@ -113,13 +147,18 @@ def attn_res_mix_norm(
     delta: torch.Tensor | None = None,
     accumulate: bool = True,
     num_warps: int | None = None,
+    block_entries: int = 0,
 ) -> torch.Tensor:
     """Fused AttnRes mix + RMSNorm (+ in-place update of the partial entry bank[N-1]).
 
     bank: [N, T, D], 1 <= N <= 16, last dim contiguous (e.g. a view of a preallocated
     [blocks + 1, T, D] buffer); query: [D] or [1, D]; mix_weight, norm_weight: [D];
     delta: [T, D] or None. Returns the normalised mix [T, D] in bank's dtype.
+    block_entries: completed entries per load (0: one at a time, prefetching the next; a power
+    of two: that many per [block_entries, D] load). A tuning knob; the result is the same.
     """
+    if block_entries < 0 or block_entries & (block_entries - 1):
+        raise ValueError(f"block_entries must be 0 or a power of two, got {block_entries}")
     n, tokens, dim = bank.shape
     if not 1 <= n <= 16:
         raise ValueError(f"bank holds {n} entries; 1..16 supported")
@@ -154,6 +193,7 @@ def attn_res_mix_norm(
         HAS_DELTA=delta is not None,
         ACCUMULATE=accumulate,
         BD=bd,
+        BL=block_entries,
         num_warps=num_warps,
     )
     return out
