@@ -174,6 +174,14 @@ def main() -> int:
                 f"{ratio(t_fla_u, t_ours_u)} | {gbs:.0f} |"
             )
             print(lines[-1], flush=True)
+    # What fla's autotuner picked (its key: padded entry count, D, flags): the configurations
+    # the sweep above is compared with.
+    from fla.ops.attnres import fused as fla_fused
+
+    picked = getattr(getattr(fla_fused, "attnres_fwd_kernel", None), "cache", {}) or {}
+    lines += ["", "fla's autotuned forward configs: " + "; ".join(
+        f"{key}: {config}" for key, config in picked.items()) if picked else "(not readable)"]
+    print(lines[-1], flush=True)
     if args.sweep:
         lines += sweep_lines
         print("\n".join(sweep_lines), flush=True)

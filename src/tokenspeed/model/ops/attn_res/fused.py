@@ -30,6 +30,17 @@ from .reference import attn_res_mix
 
 
 @triton.jit
+def _online_softmax_step(v, qw, m, den, acc, D, mix_eps):
+    """Fold one entry v [BD] (fp32) into the running max m, denominator den and weighted sum
+    acc [BD]; its score is rmsnorm(v) . qw."""
+    score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
+    m_new = tl.maximum(m, score)
+    rescale = tl.exp(m - m_new)
+    p = tl.exp(score - m_new)
+    return m_new, den * rescale + p, acc * rescale + p * v
+
+
+@triton.jit
 def _mix_norm_kernel(
     bank_ptr,
     delta_ptr,
@@ -92,13 +103,7 @@ def _mix_norm_kernel(
                 )
             elif i + 2 == N:
                 ahead = partial
-            score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
-            m_new = tl.maximum(m, score)
-            rescale = tl.exp(m - m_new)
-            p = tl.exp(score - m_new)
-            den = den * rescale + p
-            acc = acc * rescale + p * v
-            m = m_new
+            m, den, acc = _online_softmax_step(v, qw, m, den, acc, D, mix_eps)
     else:
         e = tl.arange(0, BL)
         for first in tl.static_range(0, N - 1, BL):  # the completed entries, BL per load
@@ -119,13 +124,7 @@ def _mix_norm_kernel(
             den = den * rescale + tl.sum(p, axis=0)
             acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
             m = m_new
-        v = partial.to(tl.float32)
-        score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
-        m_new = tl.maximum(m, score)
-        rescale = tl.exp(m - m_new)
-        p = tl.exp(score - m_new)
-        den = den * rescale + p
-        acc = acc * rescale + p * v
+        m, den, acc = _online_softmax_step(partial.to(tl.float32), qw, m, den, acc, D, mix_eps)
 
     mix = (acc / den).to(dtype).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
