@@ -1,0 +1,158 @@
+"""Registers, spills, shared memory and software pipelining of our Triton kernels for sm_90a,
+read off an offline compile on a machine without a GPU (no device time needed).
+
+    python scripts/kernel_resources.py                 # every preset below
+    python scripts/kernel_resources.py moe kda         # presets whose name starts with these
+
+`triton.compile` targets `GPUTarget("cuda", 90, 32)` and Triton's bundled `ptxas-blackwell
+-arch=sm_90a -v` reports the registers and spill stores. Integer arguments the JIT would
+specialise as multiples of 16 (pointers, strides, widths) are marked so, as at run time;
+without that the pipeliner cannot use async copies and the numbers mean nothing. The Triton
+here (3.9) is newer than the GPU machine's (3.6): treat the figures as a guide, and time on the
+GPU before changing a default. "programs/SM" is the occupancy bound from registers, warps and
+shared memory.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+
+
+def usage(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, div16=()) -> str:
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig.get(name, "").startswith("*") or name in div16
+    }
+    out = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    ptx = Path("/tmp") / f"kernel_resources_{fn.__name__}.ptx"
+    ptx.write_text(out.asm["ptx"])
+    res = subprocess.run(
+        [str(PTXAS), "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
+        capture_output=True, text=True, check=True,
+    )
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", res.stderr).group(1))
+    smem = out.metadata.shared
+    per_sm = min(
+        2048 // (32 * num_warps), 65536 // (regs * 32 * num_warps), 228 * 1024 // max(smem, 1)
+    )
+    ir = out.asm["ttgir"]
+    return (
+        f"regs {regs:3d}  spill {spill:5d} B  smem {smem // 1024:3d} KiB  programs/SM {per_sm}  "
+        f"async copies {ir.count('async_copy_global_to_local'):2d}  "
+        f"wgmma {ir.count('warp_group_dot')}"
+    )
+
+
+def _signature(fn, pointers: dict[str, str], constexprs: tuple[str, ...]) -> dict[str, str]:
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(pointers)
+    sig.update({name: "constexpr" for name in constexprs})
+    return sig
+
+
+def _moe() -> list[tuple[str, Callable[[], str]]]:
+    from tokenspeed.model.ops.moe import grouped_gemm as gg
+
+    div = ("L", "inter", "stride_xt", "stride_we", "stride_wn", "stride_ht", "stride_yt",
+           "stride_se")
+    presets = []
+    # (format, BM, BN, BK, warps, stages): the large-M defaults of grouped.py's table and the
+    # 8-warp alternatives of benchmarks/moe.py --sweep.
+    for fmt, bm, bn, bk, warps, stages in (
+        ("bf16", 16, 64, 128, 4, 4), ("bf16", 64, 128, 64, 4, 3), ("bf16", 64, 128, 64, 8, 3),
+        ("fp8", 64, 128, 128, 4, 4), ("fp8", 64, 128, 128, 8, 3),
+    ):
+        dt = "*fp8e4nv" if fmt == "fp8" else "*bf16"
+        wfmt = gg.FP8 if fmt == "fp8" else gg.DENSE
+        up = _signature(gg._gate_up_kernel, {
+            "x_ptr": dt, "xs_ptr": "*fp32", "w1_ptr": dt, "w3_ptr": dt, "s1_ptr": "*fp32",
+            "s3_ptr": "*fp32", "h_ptr": dt, "hs_ptr": "*fp32", "row_pair_ptr": "*i32",
+            "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
+            "num_blocks_ptr": "*i32", "beta": "fp32", "linear_beta": "fp32",
+        }, ("WFMT", "ACT", "CAP_UP", "OUT_FP8", "ROUND", "EXACT", "INTERPRET", "BM", "BN", "BK"))
+        up_consts = dict(WFMT=wfmt, ACT=gg.SITU, CAP_UP=True, OUT_FP8=fmt == "fp8",
+                         ROUND=tl.bfloat16, EXACT=True, INTERPRET=False, BM=bm, BN=bn, BK=bk)
+        down = _signature(gg._down_kernel, {
+            "h_ptr": dt, "hs_ptr": "*fp32", "w2_ptr": dt, "s2_ptr": "*fp32", "y_ptr": "*bf16",
+            "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
+            "num_blocks_ptr": "*i32",
+        }, ("WFMT", "BM", "BN", "BK"))
+        down_consts = dict(WFMT=wfmt, BM=bm, BN=bn, BK=bk)
+        tag = f"{fmt} BM {bm} BN {bn} BK {bk} w{warps} s{stages}"
+        presets += [
+            (f"moe gate_up {tag}", lambda s=up, c=up_consts, w=warps, st=stages:
+                usage(gg._gate_up_kernel, s, c, w, st, div)),
+            (f"moe down    {tag}", lambda s=down, c=down_consts, w=warps, st=stages:
+                usage(gg._down_kernel, s, c, w, st, div)),
+        ]
+    return presets
+
+
+def _kda() -> list[tuple[str, Callable[[], str]]]:
+    from tokenspeed.model.ops.kda import decode as kd
+
+    k = kd._kda_recurrent_kernel
+    sig = _signature(k, {
+        "qkv_ptr": "*bf16", "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16",
+        "scratch_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i32", "out_ptr": "*bf16",
+        "step_state_ptr": "*fp32", "step_conv_ptr": "*bf16",
+    }, ("H", "K", "V", "T", "W", "WP", "D", "BV", "STORE_STEPS", "USE_PDL"))
+    presets = []
+    for tokens in (1, 4):
+        for bv, warps in ((32, 4), (64, 4), (64, 8)):
+            consts = dict(H=96, K=128, V=128, T=tokens, W=4, WP=8, D=kd.scratch_width(128),
+                          BV=bv, STORE_STEPS=False, USE_PDL=True)
+            presets.append((
+                f"kda recurrence K3 T {tokens} BV {bv} w{warps}",
+                lambda c=consts, w=warps: usage(k, sig, c, w, 1, ("stride_qkv_b", "stride_qkv_t")),
+            ))
+    return presets
+
+
+def _attn_res() -> list[tuple[str, Callable[[], str]]]:
+    from tokenspeed.model.ops.attn_res import fused
+
+    k = fused._mix_norm_kernel
+    sig = _signature(k, {name: "*bf16" for name in k.arg_names if name.endswith("_ptr")}
+                     | {"mix_eps": "fp32", "norm_eps": "fp32"},
+                     ("N", "HAS_DELTA", "ACCUMULATE", "BD", "BL"))
+    presets = []
+    for n, bl, warps in ((8, 0, 8), (8, 0, 16), (8, 2, 16), (4, 0, 8), (4, 4, 16)):
+        consts = dict(N=n, HAS_DELTA=True, ACCUMULATE=True, BD=8192, BL=bl)
+        presets.append((
+            f"attn_res K3 N {n} block_entries {bl} w{warps}",
+            lambda c=consts, w=warps: usage(k, sig, c, w, 1, ("D", "stride_bn", "stride_bt")),
+        ))
+    return presets
+
+
+def main(argv: list[str]) -> int:
+    presets = _moe() + _kda() + _attn_res()
+    chosen = [(name, fn) for name, fn in presets if not argv or name.startswith(tuple(argv))]
+    if not chosen:
+        print(f"no preset starts with {argv}; presets: {[n for n, _ in presets]}")
+        return 2
+    for name, fn in chosen:
+        print(f"{name:45s} {fn()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
