@@ -143,8 +143,32 @@ def _attn_res() -> list[tuple[str, Callable[[], str]]]:
     return presets
 
 
+def _mla() -> list[tuple[str, Callable[[], str]]]:
+    from tokenspeed.model.ops.mla import decode as md
+
+    k = md._split_kernel
+    sig = _signature(k, {
+        "q_lat": "*bf16", "q_rope": "*bf16", "pages": "*bf16", "row_scales": "*fp32",
+        "page_table": "*i32", "context_lens": "*i32", "split_order": "*i32",
+        "split_row": "*i32", "split_start": "*i32", "split_len": "*i32", "part_o": "*fp32",
+        "part_lse": "*fp32", "qk_scale": "fp32",
+    }, ("NUM_HEADS", "N_QUERY", "RANK", "ROPE", "PAGE_SIZE", "SCALE_MODE", "UNIFORM",
+        "GRANULE", "BLOCK_M", "BLOCK_N", "USE_PDL"))
+    div = ("stride_lt", "stride_lh", "stride_rt", "stride_rh", "stride_page", "stride_table")
+    presets = []
+    for heads, bm, bn, warps, stages in ((96, 64, 64, 8, 2), (96, 64, 32, 8, 2),
+                                         (96, 64, 64, 8, 3), (32, 64, 64, 8, 2)):
+        consts = dict(NUM_HEADS=heads, N_QUERY=1, RANK=512, ROPE=64, PAGE_SIZE=64, SCALE_MODE=0,
+                      UNIFORM=False, GRANULE=64, BLOCK_M=bm, BLOCK_N=bn, USE_PDL=True)
+        presets.append((
+            f"mla split {heads} heads BM {bm} BN {bn} w{warps} s{stages}",
+            lambda c=consts, w=warps, st=stages: usage(k, sig, c, w, st, div),
+        ))
+    return presets
+
+
 def main(argv: list[str]) -> int:
-    presets = _moe() + _kda() + _attn_res()
+    presets = _moe() + _kda() + _attn_res() + _mla()
     chosen = [(name, fn) for name, fn in presets if not argv or name.startswith(tuple(argv))]
     if not chosen:
         print(f"no preset starts with {argv}; presets: {[n for n, _ in presets]}")
