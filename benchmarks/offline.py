@@ -177,7 +177,7 @@ def hf_generate(hf, prompts, new_tokens: int):
         except torch.OutOfMemoryError:
             if batch == 1:
                 raise
-            outs = None
+            outs = None  # release the finished batches' tensors before emptying the cache
             gc.collect()
             torch.cuda.empty_cache()
             batch //= 2
