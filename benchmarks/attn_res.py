@@ -59,8 +59,8 @@ def fmt_us(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms * 1e3:.1f}"
 
 
-# (block_entries, num_warps) alternatives of `attn_res_mix_norm` for --sweep (0: one entry at
-# a time with a prefetch, the default form).
+# (block_entries, num_warps) alternatives of `attn_res_mix_norm` for --sweep (0: the unrolled
+# form; >= 1: the entry loop with that many entries per load; the default is `default_launch`).
 SWEEP = [(bl, w) for bl in (0, 1, 2, 4, 8) for w in (4, 8, 16)]
 
 
@@ -139,7 +139,7 @@ def main() -> int:
             def fla_fn(entries=entries):
                 return fused_attnres(query, entries, mix_w, norm_w, EPS)
 
-            def ours_fn(bank=bank, warps=None, block_entries=0):
+            def ours_fn(bank=bank, warps=None, block_entries=None):
                 return attn_res_mix_norm(bank, query, mix_w, EPS, norm_w, EPS, num_warps=warps,
                                          block_entries=block_entries)
 

@@ -132,13 +132,15 @@ def _attn_res() -> list[tuple[str, Callable[[], str]]]:
     k = fused._mix_norm_kernel
     sig = _signature(k, {name: "*bf16" for name in k.arg_names if name.endswith("_ptr")}
                      | {"mix_eps": "fp32", "norm_eps": "fp32"},
-                     ("N", "HAS_DELTA", "ACCUMULATE", "BD", "BL"))
+                     ("D", "N", "HAS_DELTA", "ACCUMULATE", "BD", "BL"))
     presets = []
-    for n, bl, warps in ((8, 0, 8), (8, 0, 16), (8, 2, 16), (4, 0, 8), (4, 4, 16)):
-        consts = dict(N=n, HAS_DELTA=True, ACCUMULATE=True, BD=8192, BL=bl)
+    for n, bl, warps in ((8, 1, 4), (8, 0, 8), (8, 2, 4), (4, 1, 4), (2, 1, 16)):
+        consts = dict(D=7168, N=n, HAS_DELTA=True, ACCUMULATE=True, BD=8192, BL=bl)
         presets.append((
             f"attn_res K3 N {n} block_entries {bl} w{warps}",
-            lambda c=consts, w=warps: usage(k, sig, c, w, 1, ("D", "stride_bn", "stride_bt")),
+            lambda c=consts, w=warps: usage(
+                k, sig, c, w, 1, ("stride_bn", "stride_bt", "stride_dt", "stride_ot")
+            ),
         ))
     return presets
 

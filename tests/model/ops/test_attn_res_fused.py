@@ -32,7 +32,7 @@ def make_bank(entries, tokens, dim, seed, dtype, device="cpu", slots=None):
 
 
 def check(entries, with_delta, accumulate, dtype, tokens=5, dim=48, slots=None, device="cpu",
-          atol=None, block_entries=0):
+          atol=None, block_entries=None):
     bank, query, mix_w, norm_w, delta = make_bank(entries, tokens, dim, entries, dtype,
                                                   device, slots)
     delta = delta if with_delta else None
@@ -114,6 +114,15 @@ CASES = {
                                                block_entries=4),
     "fp16-three-no-delta-tiles-of-1": lambda: check(3, False, True, torch.float16, atol=2e-3,
                                                     block_entries=1),
+    # The unrolled form (block_entries 0).
+    "fp32-three-accumulate-unrolled": lambda: check(3, True, True, torch.float32, atol=1e-5,
+                                                    block_entries=0),
+    "fp32-five-replace-strided-unrolled": lambda: check(5, True, False, torch.float32, slots=8,
+                                                        atol=1e-5, block_entries=0),
+    "fp32-one-entry-unrolled": lambda: check(1, True, True, torch.float32, atol=1e-5,
+                                             block_entries=0),
+    "fp16-nine-no-delta-unrolled": lambda: check(9, False, True, torch.float16, atol=2e-3,
+                                                 block_entries=0),
 }
 
 
@@ -151,7 +160,7 @@ def test_k3_hidden_bf16(entries, tokens, with_delta, accumulate):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("entries", [2, 5, 9])
-@pytest.mark.parametrize("block_entries", [1, 2, 4])
+@pytest.mark.parametrize("block_entries", [0, 1, 2, 4])
 def test_k3_hidden_bf16_entry_tiles(entries, block_entries):
     check(entries, True, True, torch.bfloat16, tokens=300, dim=7168, slots=10, device="cuda",
           atol=1.6e-2, block_entries=block_entries)

@@ -48,13 +48,13 @@ def _mix_norm_kernel(
     mw_ptr,
     nw_ptr,
     out_ptr,
-    D,
     stride_bn,
     stride_bt,
     stride_dt,
     stride_ot,
     mix_eps,
     norm_eps,
+    D: tl.constexpr,
     N: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     ACCUMULATE: tl.constexpr,
@@ -63,9 +63,12 @@ def _mix_norm_kernel(
 ):
     """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D].
 
-    BL = 0: the completed entries one at a time, each loaded while the previous one is reduced;
-    BL >= 1: BL completed entries per [BL, BD] load (more bytes in flight per program, more
-    registers), then the partial entry."""
+    D is a compile-time constant so the lanes of the padded [BD] row past D are known dead and
+    hold no registers (K3: 7168 of 8192), which is what lets 4 warps run without spilling.
+    BL = 0: the loop over entries unrolled, the next entry loaded while the current one is
+    reduced, the partial entry held from the start. BL >= 1: a loop (not unrolled) over
+    [BL, BD] tiles of all N entries, the next tile loaded before the current one is reduced;
+    the tile holding the partial entry applies the delta and writes it back."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     dmask = d < D
@@ -75,21 +78,20 @@ def _mix_norm_kernel(
     row = bank_ptr + t * stride_bt + d
     dtype = bank_ptr.dtype.element_ty
 
-    partial = tl.load(row + (N - 1) * stride_bn, mask=dmask, other=0.0)
-    if HAS_DELTA:
-        delta = tl.load(delta_ptr + t * stride_dt + d, mask=dmask, other=0.0)
-        if ACCUMULATE:
-            partial = (partial.to(tl.float32) + delta.to(tl.float32)).to(dtype)
-        else:
-            partial = delta.to(dtype)
-
     # Online softmax over the entries: one read of each, running max / denominator / sum.
     m = -float("inf")
     den = 0.0
     acc = tl.zeros([BD], dtype=tl.float32)
     if BL == 0:
-        # The next entry is loaded before the current one is reduced, so every program keeps
-        # a load in flight while it reduces (the loop is unrolled: N is a compile-time constant).
+        partial = tl.load(row + (N - 1) * stride_bn.to(tl.int64), mask=dmask, other=0.0)
+        if HAS_DELTA:
+            delta = tl.load(delta_ptr + t * stride_dt + d, mask=dmask, other=0.0)
+            if ACCUMULATE:
+                partial = (partial.to(tl.float32) + delta.to(tl.float32)).to(dtype)
+            else:
+                partial = delta.to(dtype)
+        # The loop is unrolled (N is a compile-time constant), so every program keeps a load
+        # in flight while it reduces.
         if N == 1:
             ahead = partial
         else:
@@ -98,22 +100,42 @@ def _mix_norm_kernel(
             v = ahead.to(tl.float32)
             if i + 2 < N:
                 ahead = tl.load(
-                    row + (i + 1) * stride_bn, mask=dmask, other=0.0,
+                    row + (i + 1) * stride_bn.to(tl.int64), mask=dmask, other=0.0,
                     eviction_policy="evict_first",
                 )
             elif i + 2 == N:
                 ahead = partial
             m, den, acc = _online_softmax_step(v, qw, m, den, acc, D, mix_eps)
+        if HAS_DELTA:  # stored last, so no load above waits on it
+            tl.store(row + (N - 1) * stride_bn.to(tl.int64), partial, mask=dmask)
     else:
         e = tl.arange(0, BL)
-        for first in tl.static_range(0, N - 1, BL):  # the completed entries, BL per load
-            emask = first + e < N - 1
-            v = tl.load(
-                row + (first + e)[:, None] * stride_bn,
-                mask=emask[:, None] & dmask[None, :],
-                other=0.0,
+        ahead = tl.load(
+            row + e.to(tl.int64)[:, None] * stride_bn,
+            mask=(e < N)[:, None] & dmask[None, :], other=0.0, eviction_policy="evict_first",
+        )
+        for first in tl.range(0, N, BL):
+            idx = first + e  # [BL] entry indices of this tile
+            tile = ahead
+            nxt = idx + BL
+            ahead = tl.load(  # all lanes masked off after the last tile: no traffic
+                row + nxt.to(tl.int64)[:, None] * stride_bn,
+                mask=(nxt < N)[:, None] & dmask[None, :], other=0.0,
                 eviction_policy="evict_first",
-            ).to(tl.float32)  # [BL, BD]
+            )
+            if HAS_DELTA:  # noqa: SIM102 (a constexpr and a loop value: Triton needs two ifs)
+                if first + BL >= N:  # this tile holds the partial entry N-1
+                    delta = tl.load(delta_ptr + t * stride_dt + d, mask=dmask, other=0.0)
+                    if ACCUMULATE:
+                        upd = (tile.to(tl.float32) + delta.to(tl.float32)[None, :]).to(dtype)
+                    else:
+                        upd = tl.broadcast_to(delta.to(dtype)[None, :], (BL, BD))
+                    is_partial = (idx == N - 1)[:, None]
+                    tile = tl.where(is_partial, upd, tile)
+                    tl.store(row + idx.to(tl.int64)[:, None] * stride_bn, tile,
+                             mask=is_partial & dmask[None, :])
+            v = tile.to(tl.float32)  # [BL, BD]
+            emask = idx < N
             score = tl.sum(v * qw[None, :], axis=1) * tl.rsqrt(
                 tl.sum(v * v, axis=1) / D + mix_eps
             )
@@ -124,15 +146,23 @@ def _mix_norm_kernel(
             den = den * rescale + tl.sum(p, axis=0)
             acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
             m = m_new
-        m, den, acc = _online_softmax_step(partial.to(tl.float32), qw, m, den, acc, D, mix_eps)
 
     mix = (acc / den).to(dtype).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(mix * mix, axis=0) / D + norm_eps)
     normed = (mix * rstd).to(dtype).to(tl.float32)
     out = normed * tl.load(nw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
-    if HAS_DELTA:  # stores last, so no load above waits on them
-        tl.store(row + (N - 1) * stride_bn, partial, mask=dmask)
+
+
+def default_launch(entries: int, dim: int) -> tuple[int, int]:
+    """(block_entries, num_warps) by bank size, from `benchmarks/attn_res.py --sweep` and the
+    loop-form comparison on the H200 (docs/perf/attn_res.md): at K3's hidden size, one entry
+    per tile on 4 warps (two programs per SM, each with the next entry in flight) is fastest
+    from 3 entries up at every token count; with 1-2 entries 16 warps are."""
+    bd = triton.next_power_of_2(dim)
+    if bd < 4096:
+        return 1, 4 if bd >= 1024 else 2
+    return 1, 16 if entries <= 2 else 4
 
 
 def attn_res_mix_norm(
@@ -146,19 +176,23 @@ def attn_res_mix_norm(
     delta: torch.Tensor | None = None,
     accumulate: bool = True,
     num_warps: int | None = None,
-    block_entries: int = 0,
+    block_entries: int | None = None,
 ) -> torch.Tensor:
     """Fused AttnRes mix + RMSNorm (+ in-place update of the partial entry bank[N-1]).
 
     bank: [N, T, D], 1 <= N <= 16, last dim contiguous (e.g. a view of a preallocated
     [blocks + 1, T, D] buffer); query: [D] or [1, D]; mix_weight, norm_weight: [D];
     delta: [T, D] or None. Returns the normalised mix [T, D] in bank's dtype.
-    block_entries: completed entries per load (0: one at a time, prefetching the next; a power
-    of two: that many per [block_entries, D] load). A tuning knob; the result is the same.
+    block_entries: entries per load (0: the unrolled form; a power of two: a loop over that
+    many per [block_entries, D] load; None: `default_launch`). num_warps: None for the default.
+    Tuning knobs; the result is the same.
     """
+    n, tokens, dim = bank.shape
+    auto_entries, auto_warps = default_launch(n, dim)
+    block_entries = auto_entries if block_entries is None else block_entries
+    num_warps = auto_warps if num_warps is None else num_warps
     if block_entries < 0 or block_entries & (block_entries - 1):
         raise ValueError(f"block_entries must be 0 or a power of two, got {block_entries}")
-    n, tokens, dim = bank.shape
     if not 1 <= n <= 16:
         raise ValueError(f"bank holds {n} entries; 1..16 supported")
     if bank.stride(2) != 1:
@@ -171,9 +205,6 @@ def attn_res_mix_norm(
     out = torch.empty(tokens, dim, dtype=bank.dtype, device=bank.device)
     if tokens == 0:
         return out
-    bd = triton.next_power_of_2(dim)
-    if num_warps is None:
-        num_warps = 8 if bd >= 4096 else 4 if bd >= 1024 else 2
     _mix_norm_kernel[(tokens,)](
         bank,
         delta if delta is not None else out,
@@ -181,17 +212,17 @@ def attn_res_mix_norm(
         mix_weight,
         norm_weight,
         out,
-        dim,
         bank.stride(0),
         bank.stride(1),
         delta.stride(0) if delta is not None else 0,
         out.stride(0),
         float(mix_eps),
         float(norm_eps),
+        D=dim,
         N=n,
         HAS_DELTA=delta is not None,
         ACCUMULATE=accumulate,
-        BD=bd,
+        BD=triton.next_power_of_2(dim),
         BL=block_entries,
         num_warps=num_warps,
     )

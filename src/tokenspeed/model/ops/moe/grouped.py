@@ -128,21 +128,23 @@ class MoeKernelConfig(NamedTuple):
 
 
 # Rows per expert -> tiles, by format (BLOCK_N counts the columns of each of gate and up).
-# Decode (<= 16 rows) streams weights: BLOCK_M 16, long K steps, deep pipelines; the middle
-# is still mostly weight traffic; beyond ~100 rows BLOCK_M 64 keeps one warpgroup per tile on
-# wgmma with little padding (rows are padded to BLOCK_M per expert). Starting points in
-# line with public fused-MoE tunings for H100/H200; `benchmarks/moe.py --sweep` compares
-# alternatives.
+# Decode (<= 16 rows) streams weights: BLOCK_M 16, long K steps, deep pipelines, two
+# persistent programs per SM; beyond that two warpgroups per tile (8 warps) on wgmma, which
+# keeps the gate and up accumulators out of local memory, and from ~100 rows BLOCK_M 128 for
+# bf16. bf16 and FP8 are from `benchmarks/moe.py --sweep` on the H200 at 64, 256, 2048 and
+# 16384 tokens (56 local experts; docs/perf/moe.md): 1.05-1.27x at decode, 1.2-1.5x at 2048
+# and 1.67x (bf16) / 3.0x (FP8) at 16384 over the previous table. MXFP4 is unswept: starting
+# points in line with public fused-MoE tunings.
 _TABLE = {
     "dense": (
-        (16, MoeKernelConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))),
-        (96, MoeKernelConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))),
-        (None, MoeKernelConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))),
+        (16, MoeKernelConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4), waves=2)),
+        (96, MoeKernelConfig(64, GemmTile(128, 64, 8, 3), GemmTile(256, 64, 8, 3))),
+        (None, MoeKernelConfig(128, GemmTile(64, 64, 8, 4), GemmTile(256, 64, 8, 4))),
     ),
     "fp8": (
-        (16, MoeKernelConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3))),
-        (96, MoeKernelConfig(32, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3))),
-        (None, MoeKernelConfig(64, GemmTile(128, 128, 4, 4), GemmTile(128, 128, 4, 4))),
+        (16, MoeKernelConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
+        (96, MoeKernelConfig(64, GemmTile(128, 128, 8, 3), GemmTile(256, 128, 8, 3))),
+        (None, MoeKernelConfig(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4))),
     ),
     "mxfp4": (
         (16, MoeKernelConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3))),
