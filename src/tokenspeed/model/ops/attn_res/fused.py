@@ -155,14 +155,14 @@ def _mix_norm_kernel(
 
 
 def default_launch(entries: int, dim: int) -> tuple[int, int]:
-    """(block_entries, num_warps) by bank size, from `benchmarks/attn_res.py --sweep` and the
-    loop-form comparison on the H200 (docs/perf/attn_res.md): at K3's hidden size, one entry
-    per tile on 4 warps (two programs per SM, each with the next entry in flight) is fastest
-    from 3 entries up at every token count; with 1-2 entries 16 warps are."""
+    """(block_entries, num_warps) by bank size, from `benchmarks/attn_res.py --sweep` on the
+    H200 (docs/perf/attn_res.md): at K3's hidden size 4 warps (two programs per SM) win at
+    every bank size from 4k tokens up; the unrolled form with up to 4 entries, the entry loop
+    (one entry per load, the next in flight) beyond, where unrolling runs out of registers."""
     bd = triton.next_power_of_2(dim)
     if bd < 4096:
-        return 1, 4 if bd >= 1024 else 2
-    return 1, 16 if entries <= 2 else 4
+        return 0, 4 if bd >= 1024 else 2
+    return (0 if entries <= 4 else 1), 4
 
 
 def attn_res_mix_norm(
