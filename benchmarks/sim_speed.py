@@ -2,7 +2,7 @@
 
 Claim (issue 4): it finishes in under 2 minutes on one core. Prints the wall time of the event loop,
 events per second, requests per second, the time of the final cache integrity checks (reported
-apart: `check_integrity()` walks the whole shared host tier once per rank), and the process CPU
+apart: every rank's `check_integrity()`, the shared host tier walked once), and the process CPU
 time (the simulator is single-threaded, so that is time on one core even on a shared machine).
 
     taskset -c 0 python benchmarks/sim_speed.py            # the full claim

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from array import array
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -82,3 +86,66 @@ def test_bad_block_arguments():
         KeyChain(64).append_blocks([1, 2], 100, 512)  # 2 ids cannot describe 100 tokens
     with pytest.raises(CacheConfigError):
         KeyChain(64).append_blocks([1], 100, 0)
+
+
+def _reference_keys(appends: list, page_size: int) -> list[int]:
+    """Page keys spelled out: split the content into pages, encode each page's pieces (a block
+    piece `B (id, start, end)`, a token piece `T count tokens`), chain the hashes."""
+    pieces: list = []  # flattened content: ("b", id, start, end) / ("t", token) per token run
+    for kind, data, n, size in appends:
+        if kind == "t":
+            pieces += [("t", t) for t in data]
+        else:
+            for b, block in enumerate(data):
+                length = min(size, n - b * size)
+                pieces += [("b", block, i) for i in range(length)]
+    prev = hashlib.blake2b(b"tokenspeed-root", digest_size=16).digest()
+    keys = []
+    for p in range(len(pieces) // page_size):
+        page = pieces[p * page_size : (p + 1) * page_size]
+        parts, i = [], 0
+        while i < len(page):
+            j = i
+            if page[i][0] == "t":
+                while j < len(page) and page[j][0] == "t":
+                    j += 1
+                toks = [x[1] for x in page[i:j]]
+                parts.append(b"T" + struct.pack("<I", len(toks)) + array("q", toks).tobytes())
+            else:
+                block, start = page[i][1], page[i][2]
+                while (
+                    j < len(page)
+                    and page[j][0] == "b"
+                    and page[j][1] == block
+                    and (page[j][2] == start + (j - i))
+                ):
+                    j += 1
+                parts.append(b"B" + struct.pack("<qII", block, start, start + (j - i)))
+            i = j
+        prev = hashlib.blake2b(prev + b"".join(parts), digest_size=16).digest()
+        keys.append(int.from_bytes(prev, "little"))
+    return keys
+
+
+_append = st.one_of(
+    st.tuples(st.just("t"), st.lists(st.integers(0, 9), max_size=12)),
+    st.tuples(st.just("b"), st.integers(0, 40)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(appends=st.lists(_append, max_size=8), block_ids=st.lists(st.integers(-3, 3), min_size=8))
+def test_block_appends_match_the_spelled_out_pieces(appends, block_ids):
+    """The one-pass `append_blocks` gives the keys of the content written out page by page
+    (pages straddling blocks and token runs, a block id repeated, partial last blocks)."""
+    chain, spelled = KeyChain(4), []
+    ids = iter(block_ids * 10)
+    for kind, arg in appends:
+        if kind == "t":
+            chain.append_tokens(arg)
+            spelled.append(("t", arg, len(arg), 0))
+        else:
+            blocks = [next(ids) for _ in range(-(-arg // 6))]
+            chain.append_blocks(blocks, arg, 6)
+            spelled.append(("b", blocks, arg, 6))
+    assert chain.keys == _reference_keys(spelled, 4)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenspeed.cache import BudgetTooSmallError, CacheFullError, IntegrityError
 from tokenspeed.cache.mla_pages import SINK_PAGE, MlaPageManager
@@ -85,3 +88,81 @@ def test_integrity_catches_wrong_refcounts():
     pages.check_integrity(Counter(ids))
     with pytest.raises(IntegrityError):
         pages.check_integrity(Counter(ids[:1]))
+
+
+# ---- batched registration and the LRU queue, against the one-page-at-a-time semantics ---------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 12), min_size=1, max_size=10),
+    preregistered=st.lists(st.integers(0, 12), max_size=4),
+    positions=st.lists(st.integers(0, 50), min_size=10, max_size=10),
+)
+def test_register_at_equals_register_page_by_page(keys, preregistered, positions):
+    """Keys may repeat or already name another page (those pages stay private)."""
+    batched, single = MlaPageManager(40), MlaPageManager(40)
+    for m in (batched, single):
+        owners = m.allocate(len(preregistered), None)
+        for pid, key in zip(owners, preregistered, strict=True):
+            m.register(pid, key, 0)
+    pids = batched.allocate(len(keys), None)
+    assert single.allocate(len(keys), None) == pids
+    batched.register_at(pids, keys, positions[: len(keys)])
+    for pid, key, pos in zip(pids, keys, positions, strict=False):
+        single.register(pid, key, pos)
+    assert batched.index == single.index
+    assert batched.key_of == single.key_of
+    assert np.array_equal(batched.indexed, single.indexed)
+    assert np.array_equal(batched.position_of, single.position_of)
+    batched.check_integrity(Counter(owners + pids))
+
+
+def test_register_at_rejects_a_page_indexed_under_another_key_and_changes_nothing():
+    pages = MlaPageManager(8)
+    a, b = pages.allocate(2, None)
+    pages.register(a, 1, 0)
+    before = dict(pages.index)
+    with pytest.raises(IntegrityError):
+        pages.register_at([b, a], [2, 3], [1, 2])
+    assert pages.index == before and pages.key_of[b] is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["alloc", "release", "share", "evict"]), st.integers(1, 6)),
+        max_size=40,
+    )
+)
+def test_eviction_takes_the_least_recently_used_pages_oldest_first(ops):
+    """Random allocations, registrations, shared pins and releases: every eviction takes exactly
+    the cached pages with the smallest last-use stamps, in increasing order (the per-page rule)."""
+    pages = MlaPageManager(24)
+    tables: list[list[int]] = []
+    next_key = iter(range(10**6))
+    for op, n in ops:
+        if op == "alloc" and n <= pages.num_free + pages.num_cached:
+            expect = _lru_order(pages)[: max(n - pages.num_free, 0)]
+            seen = []
+            ids = pages.allocate(n, lambda p, k, pos, seen=seen: seen.extend(p))
+            assert seen == expect
+            pages.register_many(ids[: n - 1], [next(next_key) for _ in ids[: n - 1]], 0)
+            tables.append(ids)
+        elif op == "release" and tables:
+            pages.unpin(tables.pop(n % len(tables)))
+        elif op == "share" and tables:
+            shared = [p for p in tables[n % len(tables)] if pages.indexed[p]]
+            pages.pin(shared)
+            tables.append(shared)
+        elif op == "evict":
+            expect = _lru_order(pages)[:n]
+            seen = []
+            assert pages.evict(n, lambda p, k, pos, seen=seen: seen.extend(p)) == len(expect)
+            assert seen == expect
+        pages.check_integrity(Counter(p for t in tables for p in t))
+
+
+def _lru_order(pages: MlaPageManager) -> list[int]:
+    cached = np.flatnonzero(pages.evictable)
+    return cached[np.argsort(pages.last_use[cached], kind="stable")].tolist()

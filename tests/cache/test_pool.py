@@ -33,3 +33,15 @@ def test_double_free_is_refused_without_changing_anything():
         pool.free([0])
     pool.check_integrity()
     assert pool.free_mask().tolist() == [False, True, False, True]
+
+
+def test_many_ids_at_once_keep_lifo_order_and_refuse_a_reserved_id_atomically():
+    pool = SlotPool(10, reserved=(0,))
+    ids = pool.allocate(6)
+    assert ids == [1, 2, 3, 4, 5, 6]
+    pool.free(ids[2:])
+    assert pool.allocate(2) == [3, 4]  # a freed batch comes back in its own order, first first
+    with pytest.raises(IntegrityError):
+        pool.free([1, 2, 0])  # the reserved sink: nothing is freed
+    assert not pool.is_free(1) and not pool.is_free(2)
+    pool.check_integrity()

@@ -32,7 +32,9 @@ from .errors import CacheConfigError
 
 _KEY_BYTES = 16
 _BLOCK_PIECE = struct.Struct("<qII")
+_ONE_PIECE = struct.Struct("<cqII")  # b"B" + _BLOCK_PIECE in one call
 _COUNT = struct.Struct("<I")
+_blake2b = hashlib.blake2b
 
 
 def _chain(prev: bytes, payload: bytes) -> bytes:
@@ -46,6 +48,14 @@ def _token_piece(tokens: Sequence[int]) -> bytes:
 
 def key_to_int(digest: bytes) -> PageKey:
     return int.from_bytes(digest, "little")
+
+
+def _encode(pieces: list[list]) -> bytes:
+    """Payload of one page from its pieces (["t", tokens] or ["b", block_id, start, end])."""
+    return b"".join(
+        _token_piece(p[1]) if p[0] == "t" else _ONE_PIECE.pack(b"B", p[1], p[2], p[3])
+        for p in pieces
+    )
 
 
 class KeyChain:
@@ -111,22 +121,48 @@ class KeyChain:
                 f"{len(block_ids)} block ids cannot describe {num_tokens} tokens in blocks of "
                 f"{block_size}"
             )
+        # One pass with the chain state in locals (a long history appends thousands of pages a
+        # turn); the same pieces, merges and hashes as `_add_block` / `_close_page` / `_emit`.
         new: list[PageKey] = []
         size = self.page_size
+        keys = self.keys
+        prev = self._prev
+        pending = self._pending
+        pending_tokens = self._pending_tokens
         for b, block_id in enumerate(block_ids):
             length = block_size if b < full else rest
             start = 0
             block_id = int(block_id)
-            # Fast path: whole pages inside the block, nothing pending.
-            while not self._pending_tokens and length - start >= size:
-                new.append(self._emit(b"B" + _BLOCK_PIECE.pack(block_id, start, start + size)))
-                start += size
             while start < length:
-                take = min(self.page_size - self._pending_tokens, length - start)
-                self._add_block(block_id, start, start + take)
-                start += take
-                if self._pending_tokens == self.page_size:
-                    new.append(self._close_page())
+                if not pending_tokens and length - start >= size:
+                    # A whole page inside the block, nothing pending.
+                    prev = _blake2b(
+                        prev + _ONE_PIECE.pack(b"B", block_id, start, start + size),
+                        digest_size=_KEY_BYTES,
+                    ).digest()
+                    key = int.from_bytes(prev, "little")
+                    keys.append(key)
+                    new.append(key)
+                    start += size
+                    continue
+                end = start + min(size - pending_tokens, length - start)
+                last = pending[-1] if pending else None
+                if last is not None and last[0] == "b" and last[1] == block_id and last[3] == start:
+                    last[3] = end  # the same block continued: one piece, whatever the split
+                else:
+                    pending.append(["b", block_id, start, end])
+                pending_tokens += end - start
+                start = end
+                if pending_tokens == size:
+                    prev = _blake2b(prev + _encode(pending), digest_size=_KEY_BYTES).digest()
+                    key = int.from_bytes(prev, "little")
+                    keys.append(key)
+                    new.append(key)
+                    pending = []
+                    pending_tokens = 0
+        self._prev = prev
+        self._pending = pending
+        self._pending_tokens = pending_tokens
         self.num_tokens += num_tokens
         return new
 
@@ -147,15 +183,10 @@ class KeyChain:
         self._pending_tokens += end - start
 
     def _close_page(self) -> PageKey:
-        parts = []
-        for piece in self._pending:
-            if piece[0] == "t":
-                parts.append(_token_piece(piece[1]))
-            else:
-                parts.append(b"B" + _BLOCK_PIECE.pack(piece[1], piece[2], piece[3]))
+        payload = _encode(self._pending)
         self._pending = []
         self._pending_tokens = 0
-        return self._emit(b"".join(parts))
+        return self._emit(payload)
 
     def _emit(self, payload: bytes) -> PageKey:
         self._prev = _chain(self._prev, payload)

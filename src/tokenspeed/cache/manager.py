@@ -21,15 +21,18 @@ cover) lives in `match`; fetching the L2 part of a hit lives in `tiering.py`.
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from collections import Counter
 from collections.abc import Sequence
+from itertools import compress, repeat
 
 import attrs
 import numpy as np
 import torch
 
 from ..types import PageKey, RequestId, SlotId
+from ._exhaust import exhaust
 from .checkpoints import CheckpointKind, CheckpointManager
 from .config import CacheConfig, CacheGeometry
 from .copy_engine import make_copy_engine
@@ -61,6 +64,16 @@ logger = logging.getLogger("tokenspeed.cache")
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _l1_pages(sources: Sequence[int | None]) -> list[int]:
+    """The L1 page ids of a hit's sources, in order."""
+    return list(compress(sources, map(operator.is_not, sources, repeat(None))))
+
+
+def _l2_positions(sources: Sequence[int | None]) -> list[int]:
+    """Indices of the hit pages that come from L2 (source None), in order."""
+    return list(compress(range(len(sources)), map(operator.is_, sources, repeat(None))))
 
 
 class CacheManager:
@@ -211,7 +224,7 @@ class CacheManager:
         total = max(_ceil_div(reserve, self.page_size), m.num_tokens // self.page_size)
         if total > self._pages.capacity or self._live.num_free == 0:
             return False
-        l1 = [p for p in m.sources if p is not None]
+        l1 = _l1_pages(m.sources)
         return total - len(l1) <= self._pages.room_besides(l1)
 
     def _usable_match(
@@ -270,7 +283,7 @@ class CacheManager:
         hit = plan.hit_pages
         total = max(_ceil_div(reserve, P), hit)
         all_l1 = None not in plan.sources
-        l1_hit = list(plan.sources) if all_l1 else [p for p in plan.sources if p is not None]
+        l1_hit = list(plan.sources) if all_l1 else _l1_pages(plan.sources)
         if total - len(l1_hit) > self._pages.room_besides(l1_hit):
             raise CacheFullError(
                 f"request {request_id!r} needs {total - len(l1_hit)} new pages; "
@@ -294,15 +307,14 @@ class CacheManager:
         if all_l1:
             table = l1_hit + fresh
         else:
-            table = []
-            take = iter(fresh)
-            for i, pid in enumerate(plan.sources):
-                if pid is None:
-                    pid = next(take)
-                    l2_pids.append(pid)
-                    self._pages.register(pid, keys[i], i)  # content arrives with this load
-                table.append(pid)
-            table.extend(take)
+            # The L2 part of the hit takes the first fresh pages, in order.
+            table = list(plan.sources)
+            at = _l2_positions(table)
+            l2_pids = fresh[: len(at)]
+            exhaust(map(table.__setitem__, at, l2_pids))
+            table += fresh[len(at) :]
+            # Matchable at once: their content arrives with this load.
+            self._pages.register_at(l2_pids, list(map(keys.__getitem__, at)), at)
 
         handle = RequestCache(
             owner=self._token,
@@ -581,8 +593,9 @@ class CacheManager:
                 raise IntegrityError(f"request {rid!r}: a page appears twice, or the sink page")
             if h._registered > min(len(h.page_ids), len(h._keys)):
                 raise IntegrityError(f"request {rid!r}: more pages registered than known")
+            key_of = self._pages.key_of
             for i in range(h._registered):
-                key = self._pages.key_of[h.page_ids[i]]
+                key = key_of[h.page_ids[i]]
                 if key is not None and key != h._keys[i]:
                     raise IntegrityError(f"request {rid!r}: page {i} indexed under a foreign key")
             refs.update(h.page_ids)

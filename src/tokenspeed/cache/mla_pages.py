@@ -13,12 +13,15 @@ facade decides (at a checkpoint or an L2 load). Bookkeeping is vectorised with n
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
 
 import numpy as np
 
 from ..types import PageId, PageKey
+from ._exhaust import exhaust
 from .errors import BudgetTooSmallError, CacheFullError, IntegrityError
 from .pool import SlotPool
 
@@ -44,6 +47,16 @@ class MlaPageManager:
         self.num_cached = 0
         self.version = 0  # bumped whenever the index changes (a match may be stale)
         self._clock = 0
+        # LRU queue: (page, last_use) in the order pages became cached, which is increasing
+        # last_use. An entry is live while its page is evictable with that very last_use; pins
+        # and re-caching leave stale entries behind, skipped when eviction reaches them. So the
+        # live entries from the head are the cached pages, least recently used first, and
+        # eviction costs what it evicts (plus the stale entries it steps over), not a scan of
+        # the pool.
+        self._queue_pid = np.zeros(2 * num_pages + 16, dtype=np.int64)
+        self._queue_use = np.zeros(2 * num_pages + 16, dtype=np.int64)
+        self._head = 0
+        self._tail = 0
 
     @property
     def capacity(self) -> int:
@@ -97,10 +110,12 @@ class MlaPageManager:
         cached = zero[keep]
         if len(cached):
             # Later positions get older timestamps: evicted first.
-            self.last_use[cached] = self._clock + np.arange(len(cached) - 1, -1, -1)
+            stamps = self._clock + np.arange(len(cached) - 1, -1, -1)
+            self.last_use[cached] = stamps
             self._clock += len(cached)
             self.evictable[cached] = True
             self.num_cached += len(cached)
+            self._enqueue(cached[::-1], stamps[::-1])
         freed = zero[~keep]
         if len(freed):
             self.pool.free(freed.tolist())
@@ -125,23 +140,57 @@ class MlaPageManager:
             self.ref[np.asarray(ids, dtype=np.int64)] = 1
         return ids
 
+    def _enqueue(self, pids: np.ndarray, stamps: np.ndarray) -> None:
+        """Append LRU queue entries (stamps increasing, above every queued one)."""
+        n = len(pids)
+        if self._tail + n > len(self._queue_pid):
+            # Drop the consumed head and the stale entries; grow if that is not enough.
+            qp = self._queue_pid[self._head : self._tail]
+            qu = self._queue_use[self._head : self._tail]
+            live = self.evictable[qp] & (self.last_use[qp] == qu)
+            qp, qu = qp[live], qu[live]
+            size = max(len(self._queue_pid), 2 * (len(qp) + n))
+            self._queue_pid = np.zeros(size, dtype=np.int64)
+            self._queue_use = np.zeros(size, dtype=np.int64)
+            self._queue_pid[: len(qp)] = qp
+            self._queue_use[: len(qp)] = qu
+            self._head, self._tail = 0, len(qp)
+        self._queue_pid[self._tail : self._tail + n] = pids
+        self._queue_use[self._tail : self._tail + n] = stamps
+        self._tail += n
+
+    def _lru_victims(self, n: int) -> np.ndarray:
+        """The n least recently used cached pages (all of them if fewer), oldest first; their
+        queue entries are consumed."""
+        found = []
+        need = n
+        while need > 0 and self._head < self._tail:
+            end = min(self._tail, self._head + max(2 * need, 256))
+            qp = self._queue_pid[self._head : end]
+            live = np.flatnonzero(
+                self.evictable[qp] & (self.last_use[qp] == self._queue_use[self._head : end])
+            )
+            if len(live) >= need:
+                live = live[:need]
+                found.append(qp[live])
+                self._head += int(live[-1]) + 1
+                break
+            found.append(qp[live])
+            need -= len(live)
+            self._head = end
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
     def evict(self, n: int, writeback: WritebackFn | None) -> int:
         """Evict up to n cached pages, least recently used first; returns how many."""
         if n <= 0 or self.num_cached == 0:
             return 0
-        candidates = np.flatnonzero(self.evictable)
-        if n < len(candidates):
-            order = np.argpartition(self.last_use[candidates], n - 1)[:n]
-            victims = candidates[order]
-        else:
-            victims = candidates
+        victims = self._lru_victims(n)
         pids = victims.tolist()
-        keys = [self.key_of[p] for p in pids]
+        keys = list(map(self.key_of.__getitem__, pids))
         if writeback is not None:
             writeback(pids, keys, self.position_of[victims].tolist())
-        for pid, key in zip(pids, keys, strict=True):
-            del self.index[key]
-            self.key_of[pid] = None
+        exhaust(map(self.index.__delitem__, keys))
+        exhaust(map(self.key_of.__setitem__, pids, repeat(None)))
         self.indexed[victims] = False
         self.evictable[victims] = False
         self.position_of[victims] = -1
@@ -171,25 +220,50 @@ class MlaPageManager:
         self, pids: Sequence[PageId], keys: Sequence[PageKey], first_position: int
     ) -> None:
         """`register` for consecutive pages of one chain (positions first_position, ...)."""
-        index, key_of, indexed = self.index, self.key_of, self.indexed
-        arr = np.asarray(pids, dtype=np.int64)
-        if (self.ref[arr] <= 0).any():
+        self.register_at(pids, keys, range(first_position, first_position + len(pids)))
+
+    def register_at(
+        self, pids: Sequence[PageId], keys: Sequence[PageKey], positions: Sequence[int]
+    ) -> None:
+        """`register(pid, key, position)` for each triple in order (distinct used pages): keys
+        already indexed are skipped (their pages stay private). One batch, not a loop per page."""
+        if len(pids) != len(keys) or len(pids) != len(positions):
+            raise ValueError(f"{len(pids)} pages, {len(keys)} keys, {len(positions)} positions")
+        if not len(pids):
+            return
+        index = self.index
+        sel = np.asarray(pids, dtype=np.int64)
+        if (self.ref[sel] <= 0).any():
             raise IntegrityError("register of unreferenced pages")
-        added, positions = [], []
-        for offset, (pid, key) in enumerate(zip(pids, keys, strict=True)):
-            if key in index:
-                continue  # registered already, or the same content in another page (stays private)
-            if key_of[pid] is not None:
-                raise IntegrityError(f"page {pid} is already indexed under another key")
-            index[key] = pid
-            key_of[pid] = key
-            added.append(pid)
-            positions.append(first_position + offset)
-        if added:
-            sel = np.asarray(added, dtype=np.int64)
-            indexed[sel] = True
-            self.position_of[sel] = positions
-            self.version += 1
+        if self.indexed[sel].any() or len(set(pids)) != len(pids):
+            # Pages indexed already (re-registration, or a bug): the per-page rules decide,
+            # checked first so that a refused batch changes nothing.
+            taken_keys, taken_pids = set(), set()
+            for pid, key in zip(pids, keys, strict=True):
+                if key in index or key in taken_keys:
+                    continue
+                if self.indexed[pid] or pid in taken_pids:
+                    raise IntegrityError(f"page {pid} is already indexed under another key")
+                taken_keys.add(key)
+                taken_pids.add(pid)
+            for pid, key, position in zip(pids, keys, positions, strict=True):
+                self.register(pid, key, position)
+            return
+        # One pass: a key already indexed (by another page, or earlier in this batch) keeps its
+        # page, and this one stays private, exactly as `register` page by page.
+        got = list(map(index.setdefault, keys, pids))
+        fresh = list(map(operator.is_, got, pids))
+        if not all(fresh):
+            pids = list(compress(pids, fresh))
+            keys = list(compress(keys, fresh))
+            positions = list(compress(positions, fresh))
+            if not pids:
+                return
+            sel = np.asarray(pids, dtype=np.int64)
+        exhaust(map(self.key_of.__setitem__, pids, keys))
+        self.indexed[sel] = True
+        self.position_of[sel] = positions
+        self.version += 1
 
     def unregister(self, pid: PageId) -> None:
         """Remove a used page from the index (its content can no longer be trusted)."""
@@ -231,6 +305,15 @@ class MlaPageManager:
         for key, pid in self.index.items():
             if self.key_of[pid] != key or not self.indexed[pid]:
                 raise IntegrityError(f"index entry {key!r} -> {pid} is not mirrored")
+        qp = self._queue_pid[self._head : self._tail]
+        qu = self._queue_use[self._head : self._tail]
+        if (np.diff(qu) <= 0).any() or (len(qu) and qu[-1] >= self._clock):
+            raise IntegrityError("the LRU queue is not in increasing last-use order")
+        live = qp[self.evictable[qp] & (self.last_use[qp] == qu)]
+        if len(live) != self.num_cached or not np.array_equal(
+            np.sort(live), np.flatnonzero(self.evictable)
+        ):
+            raise IntegrityError("the LRU queue does not hold each cached page exactly once")
         used = int((self.ref > 0).sum())
         if pool.num_free + used + self.num_cached != pool.capacity:
             raise IntegrityError(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 
 import numpy as np
 
+from ._exhaust import exhaust
 from .errors import CacheFullError, IntegrityError
 
 
@@ -59,9 +61,7 @@ class SlotPool:
         ids = self._free[-n:]
         del self._free[-n:]
         ids.reverse()
-        is_free = self._is_free
-        for i in ids:
-            is_free[i] = 0
+        exhaust(map(self._is_free.__setitem__, ids, repeat(0)))
         return ids
 
     def free(self, ids: Iterable[int]) -> None:
@@ -69,12 +69,11 @@ class SlotPool:
         is_free = self._is_free
         if len(set(ids)) != len(ids):
             raise IntegrityError(f"ids freed twice in one call: {ids}")
-        for i in ids:
-            if i in self.reserved or is_free[i]:
-                # Checked before anything changes, so a bad call leaves the pool as it was.
-                raise IntegrityError(f"id {i} freed twice or reserved")
-        for i in ids:
-            is_free[i] = 1
+        # Checked before anything changes, so a bad call leaves the pool as it was.
+        if any(map(is_free.__getitem__, ids)) or not self.reserved.isdisjoint(ids):
+            bad = next(i for i in ids if i in self.reserved or is_free[i])
+            raise IntegrityError(f"id {bad} freed twice or reserved")
+        exhaust(map(is_free.__setitem__, ids, repeat(1)))
         self._free.extend(reversed(ids))
 
     def check_integrity(self) -> None:

@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import bisect
+import operator
 from collections.abc import Sequence
+from itertools import compress, repeat
 from typing import Literal
 
 import attrs
@@ -112,16 +115,21 @@ class Tiering:
             return HitPlan(sources, tier, [], None)
         P = self.geometry.page_size
         fetched: dict[int, torch.Tensor] = {}
+        # Hit pages that come from L2, ascending.
+        from_l2 = list(compress(range(hit), map(operator.is_, sources, repeat(None))))
         while hit > 0:
-            need = [i for i in range(hit) if sources[i] is None and i not in fetched]
+            need = from_l2[: bisect.bisect_left(from_l2, hit)]
+            if fetched:
+                need = [i for i in need if i not in fetched]
             first_bad = None
             if need:
-                got = self.l2.get(ObjectKind.PAGE, [keys[i] for i in need], need)
-                for i, payload in zip(need, got, strict=True):
-                    if payload is None:
-                        first_bad = i
-                        break
-                    fetched[i] = payload
+                got = self.l2.get(ObjectKind.PAGE, list(map(keys.__getitem__, need)), need)
+                bad = list(map(operator.is_, got, repeat(None)))
+                if True in bad:
+                    j = bad.index(True)
+                    first_bad = need[j]
+                    need, got = need[:j], got[:j]
+                fetched.update(zip(need, got, strict=True))
             checkpoint = None
             if first_bad is None and tier == "l2":
                 (checkpoint,) = self.l2.get(ObjectKind.CHECKPOINT, [keys[hit - 1]], [hit * P])
@@ -138,7 +146,7 @@ class Tiering:
         else:
             return HitPlan([], None, [], None)
         sources = sources[:hit]
-        payloads = [fetched[i] for i in range(hit) if sources[i] is None]
+        payloads = list(map(fetched.__getitem__, from_l2[: bisect.bisect_left(from_l2, hit)]))
         return HitPlan(sources, tier, payloads, checkpoint)
 
     def promote_checkpoint(self, key: PageKey, num_tokens: int) -> CheckpointEntry | None:
@@ -160,15 +168,14 @@ class Tiering:
         if self.l2 is None:
             return
         present = self.l2.contains(ObjectKind.PAGE, keys)
-        missing = [j for j, p in enumerate(present) if not p]
+        missing = list(compress(range(len(keys)), map(operator.not_, present)))
         if not missing:
             return
-        objects = self._page_objects(
-            [keys[j] for j in missing],
-            [positions[j] for j in missing],
-            [pids[j] for j in missing],
+        self.counters.pages_written_back += self._put_pages(
+            list(map(keys.__getitem__, missing)),
+            list(map(positions.__getitem__, missing)),
+            list(map(pids.__getitem__, missing)),
         )
-        self.counters.pages_written_back += self.l2.put(objects)
 
     def writeback_checkpoints(self, entries: list[CheckpointEntry]) -> None:
         """Eviction hook: store evicted checkpoints that L2 lacks before their slots are reused."""
@@ -190,32 +197,29 @@ class Tiering:
         # Earlier turns usually published the start already: skip the present prefix cheaply.
         first = self.l2.prefix_present(ObjectKind.PAGE, keys[:deepest])
         present = self.l2.contains(ObjectKind.PAGE, keys[first:deepest])
-        missing = [first + j for j, p in enumerate(present) if not p]
-        objects = self._page_objects(
-            [keys[i] for i in missing], missing, [page_ids[i] for i in missing]
-        )
+        missing = list(compress(range(first, deepest), map(operator.not_, present)))
         ckpt_keys = [keys[n - 1] for n in path]
         present = self.l2.contains(ObjectKind.CHECKPOINT, ckpt_keys)
-        objects += [
+        objects = [
             self._checkpoint_object(self.ckpts.index[key])
             for key, p in zip(ckpt_keys, present, strict=True)
             if not p
         ]
-        stored = self.l2.put(objects) if objects else 0
+        # Both lookups come before the writes (what is written does not depend on what the
+        # writes evict); pages first, then checkpoints.
+        stored = self._put_pages(
+            list(map(keys.__getitem__, missing)), missing, list(map(page_ids.__getitem__, missing))
+        )
+        stored += self.l2.put(objects) if objects else 0
         self.counters.objects_published += stored
         return stored
 
-    def _page_objects(
-        self, keys: list[PageKey], positions: list[int], pids: list[PageId]
-    ) -> list[HostObject]:
+    def _put_pages(self, keys: list[PageKey], positions: list[int], pids: list[PageId]) -> int:
+        """Store pages (device ids `pids`) in L2; returns how many are stored now."""
         if not keys:
-            return []
-        nbytes = self.geometry.mla_page_bytes
-        payloads = self.storage.read_pages(pids) if self.storage is not None else [None] * len(keys)
-        return [
-            HostObject(ObjectKind.PAGE, key, pos, nbytes, payload)
-            for key, pos, payload in zip(keys, positions, payloads, strict=True)
-        ]
+            return 0
+        payloads = self.storage.read_pages(pids) if self.storage is not None else None
+        return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads)
 
     def _checkpoint_object(self, entry: CheckpointEntry) -> HostObject:
         payload = self.storage.read_checkpoint(entry.slot) if self.storage is not None else None

@@ -10,15 +10,14 @@ shared L2 makes unnecessary) places a conversation's first turn by least work an
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-
-import attrs
+from typing import NamedTuple
 
 from tokenspeed.sched.config import RouterConfig, RoutingPolicy
 
 
-@attrs.frozen
-class DecodeLoad:
-    """What a decode rank reports to the router."""
+class DecodeLoad(NamedTuple):
+    """What a decode rank reports to the router (a tuple: every arrival builds one per decode
+    rank)."""
 
     running: int  # requests decoding or admitted (reserved) on the rank
     free_pages: int  # device pages the rank can still hand out

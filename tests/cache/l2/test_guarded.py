@@ -119,3 +119,42 @@ def test_guard_answers_safely_for_every_call():
     assert guard.put([HostObject(ObjectKind.PAGE, 1, 0, 1, torch.zeros(1, dtype=torch.uint8))]) == 0
     assert guard.get(ObjectKind.PAGE, [1], [0]) == [None]
     assert len(errors) == 5
+
+
+class _Repeating(LocalHostCache):
+    """Returns a fixed list of payloads (shared objects repeated, as metadata-only tiers do)."""
+
+    def __init__(self, answer) -> None:
+        super().__init__(capacity_bytes=1 << 20)
+        self.answer = answer
+
+    def get(self, kind, keys, positions):
+        return list(self.answer)
+
+
+def test_get_checks_each_payload_also_when_objects_repeat():
+    g = tiny_geometry()
+    good = torch.zeros(g.mla_page_bytes, dtype=torch.uint8)
+    bad = torch.zeros(g.mla_page_bytes - 1, dtype=torch.uint8)
+    for answer, expect, errors_expected in (
+        ([good, good, good], [good, good, good], 0),  # all distinct objects fine: passed through
+        ([good, bad, good, bad, None], [good, None, good, None, None], 2),  # one error per bad
+    ):
+        inner = _Repeating(answer)
+        inner.bind(g, metadata_only=False)
+        errors = []
+        guard = GuardedL2(inner, lambda errors=errors: errors.append(1))
+        got = guard.get(ObjectKind.PAGE, list(range(len(answer))), list(range(len(answer))))
+        assert [x is y for x, y in zip(got, expect, strict=True)] == [True] * len(expect)
+        assert len(errors) == errors_expected
+    with_none = _Repeating([good, None])
+    with_none.bind(g, metadata_only=False)
+    errors = []
+    assert (
+        GuardedL2(with_none, lambda: errors.append(1)).get(ObjectKind.PAGE, [1, 2], [0, 1])
+        == [
+            good,
+            None,
+        ]
+        and not errors
+    )

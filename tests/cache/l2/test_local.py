@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tokenspeed.cache import CacheConfigError, HostCache, LocalHostCache, ObjectKind
+from tokenspeed.cache import CacheConfigError, HostCache, IntegrityError, LocalHostCache, ObjectKind
 from tokenspeed.cache.l2.base import HostObject
 
 from ..helpers import tiny_geometry
@@ -95,3 +97,143 @@ def test_payload_contract_is_enforced():
     with pytest.raises(CacheConfigError):
         LocalHostCache(capacity_bytes=0)
     assert isinstance(l2, HostCache)
+
+
+# ---- batched paths (put_many, runs behind prefix_present, the metadata-only get) against the
+# per-object semantics, written out as a plain reference model ------------------------------------
+
+
+class _ReferenceL2:
+    """The tier's contract one object at a time: a dict per kind and one LRU order."""
+
+    def __init__(self, capacity: int, nbytes: dict) -> None:
+        self.capacity, self.nbytes = capacity, nbytes
+        self.stores = {PAGE: {}, CKPT: {}}
+        self.lru: dict = {}  # insertion-ordered: (kind, key) -> None
+        self.bytes = self.evictions = self.puts = self.hits = self.misses = 0
+
+    def put(self, kind, keys, positions) -> int:
+        for key, pos in zip(keys, positions, strict=True):
+            store = self.stores[kind]
+            if key in store:
+                self.lru[(kind, key)] = self.lru.pop((kind, key))
+                continue
+            while self.bytes + self.nbytes[kind] > self.capacity:
+                k, old = next(iter(self.lru))
+                del self.lru[(k, old)]
+                self.stores[k].pop(old)
+                self.bytes -= self.nbytes[k]
+                self.evictions += 1
+            store[key] = pos
+            self.lru[(kind, key)] = None
+            self.bytes += self.nbytes[kind]
+            self.puts += 1
+        return len(keys)
+
+    def get(self, kind, keys, positions) -> list[bool]:
+        out = []
+        for key, pos in zip(keys, positions, strict=True):
+            store = self.stores[kind]
+            if key not in store:
+                self.misses += 1
+                out.append(False)
+            elif store[key] != pos:  # rejected and dropped
+                self.misses += 1
+                del store[key], self.lru[(kind, key)]
+                self.bytes -= self.nbytes[kind]
+                out.append(False)
+            else:
+                self.hits += 1
+                self.lru[(kind, key)] = self.lru.pop((kind, key))
+                out.append(True)
+        return out
+
+    def remove(self, kind, keys) -> int:
+        gone = [k for k in keys if k in self.stores[kind]]
+        for k in dict.fromkeys(gone):
+            del self.stores[kind][k], self.lru[(kind, k)]
+            self.bytes -= self.nbytes[kind]
+        return len(set(gone))
+
+    def prefix_present(self, kind, keys) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.stores[kind]:
+            n += 1
+        return n
+
+
+_chains = st.lists(st.integers(0, 5), min_size=1, max_size=4)  # chain ids: shared prefixes
+_op = st.one_of(
+    st.tuples(
+        st.just("put_many"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 8), st.booleans()
+    ),
+    st.tuples(
+        st.just("put"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 4), st.booleans()
+    ),
+    st.tuples(
+        st.just("get"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 8), st.booleans()
+    ),
+    st.tuples(
+        st.just("remove"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 3), st.booleans()
+    ),
+    st.tuples(
+        st.just("prefix"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 12), st.booleans()
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(_op, max_size=40), capacity_pages=st.integers(3, 30))
+def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
+    """Four chains of 12 page keys (chains 0-2 share their first 4 pages, like a system prompt);
+    every call on a slice of a chain, checkpoints mixed in: answers, counters, LRU evictions and
+    integrity agree with the reference model."""
+    l2, n = _bound(capacity_pages, metadata_only=True)
+    ck = l2.object_bytes(CKPT)
+    ref = _ReferenceL2(l2.capacity_bytes, {PAGE: n, CKPT: ck})
+    chains = [[(0 if c < 3 and i < 4 else c + 1) * 100 + i for i in range(12)] for c in range(4)]
+    for op, chain, start, length, checkpoint in ops:
+        keys = chains[chain][start : start + length]
+        positions = list(range(start, start + len(keys)))
+        kind = CKPT if checkpoint and op != "prefix" else PAGE
+        if op == "put_many":
+            assert l2.put_many(kind, keys, positions) == ref.put(kind, keys, positions)
+        elif op == "put":
+            nbytes = ck if kind is CKPT else n
+            objs = [HostObject(kind, k, p, nbytes) for k, p in zip(keys, positions, strict=True)]
+            assert l2.put(objs) == ref.put(kind, keys, positions)
+        elif op == "get":
+            if chain == 3:
+                positions = [p + 1 for p in positions]  # stored elsewhere: rejected
+            got = l2.get(kind, keys, positions)
+            assert [g is not None for g in got] == ref.get(kind, keys, positions)
+        elif op == "remove":
+            assert l2.remove(kind, keys) == ref.remove(kind, keys)
+        else:
+            assert l2.prefix_present(PAGE, keys) == ref.prefix_present(PAGE, keys)
+            whole = chains[chain]
+            assert l2.prefix_present(PAGE, whole) == ref.prefix_present(PAGE, whole)
+        for k in (PAGE, CKPT):
+            assert l2.contains(k, [key for c in chains for key in c]) == [
+                key in ref.stores[k] for c in chains for key in c
+            ]
+        s = l2.stats()
+        assert (s.objects, s.bytes, s.evictions, s.puts, s.hits, s.misses) == (
+            len(ref.lru),
+            ref.bytes,
+            ref.evictions,
+            ref.puts,
+            ref.hits,
+            ref.misses,
+        )
+        l2.check_integrity()
+
+
+def test_integrity_check_catches_a_run_that_vouches_for_a_missing_object():
+    l2, _ = _bound(8, metadata_only=True)
+    l2.put_many(PAGE, [1, 2, 3], [0, 1, 2])
+    l2.check_integrity()
+    del l2._pages[2]  # bypass the bookkeeping: the run still lists 2 as stored
+    l2._mutations += 1
+    with pytest.raises(IntegrityError):
+        l2.check_integrity()

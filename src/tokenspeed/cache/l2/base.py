@@ -136,6 +136,25 @@ class HostCache(ABC):
     def put(self, objects: Sequence[HostObject]) -> int:
         """Store objects (existing keys are kept as they are); returns how many are now stored."""
 
+    def put_many(
+        self,
+        kind: ObjectKind,
+        keys: Sequence[PageKey],
+        positions: Sequence[int],
+        payloads: Sequence[torch.Tensor] | None = None,
+    ) -> int:
+        """`put` of objects of one kind and the bound geometry's size (`object_bytes`), given as
+        parallel sequences (payloads None when metadata-only). Backends may do it in one batch."""
+        nbytes = self.object_bytes(kind)
+        if payloads is None:
+            payloads = [None] * len(keys)
+        return self.put(
+            [
+                HostObject(kind, key, position, nbytes, payload)
+                for key, position, payload in zip(keys, positions, payloads, strict=True)
+            ]
+        )
+
     @abstractmethod
     def get(
         self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]

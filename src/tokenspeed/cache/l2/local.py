@@ -5,18 +5,28 @@ device tier run as asynchronous DMA). In metadata-only mode only keys, sizes and
 kept, which is what the simulator needs to compare shared and rank-local L2 at cluster scale.
 Objects are immutable, so a loader that holds a payload keeps reading valid bytes even if the
 object is evicted meanwhile.
+
+Bookkeeping is sized for a shared tier of millions of objects: a record is a plain tuple
+(position, nbytes, payload, crc), which the garbage collector stops tracking, and runs of keys
+(a prefix, a fetched hit, a published turn) are looked up, touched and stored with C-level
+`map` calls rather than a Python loop per key.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from operator import itemgetter
 
 import attrs
 import torch
 
 from ...types import PageKey
+from .._exhaust import exhaust
 from ..errors import CacheConfigError, IntegrityError
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 
@@ -25,12 +35,37 @@ def crc32(payload: torch.Tensor) -> int:
     return zlib.crc32(payload.numpy())
 
 
-@attrs.define(slots=True)
-class _Stored:
-    position: int
-    nbytes: int
-    payload: torch.Tensor | None
-    crc: int | None
+# A stored object: (position, nbytes, payload or None, crc or None, run id, offset in the run).
+# A plain tuple: the garbage collector untracks tuples of atoms, which matters with millions.
+_Record = tuple
+_NO_RUN = -1  # objects stored by `put` belong to no run
+
+
+class _Run:
+    """The keys one `put_many` call stored, in the caller's order (a run of one chain: a
+    published turn, pages written back together). `dead` lists, sorted, the offsets whose
+    object is not this run's any more (evicted or removed) or never was (already stored by
+    someone else). Every other offset's key is stored, by this run's record: so a prefix check
+    can compare a slice of the caller's keys with the run's keys (C-level list comparison,
+    identity first) instead of probing the store once per key."""
+
+    __slots__ = ("alive", "dead", "keys")
+
+    def __init__(self, keys: list[PageKey]) -> None:
+        self.keys = keys
+        self.dead: list[int] = []
+        self.alive = 0
+
+
+_POSITION = itemgetter(0)
+_NBYTES = itemgetter(1)
+_CHECKPOINT = "c"
+
+
+def _name(is_checkpoint: bool, key: PageKey) -> Hashable:
+    """The object's name in the LRU order: the key itself for a page (pages are the many
+    objects: their touches hash nothing new), (_CHECKPOINT, key) for a checkpoint."""
+    return (_CHECKPOINT, key) if is_checkpoint else key
 
 
 class LocalHostCache(HostCache):
@@ -59,29 +94,58 @@ class LocalHostCache(HostCache):
         self.capacity_bytes = capacity_bytes
         self.checksum = checksum and not metadata_only
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._pages: dict[PageKey, _Stored] = {}
-        self._checkpoints: dict[PageKey, _Stored] = {}
-        # Keyed by (is_checkpoint, key): hashing enum members is slow in CPython.
-        self._lru: OrderedDict[tuple[bool, PageKey], None] = OrderedDict()
+        self._pages: dict[PageKey, _Record] = {}
+        self._checkpoints: dict[PageKey, _Record] = {}
+        # Names (`_name`) of every stored object of both kinds, least recently used first.
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()
+        self._runs: dict[int, _Run] = {}  # runs with at least one live object
+        self._next_run = 0
         self._bytes = 0
+        # Mutating calls so far, and the count at the last successful check_integrity().
+        self._mutations = 0
+        self._checked = -1
         self._empty = torch.empty(0, dtype=torch.uint8)
 
-    def _store(self, kind: ObjectKind) -> dict[PageKey, _Stored]:
+    def _store(self, kind: ObjectKind) -> dict[PageKey, _Record]:
         return self._checkpoints if kind is ObjectKind.CHECKPOINT else self._pages
 
     def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
         self.counters.lookups += len(keys)
-        store = self._store(kind)
-        return [k in store for k in keys]
+        return list(map(self._store(kind).__contains__, keys))
 
     def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
         store = self._store(kind)
-        if not keys or keys[0] not in store:
-            self.counters.lookups += min(1, len(keys))
+        n = len(keys)
+        if not n or keys[0] not in store:
+            self.counters.lookups += min(1, n)
             return 0
-        self.counters.lookups += len(keys)
-        present = list(map(store.__contains__, keys))
-        return present.index(False) if False in present else len(present)
+        self.counters.lookups += n
+        # Walk the runs that hold the prefix: one probe per run, a list comparison within it.
+        # Where the runs are fragments (objects stored a few at a time), probe key by key.
+        runs, i, short = self._runs, 0, 0
+        while i < n:
+            if short > 4:
+                present = list(map(store.__contains__, keys[i:]))
+                return i + present.index(False) if False in present else n
+            s = store.get(keys[i])
+            if s is None:
+                return i
+            run = runs.get(s[4])
+            if run is None:  # stored by `put`: probe the rest one by one
+                present = list(map(store.__contains__, keys[i:]))
+                return i + present.index(False) if False in present else n
+            off = s[5]
+            stop = off + min(n - i, len(run.keys) - off)
+            d = bisect.bisect_right(run.dead, off)  # `off` itself is live: keys[i] maps to it
+            if d < len(run.dead):
+                stop = min(stop, run.dead[d])
+            m = stop - off
+            if m > 1 and keys[i : i + m] != run.keys[off:stop]:
+                same = list(map(operator.eq, keys[i : i + m], run.keys[off:stop]))
+                m = same.index(False)
+            short = short + 1 if m < 8 else 0
+            i += m
+        return n
 
     def last_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
         store = self._store(kind)
@@ -95,13 +159,14 @@ class LocalHostCache(HostCache):
         return len(keys) - 1 - present.index(True) if True in present else -1
 
     def put(self, objects: Sequence[HostObject]) -> int:
+        self._mutations += 1
         stored = 0
         c = self.counters
         lru = self._lru
         for obj in objects:
             is_checkpoint = obj.kind is ObjectKind.CHECKPOINT
             store = self._checkpoints if is_checkpoint else self._pages
-            name = (is_checkpoint, obj.key)
+            name = _name(is_checkpoint, obj.key)
             if obj.key in store:
                 lru.move_to_end(name)
                 stored += 1
@@ -121,9 +186,9 @@ class LocalHostCache(HostCache):
                 # Copy: the caller's tensor may be a view into a larger staging buffer.
                 payload = obj.payload.pin_memory() if self._pin else obj.payload.clone()
                 crc = crc32(payload) if self.checksum else None
-            while self._bytes + obj.nbytes > self.capacity_bytes:
-                self._evict_one()
-            store[obj.key] = _Stored(obj.position, obj.nbytes, payload, crc)
+            if self._bytes + obj.nbytes > self.capacity_bytes:
+                self._make_room(obj.nbytes)
+            store[obj.key] = (obj.position, obj.nbytes, payload, crc, _NO_RUN, 0)
             lru[name] = None
             self._bytes += obj.nbytes
             c.puts += 1
@@ -131,13 +196,85 @@ class LocalHostCache(HostCache):
             stored += 1
         return stored
 
+    def put_many(
+        self,
+        kind: ObjectKind,
+        keys: Sequence[PageKey],
+        positions: Sequence[int],
+        payloads: Sequence[torch.Tensor] | None = None,
+    ) -> int:
+        self._mutations += 1
+        if payloads is not None or not self.metadata_only:
+            return super().put_many(kind, keys, positions, payloads)
+        # Metadata-only: `put` of the same objects, without building them first.
+        nbytes = self.object_bytes(kind)
+        c = self.counters
+        if nbytes > self.capacity_bytes:
+            c.dropped_writes += len(keys)
+            return 0
+        is_checkpoint = kind is ObjectKind.CHECKPOINT
+        store = self._checkpoints if is_checkpoint else self._pages
+        lru, capacity = self._lru, self.capacity_bytes
+        run_id = self._next_run
+        self._next_run += 1
+        # The run lists the keys by position (write-back hands pages over tail first), so that
+        # it lines up with the chain slices prefix checks are asked about.
+        if all(map(operator.lt, positions, positions[1:])):
+            offsets: Sequence[int] = range(len(keys))
+            run = _Run(list(keys))
+        else:
+            order = sorted(range(len(keys)), key=positions.__getitem__)
+            offsets = [0] * len(keys)
+            exhaust(map(offsets.__setitem__, order, range(len(keys))))
+            run = _Run(list(map(keys.__getitem__, order)))
+        run.alive = 1  # held while it is being filled: evictions below may hit its records
+        self._runs[run_id] = run
+        dead = run.dead
+        added = 0
+        for offset, key, position in zip(offsets, keys, positions, strict=True):
+            name = (_CHECKPOINT, key) if is_checkpoint else key
+            if key in store:
+                lru.move_to_end(name)
+                bisect.insort(dead, offset)  # someone else's object
+                continue
+            if self._bytes + nbytes > capacity:
+                self._make_room(nbytes)
+            store[key] = (position, nbytes, None, None, run_id, offset)
+            lru[name] = None
+            self._bytes += nbytes
+            added += 1
+            run.alive += 1
+        run.alive -= 1
+        if not run.alive:
+            del self._runs[run_id]
+        c.puts += added
+        c.put_bytes += added * nbytes
+        return len(keys)
+
     def get(
         self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
+        self._mutations += 1  # LRU touches, and rejected objects are dropped
         store = self._store(kind)
         expected = self.object_bytes(kind)
         c = self.counters
+        if self.metadata_only:
+            # Batched read of a run in which every object is present and as expected (the
+            # common case): the same LRU touches and counts as the loop below, in C.
+            found = list(map(store.get, keys))
+            if (
+                None not in found
+                and list(map(_POSITION, found)) == list(positions)
+                and all(map(expected.__eq__, map(_NBYTES, found)))
+            ):
+                is_checkpoint = kind is ObjectKind.CHECKPOINT
+                names = [_name(True, k) for k in keys] if is_checkpoint else keys
+                exhaust(map(self._lru.move_to_end, names))
+                c.hits += len(found)
+                c.get_bytes += len(found) * expected
+                return [self._empty] * len(found)
+        is_checkpoint = kind is ObjectKind.CHECKPOINT
+        out: list[torch.Tensor | None] = []
         for key, position in zip(keys, positions, strict=True):
             s = store.get(key)
             if s is None:
@@ -150,33 +287,52 @@ class LocalHostCache(HostCache):
                 self._drop(kind, key)
                 out.append(None)
                 continue
-            self._lru.move_to_end((kind is ObjectKind.CHECKPOINT, key))
+            self._lru.move_to_end(_name(is_checkpoint, key))
             c.hits += 1
-            c.get_bytes += s.nbytes
-            out.append(self._empty if s.payload is None else s.payload)
+            c.get_bytes += s[1]
+            out.append(self._empty if s[2] is None else s[2])
         return out
 
-    def _valid(self, s: _Stored, position: int, expected: int) -> bool:
-        if s.position != position or s.nbytes != expected:
+    def _valid(self, s: _Record, position: int, expected: int) -> bool:
+        pos, nbytes, payload, crc = s[:4]
+        if pos != position or nbytes != expected:
             return False
-        if s.payload is None:
+        if payload is None:
             return self.metadata_only
-        if s.payload.numel() != expected:
+        if payload.numel() != expected:
             return False
-        return not self.checksum or crc32(s.payload) == s.crc
+        return not self.checksum or crc32(payload) == crc
 
-    def _evict_one(self) -> None:
-        (is_checkpoint, key), _ = self._lru.popitem(last=False)
-        s = (self._checkpoints if is_checkpoint else self._pages).pop(key)
-        self._bytes -= s.nbytes
-        self.counters.evictions += 1
+    def _make_room(self, nbytes: int) -> None:
+        """Evict least recently used objects until `nbytes` more fit."""
+        lru, pages, checkpoints = self._lru, self._pages, self._checkpoints
+        evicted = 0
+        while self._bytes + nbytes > self.capacity_bytes:
+            name, _ = lru.popitem(last=False)
+            s = checkpoints.pop(name[1]) if type(name) is tuple else pages.pop(name)
+            self._bytes -= s[1]
+            self._forget(s)
+            evicted += 1
+        self.counters.evictions += evicted
+
+    def _forget(self, s: _Record) -> None:
+        """A record left the store: its run no longer vouches for its offset."""
+        run = self._runs.get(s[4])
+        if run is not None:
+            bisect.insort(run.dead, s[5])
+            run.alive -= 1
+            if not run.alive:
+                del self._runs[s[4]]
 
     def _drop(self, kind: ObjectKind, key: PageKey) -> None:
-        s = self._store(kind).pop(key)
-        del self._lru[(kind is ObjectKind.CHECKPOINT, key)]
-        self._bytes -= s.nbytes
+        is_checkpoint = kind is ObjectKind.CHECKPOINT
+        s = (self._checkpoints if is_checkpoint else self._pages).pop(key)
+        del self._lru[_name(is_checkpoint, key)]
+        self._bytes -= s[1]
+        self._forget(s)
 
     def remove(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+        self._mutations += 1
         store = self._store(kind)
         removed = 0
         for key in keys:
@@ -187,7 +343,8 @@ class LocalHostCache(HostCache):
 
     def corrupt_for_test(self, kind: ObjectKind, key: PageKey) -> None:
         """Flip one payload byte in place (fault-injection hook for tests)."""
-        payload = self._store(kind)[key].payload
+        self._mutations += 1
+        payload = self._store(kind)[key][2]
         if payload is not None and payload.numel():
             payload[0] ^= 0xFF
 
@@ -203,16 +360,52 @@ class LocalHostCache(HostCache):
         )
 
     def check_integrity(self) -> None:
-        stores = ((False, self._pages), (True, self._checkpoints))
-        stored = {(flag, key) for flag, store in stores for key in store}
-        if stored != set(self._lru):
+        """Stores, LRU order, byte count, payload presence and runs all agree. A shared tier is
+        checked by every manager that uses it: a state already verified (no mutation since) is
+        not walked again."""
+        if self._checked == self._mutations:
+            return
+        lru = self._lru
+        names_ok = len(lru) == len(self._pages) + len(self._checkpoints) and all(
+            map(lru.__contains__, self._pages)
+        )
+        if not names_ok or any(_name(True, k) not in lru for k in self._checkpoints):
             raise IntegrityError("L2 LRU order disagrees with the stored objects")
-        total = sum(s.nbytes for _, store in stores for s in store.values())
+        records = (*self._pages.values(), *self._checkpoints.values())
+        total = sum(map(_NBYTES, records))
         if total != self._bytes or self._bytes > self.capacity_bytes:
             raise IntegrityError(
                 f"L2 holds {total} bytes, accounts {self._bytes}, capacity {self.capacity_bytes}"
             )
-        for _, store in stores:
-            for s in store.values():
-                if (s.payload is None) != self.metadata_only:
-                    raise IntegrityError("L2 payload presence disagrees with metadata_only")
+        without_payload = sum(s[2] is None for s in records)
+        if without_payload != (len(records) if self.metadata_only else 0):
+            raise IntegrityError("L2 payload presence disagrees with metadata_only")
+        self._check_runs()
+        self._checked = self._mutations
+
+    def _check_runs(self) -> None:
+        """Each record of a run sits at a live offset holding its key; runs count their records;
+        dead offsets are sorted and distinct; no run without records is kept."""
+        runs = self._runs
+        members: dict[int, list[int]] = {}
+        for store in (self._pages, self._checkpoints):
+            for key, s in store.items():
+                rid, off = s[4], s[5]
+                if rid == _NO_RUN:
+                    continue
+                run = runs.get(rid)
+                if run is None or not 0 <= off < len(run.keys) or run.keys[off] != key:
+                    raise IntegrityError(f"L2 object {key!r} is not where its run says")
+                members.setdefault(rid, []).append(off)
+        if members.keys() != runs.keys():
+            raise IntegrityError("L2 keeps a run without objects, or an object's run is gone")
+        for rid, run in runs.items():
+            offs = members[rid]
+            dead = run.dead
+            if (
+                run.alive != len(offs)
+                or any(a >= b for a, b in itertools.pairwise(dead))
+                or len(offs) + len(dead) != len(run.keys)
+                or not set(offs).isdisjoint(dead)
+            ):
+                raise IntegrityError(f"L2 run {rid}: live and dead offsets disagree")

@@ -61,8 +61,8 @@ def simulate(
 
     Raises LostRequestError if any request was neither finished nor aborted with a reason (or a
     cache still holds one), and IntegrityError if a cache is inconsistent (`check_caches`: each
-    rank's `check_integrity()`, which also walks its host tier; a shared tier is walked once per
-    rank, which dominates at cluster scale).
+    rank's `check_integrity()`, which also checks its host tier; a shared `LocalHostCache` is
+    walked by the first rank's check and found unchanged by the others).
     """
     sim = build_simulator(config, workload, cost, progress=progress)
     sim.run()
