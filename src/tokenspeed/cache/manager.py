@@ -565,13 +565,15 @@ class CacheManager:
     # ------------------------------------------------------------------ accounting, checks
     def stats(self) -> CacheStats:
         pages, ckpts, live = self._pages, self._ckpts, self._live
+        # First, so that a failure it counts shows in the counters below.
+        l2 = self._tiering.l2.stats() if self._tiering.l2 is not None else None
         return CacheStats(
             pages=Occupancy(pages.capacity, pages.num_free, pages.num_used, pages.num_cached),
             checkpoints=Occupancy(ckpts.capacity, ckpts.num_free, ckpts.num_used, ckpts.num_cached),
             live_slots=Occupancy(live.capacity, live.num_free, live.capacity - live.num_free, 0),
             requests=len(self._requests),
             counters=attrs.evolve(self.counters),
-            l2=self._l2.stats() if self._l2 is not None else None,
+            l2=l2,
         )
 
     def check_integrity(self) -> None:

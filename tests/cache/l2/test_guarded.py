@@ -51,6 +51,10 @@ class FlakyL2(LocalHostCache):
         self._maybe_fail()
         return super().put(objects)
 
+    def stats(self):
+        self._maybe_fail()
+        return super().stats()
+
     def get(self, kind, keys, positions):
         self._maybe_fail()
         out = super().get(kind, keys, positions)
@@ -158,3 +162,15 @@ def test_get_checks_each_payload_also_when_objects_repeat():
         ]
         and not errors
     )
+
+
+def test_stats_survive_a_backend_whose_stats_raise():
+    l2 = FlakyL2()
+    cache = make_manager(l2=l2)
+    _publish(cache, token_stream(3, 33))
+    assert cache.stats().l2.puts > 0
+    l2.mode = "raise"
+    stats = cache.stats()  # no exception: the L2 part is unknown, the error is counted
+    assert stats.l2 is None and stats.counters.l2_errors == 1
+    assert stats.pages.total == cache.stats().pages.total
+    cache.check_integrity()

@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 
 from ...types import PageKey
-from .base import HostCache, HostObject, ObjectKind
+from .base import HostCache, HostObject, L2Stats, ObjectKind
 
 logger = logging.getLogger("tokenspeed.cache.l2")
 T = TypeVar("T")
@@ -82,6 +82,10 @@ class GuardedL2:
                 self._on_error()
             checked.append(payload if ok else None)
         return checked
+
+    def stats(self) -> L2Stats | None:
+        """The backend's stats; None when asking raised (a stats call must not fail a caller)."""
+        return self._guard("stats", None, self.inner.stats)
 
     @staticmethod
     def _payload_ok(payload: object, expected: int) -> bool:
