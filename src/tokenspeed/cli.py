@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["sim"]:
         from tokenspeed.sim.cli import main as sim_main
 
-        return sim_main(argv[1:])
+        return sim_main(argv[1:], prog="tokenspeed sim")
     parser = argparse.ArgumentParser(prog="tokenspeed")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from a few prompts and print tokens/s")

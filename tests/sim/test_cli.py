@@ -33,6 +33,7 @@ def test_cli_writes_report_table_and_plots(tmp_path, capsys):
     assert "| scenario | conc. | tok/s/GPU |" in report
     assert "| c=2 | 2 |" in report and "| c=4 | 4 |" in report
     assert "2 prefill + 2 decode ranks, page 128, L2 shared" in report
+    assert "python -m tokenspeed.sim --prefill-ranks 2 --decode-ranks 2" in report
     for png in ("throughput_vs_interactivity.png", "hit_rate_over_time.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -42,6 +43,18 @@ def test_cli_writes_report_table_and_plots(tmp_path, capsys):
         s["requests_finished"] + s["requests_aborted"] == s["requests_issued"] for s in summary
     )
     assert "concurrency 4:" in capsys.readouterr().err
+
+
+def test_report_names_the_command_it_was_run_with(tmp_path):
+    from tokenspeed.cli import main as tokenspeed_main
+
+    out = tmp_path / "report"
+    args = ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "2", "--duration",
+            "10", "--out", str(out), "--no-progress"]
+    assert tokenspeed_main(["sim", *args]) == 0
+    report = (out / "report.md").read_text()
+    assert "tokenspeed sim --prefill-ranks 1 --decode-ranks 1" in report
+    assert "python -m" not in report
 
 
 def test_cli_rejects_impossible_configuration(capsys):

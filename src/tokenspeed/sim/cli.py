@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,9 +26,9 @@ from tokenspeed.sim.workload import (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m tokenspeed.sim") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tokenspeed.sim",
+        prog=prog,
         description="Simulate a prefill/decode cluster serving an agentic workload.",
     )
     p.add_argument("--mode", choices=("pd", "aggregated"), default="pd")
@@ -152,8 +153,9 @@ def write_report(out: Path, results: list[SimResult], command: str) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m tokenspeed.sim") -> int:
+    """prog: how the command was invoked (help text and the report's command line)."""
+    args = build_parser(prog).parse_args(argv)
     try:
         concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
         configs = [config_from_args(args, c) for c in concurrencies]
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         results.append(res)
-    command = "python -m tokenspeed.sim " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = shlex.join([*prog.split(), *(argv if argv is not None else sys.argv[1:])])
     path = write_report(args.out, results, command)
     print(path)
     return 0
