@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import offline  # noqa: E402  (benchmarks/offline.py: the model and the weight mapping)
+import offline  # benchmarks/offline.py: the model and the weight mapping
 
 
 def main() -> int:
