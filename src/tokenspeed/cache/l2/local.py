@@ -35,9 +35,11 @@ def crc32(payload: torch.Tensor) -> int:
     return zlib.crc32(payload.numpy())
 
 
-# A stored object: (position, nbytes, payload or None, crc or None, run id, offset in the run).
-# A plain tuple: the garbage collector untracks tuples of atoms, which matters with millions.
+# A stored object: (position, nbytes, payload or None, crc or None, run id, offset in the run),
+# read by the field indexes below. A plain tuple, not a class or a NamedTuple: the garbage
+# collector untracks exact tuples of atoms, which matters with millions of them.
 _Record = tuple
+_AT_NBYTES, _AT_PAYLOAD, _AT_RUN, _AT_OFFSET = 1, 2, 4, 5
 _NO_RUN = -1  # objects stored by `put` belong to no run
 
 
@@ -130,11 +132,11 @@ class LocalHostCache(HostCache):
             s = store.get(keys[i])
             if s is None:
                 return i
-            run = runs.get(s[4])
+            run = runs.get(s[_AT_RUN])
             if run is None:  # stored by `put`: probe the rest one by one
                 present = list(map(store.__contains__, keys[i:]))
                 return i + present.index(False) if False in present else n
-            off = s[5]
+            off = s[_AT_OFFSET]
             stop = off + min(n - i, len(run.keys) - off)
             d = bisect.bisect_right(run.dead, off)  # `off` itself is live: keys[i] maps to it
             if d < len(run.dead):
@@ -289,8 +291,8 @@ class LocalHostCache(HostCache):
                 continue
             self._lru.move_to_end(_name(is_checkpoint, key))
             c.hits += 1
-            c.get_bytes += s[1]
-            out.append(self._empty if s[2] is None else s[2])
+            c.get_bytes += s[_AT_NBYTES]
+            out.append(self._empty if s[_AT_PAYLOAD] is None else s[_AT_PAYLOAD])
         return out
 
     def _valid(self, s: _Record, position: int, expected: int) -> bool:
@@ -310,25 +312,25 @@ class LocalHostCache(HostCache):
         while self._bytes + nbytes > self.capacity_bytes:
             name, _ = lru.popitem(last=False)
             s = checkpoints.pop(name[1]) if type(name) is tuple else pages.pop(name)
-            self._bytes -= s[1]
+            self._bytes -= s[_AT_NBYTES]
             self._forget(s)
             evicted += 1
         self.counters.evictions += evicted
 
     def _forget(self, s: _Record) -> None:
         """A record left the store: its run no longer vouches for its offset."""
-        run = self._runs.get(s[4])
+        run = self._runs.get(s[_AT_RUN])
         if run is not None:
-            bisect.insort(run.dead, s[5])
+            bisect.insort(run.dead, s[_AT_OFFSET])
             run.alive -= 1
             if not run.alive:
-                del self._runs[s[4]]
+                del self._runs[s[_AT_RUN]]
 
     def _drop(self, kind: ObjectKind, key: PageKey) -> None:
         is_checkpoint = kind is ObjectKind.CHECKPOINT
         s = (self._checkpoints if is_checkpoint else self._pages).pop(key)
         del self._lru[_name(is_checkpoint, key)]
-        self._bytes -= s[1]
+        self._bytes -= s[_AT_NBYTES]
         self._forget(s)
 
     def remove(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
@@ -344,7 +346,7 @@ class LocalHostCache(HostCache):
     def corrupt_for_test(self, kind: ObjectKind, key: PageKey) -> None:
         """Flip one payload byte in place (fault-injection hook for tests)."""
         self._mutations += 1
-        payload = self._store(kind)[key][2]
+        payload = self._store(kind)[key][_AT_PAYLOAD]
         if payload is not None and payload.numel():
             payload[0] ^= 0xFF
 
@@ -377,7 +379,7 @@ class LocalHostCache(HostCache):
             raise IntegrityError(
                 f"L2 holds {total} bytes, accounts {self._bytes}, capacity {self.capacity_bytes}"
             )
-        without_payload = sum(s[2] is None for s in records)
+        without_payload = sum(s[_AT_PAYLOAD] is None for s in records)
         if without_payload != (len(records) if self.metadata_only else 0):
             raise IntegrityError("L2 payload presence disagrees with metadata_only")
         self._check_runs()
@@ -390,7 +392,7 @@ class LocalHostCache(HostCache):
         members: dict[int, list[int]] = {}
         for store in (self._pages, self._checkpoints):
             for key, s in store.items():
-                rid, off = s[4], s[5]
+                rid, off = s[_AT_RUN], s[_AT_OFFSET]
                 if rid == _NO_RUN:
                     continue
                 run = runs.get(rid)
