@@ -23,9 +23,12 @@ def plot_throughput_vs_interactivity(
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for label, points in curves.items():
         pts = sorted(points)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        for x, y, c in pts:
-            ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        # Neighbouring points of a curve can sit close together (a saturated configuration):
+        # their labels go above and below in turn, in the curve's colour.
+        for i, (x, y, c) in enumerate(pts):
+            ax.annotate(str(c), (x, y), textcoords="offset points", fontsize=7,
+                        xytext=(4, 4 if i % 2 == 0 else -11), color=line.get_color())
     ax.set_xlabel("P90 interactivity (output tokens/s per user)")
     ax.set_ylabel("output tokens/s per GPU (incl. drain)")
     ax.set_title("Throughput vs interactivity (labels: concurrency)")
