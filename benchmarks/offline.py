@@ -91,25 +91,35 @@ class _Progress:
         pass
 
 
-def run_ours(hf, prompts, new_tokens: int):
-    """Our engine over transformers' parameter tensors (views, no copies): (seconds, outputs,
-    metrics summary, our model)."""
+def build_engine(hf, num_prompts: int, prompt_len: int, new_tokens: int,
+                 checkpoint_slots: int | None = None):
+    """Our model over transformers' parameter tensors (views, no copies) and the engine the
+    benchmark runs it in: (engine, model). checkpoint_slots: default one per prompt."""
     from tokenspeed.model import KimiForCausalLM, from_hf_config
-    from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
+    from tokenspeed.runtime import Engine, EngineConfig
 
-    config = from_hf_config(hf.config.to_dict())
     with torch.device("meta"):
-        ours = KimiForCausalLM(config)
+        ours = KimiForCausalLM(from_hf_config(hf.config.to_dict()))
     ours.load_state_dict(our_state_dict(hf), strict=True, assign=True)
     ours.eval()
-    n, prompt_len = prompts.shape
     engine = Engine(
         ours, None,
         EngineConfig(
-            device="cuda", max_num_seqs=n, max_model_len=prompt_len + new_tokens + 64,
-            prefill_token_budget=16384, l2="none", checkpoint_slots=n,
+            device="cuda", max_num_seqs=num_prompts,
+            max_model_len=prompt_len + new_tokens + 64, prefill_token_budget=16384, l2="none",
+            checkpoint_slots=checkpoint_slots or num_prompts,
         ),
     )
+    return engine, ours
+
+
+def run_ours(hf, prompts, new_tokens: int):
+    """Our engine over transformers' parameter tensors: (seconds, outputs, metrics summary, our
+    model)."""
+    from tokenspeed.runtime import SamplingParams
+
+    n, prompt_len = prompts.shape
+    engine, ours = build_engine(hf, n, prompt_len, new_tokens)
 
     def generate(batch, params):
         for i, p in enumerate(batch.tolist()):

@@ -26,20 +26,12 @@ def main() -> int:
     p.add_argument("--checkpoint-slots", type=int, default=64)
     p.add_argument("--warm-prompts", type=int, default=8)
     args = p.parse_args()
-    from tokenspeed.model import KimiForCausalLM, from_hf_config
-    from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
+    from tokenspeed.runtime import SamplingParams
 
     torch.manual_seed(0)
     hf, _ = offline.hf_model(None)
     prompts = torch.randint(0, hf.config.vocab_size - 300, (64, 2048), device="cuda")
-    with torch.device("meta"):
-        ours = KimiForCausalLM(from_hf_config(hf.config.to_dict()))
-    ours.load_state_dict(offline.our_state_dict(hf), strict=True, assign=True)
-    ours.eval()
-    engine = Engine(ours, None, EngineConfig(
-        device="cuda", max_num_seqs=64, max_model_len=2048 + 256 + 64,
-        prefill_token_budget=16384, l2="none", checkpoint_slots=args.checkpoint_slots,
-    ))
+    engine, _ = offline.build_engine(hf, 64, 2048, 256, args.checkpoint_slots)
 
     def run(batch, max_tokens: int) -> list[float]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
