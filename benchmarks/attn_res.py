@@ -59,9 +59,13 @@ def fmt_us(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms * 1e3:.1f}"
 
 
-# (block_entries, num_warps) alternatives of `attn_res_mix_norm` for --sweep (0: the unrolled
-# form; >= 1: the entry loop with that many entries per load; the default is `default_launch`).
-SWEEP = [(bl, w) for bl in (0, 1, 2, 4, 8) for w in (4, 8, 16)]
+# (block_entries, num_warps, stages) alternatives of `attn_res_mix_norm` for --sweep (0: the
+# unrolled form; >= 1: the entry loop with that many entries per load, the next tile prefetched
+# in registers (stages 0) or by Triton's pipeliner through shared memory (stages >= 2); the
+# default is `default_launch`).
+SWEEP = [(bl, w, 0) for bl in (0, 1, 2, 4, 8) for w in (4, 8, 16)] + [
+    (bl, w, st) for bl in (1, 2) for w in (4, 8, 16) for st in (2, 3, 4)
+]
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -110,11 +114,11 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     sweep_lines = [
         "",
-        "Sweep of ours (eager): the best (block_entries, warps) per row",
+        "Sweep of ours (eager): the best (block_entries, warps, stages) per row",
         "",
-        "| entries | tokens | default us | best block_entries | best warps | best us | "
-        "best vs default | best vs fla |",
-        "|---|---|---|---|---|---|---|---|",
+        "| entries | tokens | default us | best block_entries | best warps | best stages | "
+        "best us | best vs default | best vs fla |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for n in entries_list:
         for t in tokens_list:
@@ -139,9 +143,9 @@ def main() -> int:
             def fla_fn(entries=entries):
                 return fused_attnres(query, entries, mix_w, norm_w, EPS)
 
-            def ours_fn(bank=bank, warps=None, block_entries=None):
+            def ours_fn(bank=bank, warps=None, block_entries=None, stages=None):
                 return attn_res_mix_norm(bank, query, mix_w, EPS, norm_w, EPS, num_warps=warps,
-                                         block_entries=block_entries)
+                                         block_entries=block_entries, stages=stages)
 
             def fla_update(scratch=scratch, delta=delta):
                 scratch[-1].add_(delta)
@@ -153,15 +157,16 @@ def main() -> int:
             t_torch, t_fla, t_ours = bench(torch_fn), bench(fla_fn), bench(ours_fn)
             if args.sweep:  # the default's time stays in the table; the sweep is reported apart
                 timed = {}
-                for bl, w in SWEEP:
+                for bl, w, st in SWEEP:
                     if bl and bl > max(1, n - 1):
                         continue  # more per load than there are completed entries
-                    torch.testing.assert_close(ours_fn(warps=w, block_entries=bl), got,
+                    torch.testing.assert_close(ours_fn(warps=w, block_entries=bl, stages=st), got,
                                                atol=1.6e-2, rtol=1.6e-2)
-                    timed[(bl, w)] = bench(lambda bl=bl, w=w: ours_fn(warps=w, block_entries=bl))
-                (bl, w), best = min(timed.items(), key=lambda kv: kv[1])
+                    timed[(bl, w, st)] = bench(
+                        lambda bl=bl, w=w, st=st: ours_fn(warps=w, block_entries=bl, stages=st))
+                (bl, w, st), best = min(timed.items(), key=lambda kv: kv[1])
                 sweep_lines.append(
-                    f"| {n} | {t} | {fmt_us(t_ours)} | {bl} | {w} | {fmt_us(best)} | "
+                    f"| {n} | {t} | {fmt_us(t_ours)} | {bl} | {w} | {st} | {fmt_us(best)} | "
                     f"{ratio(t_ours, best)} | {ratio(t_fla, best)} |"
                 )
             g_fla, g_ours = bench(fla_fn, True), bench(ours_fn, True)

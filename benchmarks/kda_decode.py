@@ -67,6 +67,8 @@ SWEEP = {
     "onepass": [(16, 2), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)],
     "fused": [(128, 8), (64, 4), (32, 4)],
 }
+# The split variant's prep kernel warps, swept at the default recurrence config.
+PREP_WARPS_SWEEP = (1, 2, 4, 8)
 
 
 def make_inputs(batch: int, steps: int, seed: int) -> dict[str, torch.Tensor]:
@@ -115,9 +117,10 @@ def buffers(inp, variant: str, per_call: bool = False) -> dict[str, torch.Tensor
     batch, steps = inp["qkv"].shape[:2]
     if per_call or variant == "fused":
         return {}
+    counters = {"counters": torch.zeros(batch, H, dtype=torch.int32, device="cuda")}
     if variant == "split":
-        return {"scratch": decode_scratch(batch, steps, H, K, "cuda")}
-    return {"counters": torch.zeros(batch, H, dtype=torch.int32, device="cuda")}
+        return {"scratch": decode_scratch(batch, steps, H, K, "cuda"), **counters}
+    return counters
 
 
 def ours(inp, gate, variant=DEFAULT, per_call=False, **kw):
@@ -126,10 +129,34 @@ def ours(inp, gate, variant=DEFAULT, per_call=False, **kw):
 
 
 def split_stages(inp, gate, **kw):
-    """(prep, recurrence) of the split variant, each callable alone."""
+    """(prep, recurrence) of the split variant, each callable alone. The recurrence waits for
+    ready counters that the prep sets; run alone it gets counters set far beyond what its
+    decrements can use up, so that it never waits."""
+    extra = buffers(inp, "split")
+    extra["counters"].fill_(1 << 30)
     prep, recurrence = kda_decode_stages(**inp, gate=gate, lower_bound=-5.0, variant="split",
-                                         **buffers(inp, "split"), **kw)
+                                         **extra, **kw)
     return prep, recurrence
+
+
+def fla_conv_tuner():
+    """The autotuner of fla's conv-update kernel (under its heuristics wrapper)."""
+    from fla.modules.causal_conv1d import ops
+
+    tuner = ops.causal_conv1d_update_kernel
+    while not hasattr(tuner, "cache") and hasattr(tuner, "fn"):
+        tuner = tuner.fn
+    return tuner
+
+
+def retune_fla_conv() -> None:
+    """Drop the tuned config of fla's conv-update kernel, so that its next call autotunes again.
+
+    The autotune key is (D, W) only, so without this the config picked at the first batch size
+    seen (the correctness check's 8 rows) is kept at every size: two H200 runs of this script
+    on 2026-12-01 timed fla's 36-row step at 164 us and 257 us from two such picks (the same
+    recurrent kernel, 150 us, in both). Retuning at each size gives fla its best config there."""
+    fla_conv_tuner().cache.clear()
 
 
 def fla_path(inp, gate, recurrent_only=False):
@@ -138,6 +165,8 @@ def fla_path(inp, gate, recurrent_only=False):
         warnings.simplefilter("ignore")
         from fla.modules.causal_conv1d import causal_conv1d_update
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    if not recurrent_only:
+        retune_fla_conv()  # tuned at this batch size by the first call (outside any capture)
     batch = inp["qkv"].shape[0]
     slots = inp["slots"]
     # fla's cache keeps W columns and reads the last W-1 as the window: [dropped | oldest..].
@@ -218,22 +247,29 @@ def rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
-def check(gate: str) -> dict[str, list[str]]:
+def check(gate: str, variants: list[str]) -> dict[str, list[str]]:
     """Correctness before timing: the failures of each variant (empty lists when all pass)."""
-    failures = {variant: [] for variant in VARIANTS}
-    for variant in VARIANTS:
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or DEFAULT not in variants:
+        sys.exit(f"--variants: {sorted(unknown)} unknown; {DEFAULT!r} must be one of them")
+    failures = {variant: [] for variant in VARIANTS if variant in variants}
+    for variant in failures:
         default = default_config(K, V, variant)
         configs = [(1, default), (4, default)]  # and the sweep's extremes, other block counts
         configs += [(1, c) for c in dict.fromkeys([SWEEP[variant][0], SWEEP[variant][-1]])
                     if c != default]
-        for steps, (block_v, num_warps) in configs:
+        configs = [(steps, c, {}) for steps, c in configs]
+        if variant == "split":  # the other wait for the prep than the default, at T = 1, 4
+            configs += [(1, default, {"overlap_prep": False}), (4, default, {"overlap_prep": True})]
+        for steps, (block_v, num_warps), kw in configs:
             inp = make_inputs(8, steps, seed=steps)
             o_ref, s_ref = reference(inp, gate)
             try:
                 o = kda_decode(**inp, gate=gate, variant=variant, block_v=block_v,
-                               num_warps=num_warps)
+                               num_warps=num_warps, **kw)
             except Exception as exc:  # a config that does not compile here is a failure too
-                failures[variant].append(f"{variant} bv={block_v} warps={num_warps}: {exc!r:.200}")
+                failures[variant].append(f"{variant} bv={block_v} warps={num_warps} {kw}: "
+                                         f"{exc!r:.200}")
                 continue
             rows = inp["recurrent_state"][inp["slots"].long()].cpu()
             # bf16 output: half an ulp (2^-8) of the value + 1e-4 of the largest; fp32 state 1e-4.
@@ -242,7 +278,7 @@ def check(gate: str) -> dict[str, list[str]]:
             state_err = (rows - s_ref).abs().max().item()
             if not (out_err <= 1e-4 and state_err <= 1e-4):
                 failures[variant].append(
-                    f"{variant} T={steps} bv={block_v} warps={num_warps} vs reference: "
+                    f"{variant} T={steps} bv={block_v} warps={num_warps} {kw} vs reference: "
                     f"out {out_err:.2e}, state {state_err:.2e}"
                 )
     inp = make_inputs(8, 1, seed=7)
@@ -265,97 +301,8 @@ def table(header: list[str]) -> list[str]:
     return ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", default="1,8,36,64,128,256")
-    p.add_argument("--gate", default="lower_bound", choices=["lower_bound", "softplus"])
-    p.add_argument("--sweep-at", type=int, default=128, help="requests for the config sweep")
-    p.add_argument("--out", help="also write the tables as markdown to this file")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("kda_decode benchmark needs a CUDA device")
-    torch.manual_seed(0)
-
-    failures = check(args.gate)
-    bad = [line for lines in failures.values() for line in lines]
-    if bad:
-        print("\n".join(["CORRECTNESS FAILURE (variant left out of the timing):", *bad]),
-              file=sys.stderr, flush=True)
-    variants = [v for v in VARIANTS if not failures[v]]
-    if DEFAULT not in variants:
-        sys.exit(1)
-    print(f"correctness: {', '.join(variants)} match the fp32 references (T=1,4); fla agrees with "
-          f"ours", flush=True)
-
-    copy_bw = copy_bandwidth()
-    state_bytes = lambda batch: 2 * batch * H * K * V * 4  # noqa: E731 (read + write, fp32)
-    frac = lambda batch, us: state_bytes(batch) / (us * 1e-6) / copy_bw  # noqa: E731
-    configs = ", ".join(f"{v} {default_config(K, V, v)}" for v in VARIANTS)
-    head = [
-        f"KDA decode, K3 dims (H={H}, K=V={K}, W={W}), gate {args.gate}, bf16 activations, "
-        f"fp32 state; device {torch.cuda.get_device_name()}; torch {torch.__version__}, "
-        f"triton {triton.__version__}",
-        f"device copy bandwidth (1 GiB d2d, read + write): {copy_bw / 1e12:.2f} TB/s; "
-        f"default variant {DEFAULT}; default (block_v, num_warps): {configs}",
-    ]
-    print("\n".join(head), flush=True)
-    main_rows = table(
-        ["requests", *[f"{v} graph us" for v in variants], "fla graph us",
-         *[f"{v} x fla" for v in variants], *[f"{v} % of copy" for v in variants]]
-    )
-    split_rows = table(
-        ["requests", "split prep us", "split recurrence us", "recurrence % of copy",
-         "fla recurrent-only us", *[f"{v} eager us" for v in variants], "fla eager us",
-         f"{DEFAULT} eager x"]
-    )
-    verify_rows = table(["requests", "variant", "verify-4 graph us", "4 x single graph us", "x"])
-    results = {}  # (variant, requests) -> (speed-up over fla, fraction of copy)
-    for batch in [int(b) for b in args.requests.split(",")]:
-        inp = make_inputs(batch, 1, seed=batch)
-        base = {k: v.clone() for k, v in inp.items()}
-        graph = {v: time_graph(ours(inp, args.gate, v)) for v in variants}
-        eager = {v: time_eager(ours(inp, args.gate, v)) for v in variants}
-        fla_step = fla_path(base, args.gate)
-        t_fla_e, t_fla_g = time_eager(fla_step), time_graph(fla_step)
-        t_fla_rec = time_graph(fla_path(base, args.gate, recurrent_only=True))
-        for v in variants:
-            results[v, batch] = (t_fla_g / graph[v], frac(batch, graph[v]))
-        main_rows.append(
-            f"| {batch} | " + " | ".join(f"{graph[v]:.1f}" for v in variants)
-            + f" | {t_fla_g:.1f} | " + " | ".join(f"{t_fla_g / graph[v]:.2f}" for v in variants)
-            + " | " + " | ".join(f"{100 * frac(batch, graph[v]):.0f}%" for v in variants) + " |"
-        )
-        print(main_rows[-1], flush=True)
-        if "split" in variants:
-            prep, recurrence = split_stages(inp, args.gate)
-            t_prep, t_rec = time_graph(prep), time_graph(recurrence)
-            split_cells = f"{t_prep:.1f} | {t_rec:.1f} | {100 * frac(batch, t_rec):.0f}%"
-        else:
-            split_cells = "- | - | -"
-        split_rows.append(
-            f"| {batch} | {split_cells} | {t_fla_rec:.1f} | "
-            + " | ".join(f"{eager[v]:.1f}" for v in variants)
-            + f" | {t_fla_e:.1f} | {t_fla_e / eager[DEFAULT]:.2f} |"
-        )
-        print(split_rows[-1], flush=True)
-        del inp, base, fla_step
-
-        inp4 = make_inputs(batch, 4, seed=batch + 1)
-        for v in variants:
-            t_verify = time_graph(ours(inp4, args.gate, v))
-            singles = []
-            for t in range(4):
-                step = {**inp4, **{name: inp4[name][:, t : t + 1] for name in ("qkv", "f", "beta")}}
-                singles.append(ours(step, args.gate, v))
-            t_singles = time_graph(lambda singles=singles: [fn() for fn in singles])
-            verify_rows.append(
-                f"| {batch} | {v} | {t_verify:.1f} | {t_singles:.1f} | {t_singles / t_verify:.2f} |"
-            )
-            print(verify_rows[-1], flush=True)
-        del inp4
-        torch.cuda.empty_cache()
-
-    n = args.sweep_at
+def sweep(args, variants, frac, n: int) -> list[str]:
+    """The (block_v, num_warps) sweep of every variant at n requests, one token, graphs."""
     sweep_rows = [
         "",
         f"config sweep, {n} requests, 1 token, graph:",
@@ -381,6 +328,15 @@ def main() -> None:
             print(sweep_rows[-1], flush=True)
             if v not in best or t < best[v][0]:
                 best[v] = (t, block_v, num_warps)
+    if "split" in variants:
+        for warps in PREP_WARPS_SWEEP:
+            t = time_graph(ours(inp, args.gate, "split", prep_warps=warps))
+            t_prep = time_graph(split_stages(inp, args.gate, prep_warps=warps)[0])
+            sweep_rows.append(
+                f"| split, prep {warps} warps (prep alone {t_prep:.1f} us) | default | default "
+                f"| {t:.1f} | {100 * frac(n, t):.0f}% | {t_fla / t:.2f} | - | - |"
+            )
+            print(sweep_rows[-1], flush=True)
     if "onepass" in variants:
         t = time_graph(ours(inp, args.gate, "onepass", per_call=True))
         sweep_rows.append(
@@ -394,6 +350,118 @@ def main() -> None:
         sweep_rows.append(f"best {v} config at {n} requests: block_v={block_v}, "
                           f"num_warps={num_warps}: {t:.1f} us, {100 * frac(n, t):.0f}% of copy, "
                           f"{t_fla / t:.2f}x fla")
+    return sweep_rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", default="1,8,36,64,128,256")
+    p.add_argument("--gate", default="lower_bound", choices=["lower_bound", "softplus"])
+    p.add_argument("--sweep-at", type=int, default=128,
+                   help="requests for the config sweep (0: no sweep)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="variants to time")
+    p.add_argument("--out", help="also write the tables as markdown to this file")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kda_decode benchmark needs a CUDA device")
+    torch.manual_seed(0)
+
+    failures = check(args.gate, args.variants.split(","))
+    bad = [line for lines in failures.values() for line in lines]
+    if bad:
+        print("\n".join(["CORRECTNESS FAILURE (variant left out of the timing):", *bad]),
+              file=sys.stderr, flush=True)
+    variants = [v for v in failures if not failures[v]]
+    if DEFAULT not in variants:
+        sys.exit(1)
+    print(f"correctness: {', '.join(variants)} match the fp32 references (T=1,4); fla agrees with "
+          f"ours", flush=True)
+
+    copy_bw = copy_bandwidth()
+    state_bytes = lambda batch: 2 * batch * H * K * V * 4  # noqa: E731 (read + write, fp32)
+    frac = lambda batch, us: state_bytes(batch) / (us * 1e-6) / copy_bw  # noqa: E731
+    configs = ", ".join(f"{v} {default_config(K, V, v)}" for v in VARIANTS)
+    head = [
+        f"KDA decode, K3 dims (H={H}, K=V={K}, W={W}), gate {args.gate}, bf16 activations, "
+        f"fp32 state; device {torch.cuda.get_device_name()}; torch {torch.__version__}, "
+        f"triton {triton.__version__}",
+        f"device copy bandwidth (1 GiB d2d, read + write): {copy_bw / 1e12:.2f} TB/s; "
+        f"default variant {DEFAULT}; default (block_v, num_warps): {configs}",
+    ]
+    print("\n".join(head), flush=True)
+    main_rows = table(
+        ["requests", *[f"{v} graph us" for v in variants], "fla graph us",
+         *[f"{v} x fla" for v in variants], *[f"{v} % of copy" for v in variants]]
+    )
+    split_rows = table(
+        ["requests", "split prep us", "split recurrence us", "recurrence % of copy",
+         "split grid-wait graph us", "fla recurrent-only us",
+         *[f"{v} eager us" for v in variants], "fla eager us",
+         f"{DEFAULT} eager x"]
+    )
+    verify_rows = table(["requests", "variant", "verify-4 graph us", "4 x single graph us", "x"])
+    results = {}  # (variant, requests) -> (speed-up over fla, fraction of copy)
+    fla_configs = [""]
+    for batch in [int(b) for b in args.requests.split(",")]:
+        inp = make_inputs(batch, 1, seed=batch)
+        base = {k: v.clone() for k, v in inp.items()}
+        graph = {v: time_graph(ours(inp, args.gate, v)) for v in variants}
+        eager = {v: time_eager(ours(inp, args.gate, v)) for v in variants}
+        fla_step = fla_path(base, args.gate)
+        t_fla_e, t_fla_g = time_eager(fla_step), time_graph(fla_step)
+        t_fla_rec = time_graph(fla_path(base, args.gate, recurrent_only=True))
+        tuned = "; ".join(str(c) for c in fla_conv_tuner().cache.values())
+        print(f"fla conv-update config tuned at {batch} rows: {tuned}", flush=True)
+        fla_configs.append(f"fla conv-update config tuned at {batch} rows: {tuned}")
+        for v in variants:
+            results[v, batch] = (t_fla_g / graph[v], frac(batch, graph[v]))
+        main_rows.append(
+            f"| {batch} | " + " | ".join(f"{graph[v]:.1f}" for v in variants)
+            + f" | {t_fla_g:.1f} | " + " | ".join(f"{t_fla_g / graph[v]:.2f}" for v in variants)
+            + " | " + " | ".join(f"{100 * frac(batch, graph[v]):.0f}%" for v in variants) + " |"
+        )
+        print(main_rows[-1], flush=True)
+        if "split" in variants:
+            prep, recurrence = split_stages(inp, args.gate)
+            t_prep, t_rec = time_graph(prep), time_graph(recurrence)
+            t_grid = time_graph(ours(inp, args.gate, "split", overlap_prep=False))
+            split_cells = (f"{t_prep:.1f} | {t_rec:.1f} | {100 * frac(batch, t_rec):.0f}% "
+                           f"| {t_grid:.1f}")
+        else:
+            split_cells = "- | - | - | -"
+        split_rows.append(
+            f"| {batch} | {split_cells} | {t_fla_rec:.1f} | "
+            + " | ".join(f"{eager[v]:.1f}" for v in variants)
+            + f" | {t_fla_e:.1f} | {t_fla_e / eager[DEFAULT]:.2f} |"
+        )
+        print(split_rows[-1], flush=True)
+        del inp, base, fla_step
+
+        inp4 = make_inputs(batch, 4, seed=batch + 1)
+        # The split variant also with its recurrence waiting for its head's ready counter (by
+        # default it waits for the whole prep grid at T > 1).
+        runs = [(v, v, {}) for v in variants]
+        if "split" in variants:
+            runs.append(("split, ready counters", "split", {"overlap_prep": True}))
+        for name, v, kw in runs:
+            t_verify = time_graph(ours(inp4, args.gate, v, **kw))
+            singles = []
+            for t in range(4):
+                step = {**inp4, **{n: inp4[n][:, t : t + 1] for n in ("qkv", "f", "beta")}}
+                singles.append(ours(step, args.gate, v, **kw))
+            t_singles = time_graph(lambda singles=singles: [fn() for fn in singles])
+            verify_rows.append(
+                f"| {batch} | {name} | {t_verify:.1f} | {t_singles:.1f} "
+                f"| {t_singles / t_verify:.2f} |"
+            )
+            print(verify_rows[-1], flush=True)
+        del inp4
+        torch.cuda.empty_cache()
+
+    n = args.sweep_at
+    sweep_rows = []
+    if n:
+        sweep_rows = sweep(args, variants, frac, n)
 
     targets = [""]
     big = sorted({b for _, b in results if b >= 36})
@@ -410,7 +478,8 @@ def main() -> None:
                 f"{v} (default config): >= 80% of copy bandwidth at 128 requests: "
                 f"{100 * f128:.0f}% -> {'met' if f128 >= 0.8 else 'NOT met'}"
             )
-    report = "\n".join(head + main_rows + split_rows + verify_rows + sweep_rows + targets)
+    report = "\n".join(head + main_rows + split_rows + verify_rows + fla_configs + sweep_rows
+                       + targets)
     print("\n" + report)
     if args.out:
         with open(args.out, "w") as fh:

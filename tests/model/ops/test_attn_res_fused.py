@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenspeed.model.ops.attn_res.fused import attn_res_mix_norm, mix_norm_reference
+from tokenspeed.model.ops.attn_res.fused import (
+    attn_res_mix_norm,
+    default_launch,
+    mix_norm_reference,
+)
 
 from .triton_interpreter import results_for
 
@@ -31,16 +35,39 @@ def make_bank(entries, tokens, dim, seed, dtype, device="cpu", slots=None):
     return cast[0][:entries], *cast[1:]
 
 
-def check(entries, with_delta, accumulate, dtype, tokens=5, dim=48, slots=None, device="cpu",
-          atol=None, block_entries=None):
-    bank, query, mix_w, norm_w, delta = make_bank(entries, tokens, dim, entries, dtype,
-                                                  device, slots)
+def check(
+    entries,
+    with_delta,
+    accumulate,
+    dtype,
+    tokens=5,
+    dim=48,
+    slots=None,
+    device="cpu",
+    atol=None,
+    block_entries=None,
+    stages=None,
+):
+    bank, query, mix_w, norm_w, delta = make_bank(
+        entries, tokens, dim, entries, dtype, device, slots
+    )
     delta = delta if with_delta else None
     before = bank.clone()
-    want, want_partial = mix_norm_reference(bank, query, mix_w, 1e-6, norm_w, 1e-5,
-                                            delta=delta, accumulate=accumulate)
-    got = attn_res_mix_norm(bank, query, mix_w, 1e-6, norm_w, 1e-5, delta=delta,
-                            accumulate=accumulate, block_entries=block_entries)
+    want, want_partial = mix_norm_reference(
+        bank, query, mix_w, 1e-6, norm_w, 1e-5, delta=delta, accumulate=accumulate
+    )
+    got = attn_res_mix_norm(
+        bank,
+        query,
+        mix_w,
+        1e-6,
+        norm_w,
+        1e-5,
+        delta=delta,
+        accumulate=accumulate,
+        block_entries=block_entries,
+        stages=stages,
+    )
     assert got.dtype == dtype and got.shape == (tokens, dim)
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
     assert torch.equal(bank[:-1], before[:-1])  # completed entries untouched
@@ -57,8 +84,10 @@ def _case_decoder_slot_protocol():
     gen = torch.Generator().manual_seed(0)
     tokens, dim, layers, block = 3, 32, 5, 2
     emb = torch.randn(tokens, dim, generator=gen)
-    w = [{k: torch.rand(dim, generator=gen) + 0.5 for k in ("q1", "m1", "n1", "q2", "m2", "n2")}
-         for _ in range(layers)]
+    w = [
+        {k: torch.rand(dim, generator=gen) + 0.5 for k in ("q1", "m1", "n1", "q2", "m2", "n2")}
+        for _ in range(layers)
+    ]
     final = {k: torch.rand(dim, generator=gen) + 0.5 for k in ("q", "m", "n")}
     attn = [torch.randn(dim, dim, generator=gen) / dim**0.5 for _ in range(layers)]
     mlp = [torch.randn(dim, dim, generator=gen) / dim**0.5 for _ in range(layers)]
@@ -74,24 +103,33 @@ def _case_decoder_slot_protocol():
         partial = out if partial is None else partial + out
         x = attn_res_mix([*bank, partial], w[i]["q2"], w[i]["m2"], 1e-6)
         partial = partial + rms_norm(x, w[i]["n2"], 1e-6) @ mlp[i]
-    want = rms_norm(attn_res_mix([*bank, partial], final["q"], final["m"], 1e-6), final["n"],
-                    1e-6)
+    want = rms_norm(attn_res_mix([*bank, partial], final["q"], final["m"], 1e-6), final["n"], 1e-6)
 
     # slot buffer + fused kernel
     buf = torch.empty(layers // block + 2, tokens, dim)
     buf[0] = emb
     n, pending = 0, None
     for i in range(layers):
-        x = attn_res_mix_norm(buf[: n + 1], w[i]["q1"], w[i]["m1"], 1e-6, w[i]["n1"], 1e-6,
-                              delta=pending)
+        x = attn_res_mix_norm(
+            buf[: n + 1], w[i]["q1"], w[i]["m1"], 1e-6, w[i]["n1"], 1e-6, delta=pending
+        )
         opened = i % block == 0
         n += int(opened)
         out = x @ attn[i]
-        x = attn_res_mix_norm(buf[: n + 1], w[i]["q2"], w[i]["m2"], 1e-6, w[i]["n2"], 1e-6,
-                              delta=out, accumulate=not opened)
+        x = attn_res_mix_norm(
+            buf[: n + 1],
+            w[i]["q2"],
+            w[i]["m2"],
+            1e-6,
+            w[i]["n2"],
+            1e-6,
+            delta=out,
+            accumulate=not opened,
+        )
         pending = x @ mlp[i]
-    got = attn_res_mix_norm(buf[: n + 1], final["q"], final["m"], 1e-6, final["n"], 1e-6,
-                            delta=pending)
+    got = attn_res_mix_norm(
+        buf[: n + 1], final["q"], final["m"], 1e-6, final["n"], 1e-6, delta=pending
+    )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -99,30 +137,43 @@ CASES = {
     "decoder-slot-protocol": _case_decoder_slot_protocol,
     "fp32-one-entry": lambda: check(1, False, True, torch.float32, atol=1e-5),
     "fp32-three-accumulate": lambda: check(3, True, True, torch.float32, atol=1e-5),
-    "fp32-five-replace-strided": lambda: check(5, True, False, torch.float32, slots=8,
-                                               atol=1e-5),
+    "fp32-five-replace-strided": lambda: check(5, True, False, torch.float32, slots=8, atol=1e-5),
     "fp32-four-no-delta-pow2": lambda: check(4, False, True, torch.float32, dim=64, atol=1e-5),
     "fp16-three-accumulate": lambda: check(3, True, True, torch.float16, atol=2e-3),
     "fp16-nine-no-delta": lambda: check(9, False, True, torch.float16, atol=2e-3),
     # Several completed entries per load: full tiles, a ragged last tile, a lone partial.
-    "fp32-five-accumulate-tiles-of-2": lambda: check(5, True, True, torch.float32, atol=1e-5,
-                                                     block_entries=2),
-    "fp32-nine-replace-strided-tiles-of-4": lambda: check(9, True, False, torch.float32,
-                                                          slots=12, atol=1e-5,
-                                                          block_entries=4),
-    "fp32-one-entry-tiles-of-4": lambda: check(1, True, True, torch.float32, atol=1e-5,
-                                               block_entries=4),
-    "fp16-three-no-delta-tiles-of-1": lambda: check(3, False, True, torch.float16, atol=2e-3,
-                                                    block_entries=1),
+    "fp32-five-accumulate-tiles-of-2": lambda: check(
+        5, True, True, torch.float32, atol=1e-5, block_entries=2
+    ),
+    "fp32-nine-replace-strided-tiles-of-4": lambda: check(
+        9, True, False, torch.float32, slots=12, atol=1e-5, block_entries=4
+    ),
+    "fp32-one-entry-tiles-of-4": lambda: check(
+        1, True, True, torch.float32, atol=1e-5, block_entries=4
+    ),
+    "fp16-three-no-delta-tiles-of-1": lambda: check(
+        3, False, True, torch.float16, atol=2e-3, block_entries=1
+    ),
     # The unrolled form (block_entries 0).
-    "fp32-three-accumulate-unrolled": lambda: check(3, True, True, torch.float32, atol=1e-5,
-                                                    block_entries=0),
-    "fp32-five-replace-strided-unrolled": lambda: check(5, True, False, torch.float32, slots=8,
-                                                        atol=1e-5, block_entries=0),
-    "fp32-one-entry-unrolled": lambda: check(1, True, True, torch.float32, atol=1e-5,
-                                             block_entries=0),
-    "fp16-nine-no-delta-unrolled": lambda: check(9, False, True, torch.float16, atol=2e-3,
-                                                 block_entries=0),
+    "fp32-three-accumulate-unrolled": lambda: check(
+        3, True, True, torch.float32, atol=1e-5, block_entries=0
+    ),
+    "fp32-five-replace-strided-unrolled": lambda: check(
+        5, True, False, torch.float32, slots=8, atol=1e-5, block_entries=0
+    ),
+    "fp32-one-entry-unrolled": lambda: check(
+        1, True, True, torch.float32, atol=1e-5, block_entries=0
+    ),
+    "fp16-nine-no-delta-unrolled": lambda: check(
+        9, False, True, torch.float16, atol=2e-3, block_entries=0
+    ),
+    # The loop form with the pipeliner's prefetch instead of the register one.
+    "fp32-five-accumulate-tiles-of-2-stages-3": lambda: check(
+        5, True, True, torch.float32, atol=1e-5, block_entries=2, stages=3
+    ),
+    "fp16-nine-replace-tiles-of-1-stages-2": lambda: check(
+        9, True, False, torch.float16, atol=2e-3, block_entries=1, stages=2
+    ),
 }
 
 
@@ -147,6 +198,20 @@ def test_rejects_bad_banks():
         attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, delta=torch.zeros(3, 4))
     with pytest.raises(ValueError, match="block_entries"):
         attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, block_entries=3)
+    with pytest.raises(ValueError, match="stages"):
+        attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, block_entries=1, stages=1)
+
+
+def test_default_launch_by_bank_size():
+    # K3 hidden size (docs/perf/attn_res.md): 8 warps at decode sizes, the register prefetch in
+    # between, the pipelined entry loop for 3+ entries from 4k tokens; small rows unrolled.
+    assert default_launch(2, 7168, 1) == (0, 8, 0)
+    assert default_launch(8, 7168, 16) == (2, 8, 0)
+    assert default_launch(8, 7168, 256) == (1, 4, 0)
+    assert default_launch(2, 7168, 16384) == (0, 4, 0)
+    assert default_launch(4, 7168, 4096) == (1, 4, 3)
+    assert default_launch(8, 7168, 16384) == (1, 4, 4)
+    assert default_launch(8, 48, 16384) == (0, 2, 0)
 
 
 @pytest.mark.gpu
@@ -154,16 +219,54 @@ def test_rejects_bad_banks():
 @pytest.mark.parametrize("tokens", [1, 7, 4096])
 @pytest.mark.parametrize("with_delta,accumulate", [(False, True), (True, True), (True, False)])
 def test_k3_hidden_bf16(entries, tokens, with_delta, accumulate):
-    check(entries, with_delta, accumulate, torch.bfloat16, tokens=tokens, dim=7168,
-          slots=10, device="cuda", atol=1.6e-2)
+    check(
+        entries,
+        with_delta,
+        accumulate,
+        torch.bfloat16,
+        tokens=tokens,
+        dim=7168,
+        slots=10,
+        device="cuda",
+        atol=1.6e-2,
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("entries", [2, 5, 9])
 @pytest.mark.parametrize("block_entries", [0, 1, 2, 4])
 def test_k3_hidden_bf16_entry_tiles(entries, block_entries):
-    check(entries, True, True, torch.bfloat16, tokens=300, dim=7168, slots=10, device="cuda",
-          atol=1.6e-2, block_entries=block_entries)
+    check(
+        entries,
+        True,
+        True,
+        torch.bfloat16,
+        tokens=300,
+        dim=7168,
+        slots=10,
+        device="cuda",
+        atol=1.6e-2,
+        block_entries=block_entries,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entries", [2, 5, 9])
+@pytest.mark.parametrize("block_entries,stages", [(1, 2), (1, 3), (2, 3), (1, 4)])
+def test_k3_hidden_bf16_pipelined(entries, block_entries, stages):
+    check(
+        entries,
+        True,
+        True,
+        torch.bfloat16,
+        tokens=300,
+        dim=7168,
+        slots=10,
+        device="cuda",
+        atol=1.6e-2,
+        block_entries=block_entries,
+        stages=stages,
+    )
 
 
 @pytest.mark.gpu

@@ -47,8 +47,20 @@ GPU_STATE_TOL = 1e-4
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def make_inputs(batch=3, steps=2, heads=2, k_dim=16, v_dim=16, width=4, pool=7, slots=None,
-                dtype=torch.float32, seed=0, device="cpu", pad=0):
+def make_inputs(
+    batch=3,
+    steps=2,
+    heads=2,
+    k_dim=16,
+    v_dim=16,
+    width=4,
+    pool=7,
+    slots=None,
+    dtype=torch.float32,
+    seed=0,
+    device="cpu",
+    pad=0,
+):
     """Random decode inputs. `pad` > 0 makes qkv / f / beta strided row views of wider buffers."""
     gen = torch.Generator().manual_seed(seed)
     channels = heads * (2 * k_dim + v_dim)
@@ -62,21 +74,26 @@ def make_inputs(batch=3, steps=2, heads=2, k_dim=16, v_dim=16, width=4, pool=7, 
 
     if slots is None:
         slots = torch.randperm(pool, generator=gen)[:batch]
-    return dict(
-        qkv=rows(batch, steps, channels),
-        f=rows(batch, steps, heads * k_dim),
-        beta=rows(batch, steps, heads),
-        conv_weight=rand(channels, width, s=0.5),
-        a_log=torch.rand(heads, generator=gen),
-        dt_bias=torch.randn(heads * k_dim, generator=gen),
-        conv_state=rand(pool, channels, width - 1),
-        recurrent_state=torch.randn(pool, heads, k_dim, v_dim, generator=gen),
-        slots=torch.as_tensor(slots, dtype=torch.int32),
-    ) if device == "cpu" else {
-        k: v.to(device) for k, v in make_inputs(
-            batch, steps, heads, k_dim, v_dim, width, pool, slots, dtype, seed, "cpu", pad
-        ).items()
-    }
+    return (
+        dict(
+            qkv=rows(batch, steps, channels),
+            f=rows(batch, steps, heads * k_dim),
+            beta=rows(batch, steps, heads),
+            conv_weight=rand(channels, width, s=0.5),
+            a_log=torch.rand(heads, generator=gen),
+            dt_bias=torch.randn(heads * k_dim, generator=gen),
+            conv_state=rand(pool, channels, width - 1),
+            recurrent_state=torch.randn(pool, heads, k_dim, v_dim, generator=gen),
+            slots=torch.as_tensor(slots, dtype=torch.int32),
+        )
+        if device == "cpu"
+        else {
+            k: v.to(device)
+            for k, v in make_inputs(
+                batch, steps, heads, k_dim, v_dim, width, pool, slots, dtype, seed, "cpu", pad
+            ).items()
+        }
+    )
 
 
 def reference(inp, gate, lower_bound=-5.0, rows=None, scale=None):
@@ -98,8 +115,13 @@ def reference(inp, gate, lower_bound=-5.0, rows=None, scale=None):
     q = l2_norm(mixed[..., :hk].reshape(batch, steps, heads, k_dim))
     k = l2_norm(mixed[..., hk : 2 * hk].reshape(batch, steps, heads, k_dim))
     v = mixed[..., 2 * hk :].reshape(batch, steps, heads, v_dim)
-    g = kda_gate(inp["f"].float().reshape(batch, steps, heads, k_dim), inp["a_log"],
-                 inp["dt_bias"], gate, lower_bound)
+    g = kda_gate(
+        inp["f"].float().reshape(batch, steps, heads, k_dim),
+        inp["a_log"],
+        inp["dt_bias"],
+        gate,
+        lower_bound,
+    )
     beta = torch.sigmoid(inp["beta"].float())
     o, final = kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=state_pool[slots])
     for b in range(batch) if rows is None else rows:
@@ -169,8 +191,13 @@ def case_rollback(device="cpu", variant="split", **dims):
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     step_states = state.new_empty(batch, 4, heads, k_dim, v_dim)
     step_conv = conv.new_empty(batch, 4, *conv.shape[1:])
-    kda_decode(**{**inp, "conv_state": conv, "recurrent_state": state}, gate="softplus",
-               step_states=step_states, step_conv=step_conv, variant=variant)
+    kda_decode(
+        **{**inp, "conv_state": conv, "recurrent_state": state},
+        gate="softplus",
+        step_states=step_states,
+        step_conv=step_conv,
+        variant=variant,
+    )
     accepted = torch.tensor([1, 3, 4], device=device)
     kda_decode_rollback(conv, state, inp["slots"], step_conv, step_states, accepted)
     report = {"state": 0.0, "conv_exact": True}
@@ -211,27 +238,37 @@ def case_given_scratch(steps=3):
 
 
 def case_stages():
-    """The split variant's two launches run one by one (kda_decode_stages) == kda_decode."""
+    """The split variant's two launches run one by one (kda_decode_stages) == kda_decode: the
+    prep sets the ready counters to V // BV, the recurrence's programs count them back to 0."""
     inp = make_inputs(steps=2, seed=15)
-    o, conv, state = run_kernel(inp, gate="lower_bound")
-    mine = {**inp, "conv_state": inp["conv_state"].clone(),
-            "recurrent_state": inp["recurrent_state"].clone()}
+    o, conv, state = run_kernel(inp, gate="lower_bound", block_v=4)
+    mine = {
+        **inp,
+        "conv_state": inp["conv_state"].clone(),
+        "recurrent_state": inp["recurrent_state"].clone(),
+    }
     out = torch.empty_like(o)
-    stages = kda_decode_stages(**mine, gate="lower_bound", out=out, variant="split")
+    counters = torch.zeros(3, 2, dtype=torch.int32)
+    stages = kda_decode_stages(
+        **mine, gate="lower_bound", out=out, variant="split", counters=counters, block_v=4
+    )
     assert len(stages) == 2
-    for stage in stages:
-        stage()
+    stages[0]()
+    ready = bool((counters == 16 // 4).all())
+    stages[1]()
     return {
         "out": (out - o).abs().max().item(),
         "state": (mine["recurrent_state"] - state).abs().max().item(),
         "conv_exact": torch.equal(mine["conv_state"], conv),
+        "ready_after_prep": ready,
+        "counters_zero": bool((counters == 0).all()),
     }
 
 
-def case_given_counters():
-    """Onepass with two V blocks per head and a caller-owned counter buffer, two consecutive
-    steps (the second with a different block count): correct, and the counters are back to zero
-    after each launch."""
+def case_given_counters(variant="onepass"):
+    """Onepass (arrival counters) or split (ready counters) with several V blocks per head and
+    a caller-owned counter buffer, two consecutive steps (the second with a different block
+    count): correct, and the counters are back to zero after each launch."""
     inp = make_inputs(steps=4, seed=17)
     counters = torch.zeros(3, 2, dtype=torch.int32)
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
@@ -240,8 +277,11 @@ def case_given_counters():
         part = {**inp, "conv_state": conv, "recurrent_state": state}
         for name in ("qkv", "f", "beta"):
             part[name] = inp[name][:, 2 * half : 2 * half + 2]
-        outs.append(kda_decode(**part, gate="lower_bound", variant="onepass", counters=counters,
-                               block_v=block_v))
+        outs.append(
+            kda_decode(
+                **part, gate="lower_bound", variant=variant, counters=counters, block_v=block_v
+            )
+        )
         zero &= bool((counters == 0).all())
     o_ref, conv_ref, state_ref = reference(inp, "lower_bound")
     slots = inp["slots"].long()
@@ -261,8 +301,11 @@ def variant_cases(variant):
     cases = {
         **{
             f"{gate}-T{steps}": lambda gate=gate, steps=steps: compare(
-                make_inputs(batch=2, steps=steps, seed=steps), gate, **v,
-                **(blocks if gate == "lower_bound" else {}))
+                make_inputs(batch=2, steps=steps, seed=steps),
+                gate,
+                **v,
+                **(blocks if gate == "lower_bound" else {}),
+            )
             for gate, all_steps in (("softplus", (1, 2, 4)), ("lower_bound", (1, 3, 4)))
             for steps in all_steps
         },
@@ -270,31 +313,53 @@ def variant_cases(variant):
         # others run a program per block (onepass: the last of them rewrites the q/k window).
         "v-blocks-T3": lambda: compare(make_inputs(steps=3, seed=5), "lower_bound", block_v=8, **v),
         "v-blocks-softplus-T2": lambda: compare(
-            make_inputs(steps=2, seed=6), "softplus", block_v=4, num_warps=2, **v),
+            make_inputs(steps=2, seed=6), "softplus", block_v=4, num_warps=2, **v
+        ),
         # V != K, conv kernel 3, q scale given.
         "v32-k16-w3": lambda: compare(
-            make_inputs(steps=2, v_dim=32, width=3, seed=7), "softplus", block_v=16, scale=0.3,
-            **v),
-        "bf16": lambda: compare(make_inputs(steps=3, dtype=torch.bfloat16, seed=8), "lower_bound",
-                                **v, **blocks),
+            make_inputs(steps=2, v_dim=32, width=3, seed=7), "softplus", block_v=16, scale=0.3, **v
+        ),
+        "bf16": lambda: compare(
+            make_inputs(steps=3, dtype=torch.bfloat16, seed=8), "lower_bound", **v, **blocks
+        ),
         "fp16": lambda: compare(make_inputs(steps=2, dtype=torch.float16, seed=9), "softplus", **v),
-        "strided-rows": lambda: compare(make_inputs(steps=2, pad=5, seed=10), "lower_bound", **v,
-                                        **blocks),
+        "strided-rows": lambda: compare(
+            make_inputs(steps=2, pad=5, seed=10), "lower_bound", **v, **blocks
+        ),
         # Padding rows 0 and 2 share sink slot 0; real rows 1 and 3 are exact, other slots
         # untouched.
         "sink-slot": lambda: compare(
-            make_inputs(batch=4, steps=1, slots=[0, 5, 0, 2], seed=13), "softplus", rows=[1, 3],
-            **v, **blocks),
+            make_inputs(batch=4, steps=1, slots=[0, 5, 0, 2], seed=13),
+            "softplus",
+            rows=[1, 3],
+            **v,
+            **blocks,
+        ),
         "sequential": lambda: case_sequential(variant=variant, batch=2),
         "rollback": lambda: case_rollback(variant=variant),
     }
     # Keep the CPU run short: the default variant runs every case, the others a subset (the
     # fused kernel is the previous default, covered in full before; the GPU tests run all three).
     keep = {
-        "fused": ("softplus-T1", "lower_bound-T4", "v-blocks-T3", "bf16", "sink-slot",
-                  "sequential", "rollback"),
-        "onepass": ("softplus-T2", "lower_bound-T1", "lower_bound-T4", "v-blocks-softplus-T2",
-                    "v32-k16-w3", "strided-rows", "sink-slot", "rollback"),
+        "fused": (
+            "softplus-T1",
+            "lower_bound-T4",
+            "v-blocks-T3",
+            "bf16",
+            "sink-slot",
+            "sequential",
+            "rollback",
+        ),
+        "onepass": (
+            "softplus-T2",
+            "lower_bound-T1",
+            "lower_bound-T4",
+            "v-blocks-softplus-T2",
+            "v32-k16-w3",
+            "strided-rows",
+            "sink-slot",
+            "rollback",
+        ),
     }
     if variant in keep:
         cases = {name: cases[name] for name in keep[variant]}
@@ -310,17 +375,30 @@ CPU_CASES = {
     "split:given-scratch": case_given_scratch,
     "split:stages": case_stages,
     "split:one-warp-T2": lambda: compare(
-        make_inputs(steps=2, seed=16), "softplus", variant="split", block_v=16, num_warps=1),
+        make_inputs(steps=2, seed=16), "softplus", variant="split", block_v=16, num_warps=1
+    ),
     "onepass:given-counters": case_given_counters,
+    "split:given-counters": lambda: case_given_counters("split"),
+    # The recurrence's two ways to wait for the prep, each where it is not the default.
+    "split:ready-counters-T3": lambda: compare(
+        make_inputs(steps=3, seed=19), "lower_bound", variant="split", block_v=8,
+        overlap_prep=True),
+    "split:grid-wait-T1": lambda: compare(
+        make_inputs(steps=1, seed=20), "softplus", variant="split", block_v=8,
+        overlap_prep=False),
 }
 
 
 def _run_interpreted(names):
     src = str(Path(tokenspeed.__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, *names], env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, *names], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -392,15 +470,22 @@ K3_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,gate,steps", K3_CASES)
 def test_gpu_k3_matches_reference(variant, gate, steps):
-    inp = make_inputs(batch=6, steps=steps, pool=11, slots=[9, 2, 0, 7, 4, 10],
-                      dtype=torch.bfloat16, seed=steps, device="cuda", **K3)
+    inp = make_inputs(
+        batch=6,
+        steps=steps,
+        pool=11,
+        slots=[9, 2, 0, 7, 4, 10],
+        dtype=torch.bfloat16,
+        seed=steps,
+        device="cuda",
+        **K3,
+    )
     _gpu_check(compare(inp, gate, variant=variant))
 
 
 # Every (block_v, num_warps) the benchmark sweeps, per variant.
 GPU_CONFIGS = {
-    "split": [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8),
-              (128, 16)],
+    "split": [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)],
     "onepass": [(16, 2), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)],
     "fused": [(128, 8), (64, 4), (32, 4)],
 }
@@ -420,8 +505,9 @@ def test_gpu_k3_every_config_matches_reference(variant, block_v, num_warps):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_k3_many_rows_with_sink_padding(variant):
     slots = [0] * 8 + list(range(1, 57))  # 8 padding rows on sink slot 0, 56 real rows
-    inp = make_inputs(batch=64, steps=1, pool=60, slots=slots, dtype=torch.bfloat16, seed=22,
-                      device="cuda", **K3)
+    inp = make_inputs(
+        batch=64, steps=1, pool=60, slots=slots, dtype=torch.bfloat16, seed=22, device="cuda", **K3
+    )
     _gpu_check(compare(inp, "lower_bound", rows=list(range(8, 64)), variant=variant))
 
 
@@ -439,21 +525,21 @@ def test_gpu_k3_sequential_and_rollback(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_cuda_graph_replay_with_pdl(variant):
     """Captured with PDL on, replayed on new inputs: same as an eager call on the same inputs."""
-    inp = make_inputs(batch=8, steps=2, pool=12, dtype=torch.bfloat16, seed=23, device="cuda",
-                      **K3)
+    inp = make_inputs(batch=8, steps=2, pool=12, dtype=torch.bfloat16, seed=23, device="cuda", **K3)
     static = {k: v.clone() for k, v in inp.items()}
     out = torch.empty(8, 2, 96, 128, dtype=torch.bfloat16, device="cuda")
     kw = dict(gate="lower_bound", out=out, use_pdl=True, variant=variant)
     if variant == "split":
         kw["scratch"] = decode_scratch(8, 2, 96, 128, "cuda")
-    if variant == "onepass":
+    if variant in ("split", "onepass"):
         kw["counters"] = torch.zeros(8, 96, dtype=torch.int32, device="cuda")
     kda_decode(**static, **kw)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kda_decode(**static, **kw)
-    fresh = make_inputs(batch=8, steps=2, pool=12, dtype=torch.bfloat16, seed=24, device="cuda",
-                        **K3)
+    fresh = make_inputs(
+        batch=8, steps=2, pool=12, dtype=torch.bfloat16, seed=24, device="cuda", **K3
+    )
     for k, v in fresh.items():
         static[k].copy_(v)
     graph.replay()
@@ -462,7 +548,7 @@ def test_gpu_cuda_graph_replay_with_pdl(variant):
     assert torch.equal(out, o)
     assert torch.equal(static["conv_state"], conv)
     assert torch.equal(static["recurrent_state"], state)
-    if variant == "onepass":
+    if "counters" in kw:
         assert not kw["counters"].any()
 
 
@@ -473,8 +559,16 @@ def test_gpu_chained_pdl_steps_in_graph_equal_serial_steps(variant):
     overlaps the previous launch as far as PDL allows; the split recurrence even loads its state
     tile before its PDL wait), replayed: bit-identical to the same steps run without PDL."""
     batch = 128
-    inp = make_inputs(batch=batch, steps=4, pool=batch + 1, dtype=torch.bfloat16, seed=25,
-                      device="cuda", slots=torch.randperm(batch).add(1).tolist(), **K3)
+    inp = make_inputs(
+        batch=batch,
+        steps=4,
+        pool=batch + 1,
+        dtype=torch.bfloat16,
+        seed=25,
+        device="cuda",
+        slots=torch.randperm(batch).add(1).tolist(),
+        **K3,
+    )
 
     def steps(pools, use_pdl, out):
         for t in range(4):
@@ -484,11 +578,15 @@ def test_gpu_chained_pdl_steps_in_graph_equal_serial_steps(variant):
             kda_decode(**step, gate="lower_bound", out=out[t], use_pdl=use_pdl, variant=variant)
 
     def fresh():
-        return {"conv_state": inp["conv_state"].clone(),
-                "recurrent_state": inp["recurrent_state"].clone()}
+        return {
+            "conv_state": inp["conv_state"].clone(),
+            "recurrent_state": inp["recurrent_state"].clone(),
+        }
 
-    serial, serial_out = fresh(), torch.empty(4, batch, 1, 96, 128, dtype=torch.bfloat16,
-                                              device="cuda")
+    serial, serial_out = (
+        fresh(),
+        torch.empty(4, batch, 1, 96, 128, dtype=torch.bfloat16, device="cuda"),
+    )
     steps(serial, False, serial_out)
     chained, chained_out = fresh(), torch.empty_like(serial_out)
     steps(chained, True, chained_out)  # eagerly with PDL first (also compiles outside capture)

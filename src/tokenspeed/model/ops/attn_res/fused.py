@@ -60,6 +60,7 @@ def _mix_norm_kernel(
     ACCUMULATE: tl.constexpr,
     BD: tl.constexpr,
     BL: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D].
 
@@ -110,19 +111,27 @@ def _mix_norm_kernel(
             tl.store(row + (N - 1) * stride_bn.to(tl.int64), partial, mask=dmask)
     else:
         e = tl.arange(0, BL)
-        ahead = tl.load(
-            row + e.to(tl.int64)[:, None] * stride_bn,
-            mask=(e < N)[:, None] & dmask[None, :], other=0.0, eviction_policy="evict_first",
-        )
-        for first in tl.range(0, N, BL):
-            idx = first + e  # [BL] entry indices of this tile
-            tile = ahead
-            nxt = idx + BL
-            ahead = tl.load(  # all lanes masked off after the last tile: no traffic
-                row + nxt.to(tl.int64)[:, None] * stride_bn,
-                mask=(nxt < N)[:, None] & dmask[None, :], other=0.0,
-                eviction_policy="evict_first",
+        if STAGES == 0:
+            ahead = tl.load(
+                row + e.to(tl.int64)[:, None] * stride_bn,
+                mask=(e < N)[:, None] & dmask[None, :], other=0.0, eviction_policy="evict_first",
             )
+        for first in tl.range(0, N, BL, num_stages=max(STAGES, 1)):
+            idx = first + e  # [BL] entry indices of this tile
+            if STAGES == 0:  # the next tile in registers while this one is reduced
+                tile = ahead
+                nxt = idx + BL
+                ahead = tl.load(  # all lanes masked off after the last tile: no traffic
+                    row + nxt.to(tl.int64)[:, None] * stride_bn,
+                    mask=(nxt < N)[:, None] & dmask[None, :], other=0.0,
+                    eviction_policy="evict_first",
+                )
+            else:  # Triton's pipeliner keeps STAGES - 1 tiles in flight through shared memory
+                tile = tl.load(
+                    row + idx.to(tl.int64)[:, None] * stride_bn,
+                    mask=(idx < N)[:, None] & dmask[None, :], other=0.0,
+                    eviction_policy="evict_first",
+                )
             if HAS_DELTA:  # noqa: SIM102 (a constexpr and a loop value: Triton needs two ifs)
                 if first + BL >= N:  # this tile holds the partial entry N-1
                     delta = tl.load(delta_ptr + t * stride_dt + d, mask=dmask, other=0.0)
@@ -154,15 +163,27 @@ def _mix_norm_kernel(
     tl.store(out_ptr + t * stride_ot + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def default_launch(entries: int, dim: int) -> tuple[int, int]:
-    """(block_entries, num_warps) by bank size, from `benchmarks/attn_res.py --sweep` on the
-    H200 (docs/perf/attn_res.md): at K3's hidden size 4 warps (two programs per SM) win at
-    every bank size from 4k tokens up; the unrolled form with up to 4 entries, the entry loop
-    (one entry per load, the next in flight) beyond, where unrolling runs out of registers."""
+def default_launch(entries: int, dim: int, tokens: int) -> tuple[int, int, int]:
+    """(block_entries, num_warps, stages) by bank size, from `benchmarks/attn_res.py --sweep` on
+    the H200 (docs/perf/attn_res.md). At K3's hidden size:
+    - up to 64 tokens (fewer programs than SMs: each program's latency is the time) 8 warps,
+      the unrolled form up to 2 entries, 2 entries per load beyond;
+    - from 4k tokens 4 warps (two programs per SM), the unrolled form up to 2 entries, beyond
+      it the entry loop with the pipeliner keeping 2 (up to 4 entries) or 3 entries in flight
+      through shared memory: 7-14% faster than the register prefetch at 4-8 entries, which
+      holds one entry ahead at most (255 registers already);
+    - in between 4 warps with the register prefetch (the pipelined loop was up to 12% slower
+      at 256 tokens x 8 entries)."""
     bd = triton.next_power_of_2(dim)
     if bd < 4096:
-        return 0, 4 if bd >= 1024 else 2
-    return (0 if entries <= 4 else 1), 4
+        return 0, 4 if bd >= 1024 else 2, 0
+    if tokens <= 64:
+        return (0, 8, 0) if entries <= 2 else (2, 8, 0)
+    if entries <= 2:
+        return 0, 4, 0
+    if tokens < 4096:
+        return 1, 4, 0
+    return 1, 4, 3 if entries <= 4 else 4
 
 
 def attn_res_mix_norm(
@@ -177,6 +198,7 @@ def attn_res_mix_norm(
     accumulate: bool = True,
     num_warps: int | None = None,
     block_entries: int | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """Fused AttnRes mix + RMSNorm (+ in-place update of the partial entry bank[N-1]).
 
@@ -185,11 +207,19 @@ def attn_res_mix_norm(
     delta: [T, D] or None. Returns the normalised mix [T, D] in bank's dtype.
     block_entries: entries per load (0: the unrolled form; a power of two: a loop over that
     many per [block_entries, D] load; None: `default_launch`). num_warps: None for the default.
+    stages (the loop form only): 0 prefetches the next tile in registers, >= 2 lets Triton's
+    pipeliner keep stages - 1 tiles in flight through shared memory; None for the default.
     Tuning knobs; the result is the same.
     """
     n, tokens, dim = bank.shape
-    auto_entries, auto_warps = default_launch(n, dim)
-    block_entries = auto_entries if block_entries is None else block_entries
+    auto_entries, auto_warps, auto_stages = default_launch(n, dim, tokens)
+    if block_entries is None:
+        block_entries = auto_entries
+        stages = auto_stages if stages is None else stages
+    if stages is None or block_entries == 0:
+        stages = 0  # the register prefetch; the unrolled form has no loop to pipeline
+    if stages < 0 or stages == 1:
+        raise ValueError(f"stages must be 0 or >= 2, got {stages}")
     num_warps = auto_warps if num_warps is None else num_warps
     if block_entries < 0 or block_entries & (block_entries - 1):
         raise ValueError(f"block_entries must be 0 or a power of two, got {block_entries}")
@@ -224,6 +254,7 @@ def attn_res_mix_norm(
         ACCUMULATE=accumulate,
         BD=triton.next_power_of_2(dim),
         BL=block_entries,
+        STAGES=stages,
         num_warps=num_warps,
     )
     return out

@@ -16,9 +16,11 @@ written once; everything else is a few percent of that. Three implementations:
      channels is read and rewritten by that program only, so exactly once), SiLU, the norms,
      the gate and beta; per token it writes one fp32 record of `scratch` [B, T, H, D]:
         dq = exp(g) * q (scaled) [K] | k [K] | exp(g) [K] | beta | q.k | padding
+     and then releases the (row, head)'s ready counter (`counters` [B, H]).
   2. recurrence, one program per (row, head, V block of BV columns): loads its K x BV state tile
-     (issued before the PDL wait: the prep kernel does not write the state pool, see
-     `_kda_recurrent_kernel`), does the conv of its own BV v channels (their conv state is
+     (at once: the prep kernel does not write the state pool, see `_kda_recurrent_kernel`),
+     waits for its own (row, head)'s ready counter rather than for the whole prep grid, so
+     that the two kernels overlap; does the conv of its own BV v channels (their conv state is
      touched by that program only), then per token
         u = S^T (exp(g) * k),  w = S^T (exp(g) * q),  delta = beta (v - u),
         o = w + (q.k) delta,   S <- diag(exp(g)) S + k delta^T
@@ -272,6 +274,7 @@ def _kda_prep_kernel(
     conv_state_ptr,  # [S, C, W-1] pool, q/k channels updated in place
     slots_ptr,  # [B]
     scratch_ptr,  # [B, T, H, D] fp32 records, see the module docstring
+    ready_ptr,  # [B, H] int32: + NV when the (row, head)'s records are written
     step_conv_ptr,  # [B, T, C, W-1] or None
     stride_qkv_b,
     stride_qkv_t,
@@ -288,12 +291,15 @@ def _kda_prep_kernel(
     W: tl.constexpr,
     WP: tl.constexpr,  # next power of two >= W - 1 + T
     D: tl.constexpr,  # scratch record width
+    NV: tl.constexpr,  # recurrence programs per (row, head): V // BV
     LOWER_BOUND: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Prep of the split variant, one program per (row, head): the head's q/k conv (its conv
-    state updated by this program only), norms, gate and beta, as one record per token."""
+    state updated by this program only), norms, gate and beta, as one record per token; then
+    it adds NV to the (row, head)'s ready counter, one for each recurrence program that waits
+    on it."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // H
     head = pid % H
@@ -345,6 +351,11 @@ def _kda_prep_kernel(
     tl.debug_barrier()
     _store_window(conv_row, q_win, q_ch, cols, T, W)
     _store_window(conv_row, k_win, k_ch, cols, T, W)
+    # Release, after every lane's stores (the barrier): the records and the conv state are
+    # visible to whoever acquires the counter. Last, so that the recurrence (and through it
+    # every later kernel) never runs ahead of any memory work of this program.
+    tl.debug_barrier()
+    tl.atomic_add(ready_ptr + pid, NV, sem="release")
 
 
 @triton.jit
@@ -353,6 +364,7 @@ def _kda_recurrent_kernel(
     conv_w_ptr,  # [C, W]
     conv_state_ptr,  # [S, C, W-1] pool, v channels updated in place
     scratch_ptr,  # [B, T, H, D] fp32 records written by the prep kernel
+    ready_ptr,  # [B, H] int32 ready counters of the prep kernel (zero again after this grid)
     state_ptr,  # [S, H, K, V] fp32 pool, updated in place
     slots_ptr,  # [B]
     out_ptr,  # [B, T, H, V]
@@ -368,12 +380,20 @@ def _kda_recurrent_kernel(
     WP: tl.constexpr,
     D: tl.constexpr,
     BV: tl.constexpr,
+    OVERLAP: tl.constexpr,  # wait for the head's ready counter, not for the prep grid
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Recurrence of the split variant, one program per (row, head, V block), which also does
     the conv of its own BV v channels. The V blocks of a head are adjacent program ids, so they
-    run together and share the head's records in L2."""
+    run together and share the head's records in L2.
+
+    With OVERLAP it waits for its own (row, head)'s records only (the ready counter), not for
+    the whole prep grid (a PDL wait), so that it overlaps the prep kernel instead of following
+    it. Spinning is
+    safe: under PDL this grid launches only once every prep program has passed its
+    `gdc_launch_dependents`, i.e. is resident or done, so every counter is set without needing
+    an SM a spinning program holds; without PDL the prep grid has finished before."""
     pid = tl.program_id(0).to(tl.int64)
     NV = V // BV  # constexpr
     vb = pid % NV
@@ -386,19 +406,32 @@ def _kda_recurrent_kernel(
     v_ch = 2 * H * K + head * V + ov
     tile = ok[:, None] * V + ov[None, :]
 
-    # The slot index and the state tile are read before the PDL wait, overlapping the load with
-    # the tail of the prep kernel. Safe: the prep kernel writes neither, and this grid launches
-    # only after every prep program has passed its own wait, i.e. after every earlier kernel
-    # (the previous step's recurrence, a rollback, a prefill) has completed.
+    # The slot index and the state tile are read before any wait, overlapping the load with the
+    # prep kernel. Safe: the prep kernel writes neither, and this grid launches only after
+    # every prep program has passed its own wait, i.e. after every earlier kernel (the
+    # previous step's recurrence, a rollback, a prefill, the projections) has completed.
     slot = tl.load(slots_ptr + row).to(tl.int64)
     state_tile = state_ptr + (slot * H + head) * K * V + tile
     s = tl.load(state_tile, eviction_policy="evict_first")  # [K, BV] fp32, touched once
     x_row = qkv_ptr + row * stride_qkv_b
     conv_row = conv_state_ptr + slot * C * (W - 1)
 
-    if USE_PDL:
+    # Acquire this (row, head)'s records (OVERLAP), or wait for the whole prep grid; either
+    # way count this program off (the counter is back to zero once all NV programs of the head
+    # have passed). With OVERLAP the conv window of the block's v channels is also loaded now
+    # and rewritten before the tile's store, so that the program ends with that store (the
+    # form timed with it; the grid wait keeps the window after the store, as timed with it).
+    ready = ready_ptr + row * H + head
+    if OVERLAP:
+        v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        while tl.atomic_add(ready, 0, sem="acquire") == 0:
+            pass
+    elif USE_PDL:
         tl.extra.cuda.gdc_wait()  # the records of the prep kernel
         tl.extra.cuda.gdc_launch_dependents()
+    tl.atomic_add(ready, -1, sem="relaxed")
 
     for t in tl.static_range(T):
         rec = scratch_ptr + ((row * T + t) * H + head) * D
@@ -418,15 +451,18 @@ def _kda_recurrent_kernel(
         tl.store(out_ptr + ((row * T + t) * H + head) * V + ov, o.to(out_ptr.dtype.element_ty))
         if STORE_STEPS:
             tl.store(step_state_ptr + ((row * T + t) * H + head) * K * V + tile, s)
-    tl.store(state_tile, s, eviction_policy="evict_first")
+    if not OVERLAP:
+        tl.store(state_tile, s, eviction_policy="evict_first")
+        v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
 
     # The conv state of this block's own v channels (no other program touches them).
-    v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
     if STORE_STEPS:
         for t in tl.static_range(T):
             _store_window(step_conv_ptr + (row * T + t) * C * (W - 1), v_win, v_ch, cols, t + 1, W)
     tl.debug_barrier()  # all lanes have read the old window before any lane overwrites it
     _store_window(conv_row, v_win, v_ch, cols, T, W)
+    if OVERLAP:
+        tl.store(state_tile, s, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -619,6 +655,8 @@ def _plan(
     counters: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    prep_warps: int = PREP_WARPS,
+    overlap_prep: bool | None = None,
     use_pdl: bool | None = None,
 ) -> tuple[torch.Tensor, list]:
     """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
@@ -691,7 +729,9 @@ def _plan(
                 f"scratch must be contiguous [{batch}, {steps}, {heads}, {record}] "
                 "fp32 (decode_scratch)"
             )
-    if variant == "onepass" and v_dim > block_v:
+    # The split variant's ready counters and onepass's arrival counters: [B, H] int32, zero
+    # before and after each launch.
+    if variant == "split" or (variant == "onepass" and v_dim > block_v):
         if counters is None:
             counters = torch.zeros(batch, heads, dtype=torch.int32, device=qkv.device)
         elif (
@@ -789,12 +829,14 @@ def _plan(
             conv_state,
             slots,
             scratch,
+            counters,
             step_conv,
             *strides,
             scale,
             float(lower_bound),
             D=record,
-            num_warps=PREP_WARPS,
+            NV=v_dim // block_v,
+            num_warps=prep_warps,
             **common,
             **launch,
         ),
@@ -803,6 +845,7 @@ def _plan(
             conv_weight,
             conv_state,
             scratch,
+            counters,
             recurrent_state,
             slots,
             out,
@@ -812,6 +855,7 @@ def _plan(
             qkv.stride(1),
             D=record,
             BV=block_v,
+            OVERLAP=steps == 1 if overlap_prep is None else overlap_prep,
             num_warps=num_warps,
             **{k: v for k, v in common.items() if k != "LOWER_BOUND"},
             **launch,
@@ -841,6 +885,8 @@ def kda_decode(
     counters: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    prep_warps: int = PREP_WARPS,
+    overlap_prep: bool | None = None,
     use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """One decode / verify step of a KDA layer for B rows of T new tokens each.
@@ -855,11 +901,14 @@ def kda_decode(
     the state after every token, for `kda_decode_rollback`.
     variant: "split" (prep + recurrence launches, default), "onepass" or "fused" (one launch
     each); see the module docstring. scratch: the split variant's [B, T, H, scratch_width(K, V)]
-    fp32 buffer (`decode_scratch`, contents irrelevant). counters: the onepass variant's [B, H]
-    int32 buffer, all zero (each launch leaves it zero again: allocate it once with
-    torch.zeros and reuse it). Either is allocated per call when None (fine inside CUDA graph
-    capture; for counters that adds a memset).
-    block_v / num_warps: the state kernel's config (default `default_config(K, V, variant)`).
+    fp32 buffer (`decode_scratch`, contents irrelevant). counters: the split and onepass
+    variants' [B, H] int32 buffer, all zero (each launch leaves it zero again: allocate it once
+    with torch.zeros and reuse it). Either is allocated per call when None (fine inside CUDA
+    graph capture; for counters that adds a memset).
+    block_v / num_warps: the state kernel's config (default `default_config(K, V, variant)`);
+    prep_warps: the split variant's prep kernel warps; overlap_prep: its recurrence waits for
+    each (row, head)'s ready counter (True) or for the whole prep grid (False); None: True for
+    one token per row, False for verify steps (faster there, docs/perf/kda.md).
     Returns o: [B, T, H, V] in qkv's dtype (or `out`). Both pools are updated in place.
 
     Preconditions: the last dim of qkv, f and beta is contiguous (rows may be strided views);
@@ -887,6 +936,8 @@ def kda_decode(
         counters=counters,
         block_v=block_v,
         num_warps=num_warps,
+        prep_warps=prep_warps,
+        overlap_prep=overlap_prep,
         use_pdl=use_pdl,
     )
     for run in launches:
