@@ -948,7 +948,10 @@ def kda_decode(
 def kda_decode_stages(*args, **kwargs) -> list:
     """The launches `kda_decode(*args, **kwargs)` would make, as callables, without making them:
     [prep, recurrence] for the split variant, one launch for the others. For timing the stages
-    separately (benchmarks/kda_decode.py); each call of one repeats that launch."""
+    separately (benchmarks/kda_decode.py); each call of one repeats that launch. The split
+    recurrence with one token per row waits for the ready counters the prep sets (see
+    `kda_decode`'s `counters`): to run it without the prep, pass counters set to a large value
+    (each of its programs takes one off), else it waits forever."""
     return _plan(*args, **kwargs)[1]
 
 
