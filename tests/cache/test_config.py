@@ -21,8 +21,13 @@ from .helpers import tiny_geometry
 def test_geometry_from_model_dims():
     # Kimi-K3-like dimensions, from the model config (the cache hard-codes none of them).
     g = CacheGeometry.from_model_dims(
-        num_mla_layers=24, kv_lora_rank=512, qk_rope_head_dim=64, num_kda_layers=69,
-        kda_num_heads=96, kda_head_dim=128, kda_conv_kernel=4,
+        num_mla_layers=24,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        num_kda_layers=69,
+        kda_num_heads=96,
+        kda_head_dim=128,
+        kda_conv_kernel=4,
     )
     assert g.mla_row_width == 576 and g.mla_row_bytes == 1152
     assert g.mla_page_bytes == 24 * 64 * 1152
@@ -85,7 +90,8 @@ def test_budget_too_small_names_the_field():
         config.pool_sizes(g)
     config = CacheConfig(
         device_budget_bytes=CacheConfig.budget_for(g, pages=1, live_requests=1, checkpoints=0),
-        max_live_requests=1, num_checkpoint_slots=4,
+        max_live_requests=1,
+        num_checkpoint_slots=4,
     )
     with pytest.raises(BudgetTooSmallError, match="num_checkpoint_slots"):
         config.pool_sizes(g)
@@ -112,12 +118,14 @@ def test_config_validation_names_the_field(field, value):
 def test_policy_points():
     policy = CheckpointPolicy(interval_pages=2, max_per_path=4)
     assert policy.points(0, 20, page_size=4, turn_end=False) == [
-        (8, CheckpointKind.INTERVAL), (16, CheckpointKind.INTERVAL),
+        (8, CheckpointKind.INTERVAL),
+        (16, CheckpointKind.INTERVAL),
     ]
     assert policy.points(0, 19, page_size=4, turn_end=True)[-1] == (16, CheckpointKind.TURN_END)
     assert policy.points(8, 11, page_size=4, turn_end=True) == []  # nothing new past 8
     assert policy.points(5, 14, page_size=4, turn_end=True) == [
-        (8, CheckpointKind.INTERVAL), (12, CheckpointKind.TURN_END),
+        (8, CheckpointKind.INTERVAL),
+        (12, CheckpointKind.TURN_END),
     ]
     with pytest.raises(CacheConfigError, match="interval_pages"):
         CheckpointPolicy(interval_pages=0)

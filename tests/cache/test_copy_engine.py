@@ -64,8 +64,9 @@ def test_each_engine_owns_its_thread():
 
 
 def test_make_copy_engine_picks_by_device():
-    assert isinstance(make_copy_engine(torch.device("cpu"), async_loads=False, name="x"),
-                      InlineCopyEngine)
+    assert isinstance(
+        make_copy_engine(torch.device("cpu"), async_loads=False, name="x"), InlineCopyEngine
+    )
     engine = make_copy_engine(torch.device("cpu"), async_loads=True, name="x")
     assert isinstance(engine, ThreadCopyEngine)
     engine.close()

@@ -76,7 +76,7 @@ def test_second_request_waits_on_the_first_requests_load():
     first = cache.allocate("first", keys, 33)  # loads the prefix from L2
     second = cache.allocate("second", keys, 33)  # finds it in L1, still arriving
     assert second.l2_cached_tokens == 0 and second.num_cached_tokens == 32
-    assert second.page_ids[:8] == first.page_ids[:8]
+    assert second.page_ids[:8].tolist() == first.page_ids[:8].tolist()
     assert not second.load.done()  # borrowed the first request's layer events
     gate.set()
     second.load.synchronize()

@@ -293,7 +293,7 @@ def test_sink_page_and_slot_are_never_handed_out():
         cache.allocate(9, [], 1)
     table = cache.page_table_tensor(handles[:2], num_rows=4, num_cols=3)
     assert table.shape == (4, 3) and table.dtype == torch.int32
-    assert table[0, :2].tolist() == handles[0].page_ids and table[0, 2] == 0
+    assert table[0, :2].tolist() == handles[0].page_ids.tolist() and table[0, 2] == 0
     assert (table[2:] == 0).all()
     slots = cache.live_slot_tensor(handles[:2], num_rows=4)
     assert slots.tolist() == [handles[0].live_slot, handles[1].live_slot, 0, 0]
@@ -508,7 +508,7 @@ def test_two_managers_in_one_process_are_independent():
     a, b = make_manager(async_loads=True), make_manager(async_loads=True)
     ha = a.allocate("same-id", [], 8)
     hb = b.allocate("same-id", [], 8)
-    assert ha.page_ids == hb.page_ids  # separate pools hand out the same ids
+    assert ha.page_ids.tolist() == hb.page_ids.tolist()  # separate pools hand out the same ids
     a.storage.mla.fill_(1)
     assert not b.storage.mla.any()
     with pytest.raises(ForeignHandleError):
@@ -523,15 +523,23 @@ def test_has_checkpoint_reports_exactly_the_checkpointed_lengths():
     from tokenspeed.cache import CacheConfig, CacheGeometry, CacheManager, KeyChain
 
     geometry = CacheGeometry.from_model_dims(
-        num_mla_layers=1, kv_lora_rank=4, qk_rope_head_dim=4, num_kda_layers=1,
-        kda_num_heads=1, kda_head_dim=4, kda_conv_kernel=4, page_size=4,
+        num_mla_layers=1,
+        kv_lora_rank=4,
+        qk_rope_head_dim=4,
+        num_kda_layers=1,
+        kda_num_heads=1,
+        kda_head_dim=4,
+        kda_conv_kernel=4,
+        page_size=4,
     )
     cache = CacheManager(
         geometry,
         CacheConfig(
-            device_budget_bytes=CacheConfig.budget_for(geometry, pages=8, live_requests=1,
-                                                       checkpoints=4),
-            max_live_requests=1, num_checkpoint_slots=4,
+            device_budget_bytes=CacheConfig.budget_for(
+                geometry, pages=8, live_requests=1, checkpoints=4
+            ),
+            max_live_requests=1,
+            num_checkpoint_slots=4,
         ),
     )
     chain = KeyChain(4)

@@ -72,7 +72,12 @@ class RealCacheMachine(RuleBasedStateMachine):
         # L2 holds more than L1 (so hits come from both tiers) but still evicts.
         self.l2 = LocalHostCache(capacity_bytes=30 * g.mla_page_bytes + 6 * g.kda_state_bytes)
         self.cache = make_manager(
-            g, pages=20, live=3, checkpoints=4, l2=self.l2, async_loads=True,
+            g,
+            pages=20,
+            live=3,
+            checkpoints=4,
+            l2=self.l2,
+            async_loads=True,
             policy=CheckpointPolicy(interval_pages=2, max_per_path=3),
         )
         self.live: dict[int, _Req] = {}
@@ -101,7 +106,9 @@ class RealCacheMachine(RuleBasedStateMachine):
         except (CacheFullError, BudgetTooSmallError):
             after = self.cache.stats()
             assert (after.pages, after.live_slots, after.requests) == (
-                before.pages, before.live_slots, before.requests,
+                before.pages,
+                before.live_slots,
+                before.requests,
             )
             return rid  # a handle-less id: later rules on it are no-ops
         h.load.synchronize()
@@ -352,4 +359,3 @@ SharedL2Machine.TestCase.settings = settings(_settings, max_examples=200, statef
 
 TestRealCache = RealCacheMachine.TestCase
 TestSharedL2 = SharedL2Machine.TestCase
-

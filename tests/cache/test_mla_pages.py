@@ -36,8 +36,12 @@ def test_eviction_is_lru_tail_first_and_writes_back_before_reuse():
     for _ in range(4):
         assert pages.evict(1, lambda p, k, pos: order.append((p, k, pos))) == 1
     # Within one release the tail goes first; earlier releases go before later ones.
-    assert order == [([ids[3]], [13], [3]), ([ids[2]], [12], [2]),
-                     ([ids[1]], [11], [1]), ([ids[0]], [10], [0])]
+    assert order == [
+        ([ids[3]], [13], [3]),
+        ([ids[2]], [12], [2]),
+        ([ids[1]], [11], [1]),
+        ([ids[0]], [10], [0]),
+    ]
     assert pages.num_free == 4
     pages.check_integrity(Counter())
 
@@ -107,15 +111,15 @@ def test_register_at_equals_register_page_by_page(keys, preregistered, positions
         for pid, key in zip(owners, preregistered, strict=True):
             m.register(pid, key, 0)
     pids = batched.allocate(len(keys), None)
-    assert single.allocate(len(keys), None) == pids
+    assert single.allocate(len(keys), None).tolist() == pids.tolist()
     batched.register_at(pids, keys, positions[: len(keys)])
     for pid, key, pos in zip(pids, keys, positions, strict=False):
         single.register(pid, key, pos)
     assert batched.index == single.index
-    assert batched.key_of == single.key_of
+    assert batched.key_of.tolist() == single.key_of.tolist()
     assert np.array_equal(batched.indexed, single.indexed)
     assert np.array_equal(batched.position_of, single.position_of)
-    batched.check_integrity(Counter(owners + pids))
+    batched.check_integrity(Counter(owners.tolist() + pids.tolist()))
 
 
 def test_register_at_rejects_a_page_indexed_under_another_key_and_changes_nothing():
@@ -166,3 +170,18 @@ def test_eviction_takes_the_least_recently_used_pages_oldest_first(ops):
 def _lru_order(pages: MlaPageManager) -> list[int]:
     cached = np.flatnonzero(pages.evictable)
     return cached[np.argsort(pages.last_use[cached], kind="stable")].tolist()
+
+
+def test_page_ids_travel_as_int64_arrays_and_a_stale_key_is_caught():
+    pages = MlaPageManager(8)
+    ids = pages.allocate(3, None)
+    assert ids.dtype == np.int64 and ids.tolist() == [1, 2, 3]
+    pages.register_many(ids, [10, 11, 12], 0)
+    pages.unpin(ids)
+    victims = []
+    pages.evict(2, lambda p, k, pos: victims.append((p.tolist(), k, pos.tolist())))
+    assert victims == [([3, 2], [12, 11], [2, 1])]  # tail first, as arrays and a key list
+    pages.check_integrity(Counter())
+    pages.key_of[3] = 12  # an evicted page that still names its key
+    with pytest.raises(IntegrityError):
+        pages.check_integrity(Counter())

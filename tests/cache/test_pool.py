@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tokenspeed.cache import CacheFullError, IntegrityError
@@ -38,10 +39,28 @@ def test_double_free_is_refused_without_changing_anything():
 def test_many_ids_at_once_keep_lifo_order_and_refuse_a_reserved_id_atomically():
     pool = SlotPool(10, reserved=(0,))
     ids = pool.allocate(6)
-    assert ids == [1, 2, 3, 4, 5, 6]
+    assert ids.tolist() == [1, 2, 3, 4, 5, 6]
     pool.free(ids[2:])
-    assert pool.allocate(2) == [3, 4]  # a freed batch comes back in its own order, first first
+    assert pool.allocate(2).tolist() == [
+        3,
+        4,
+    ]  # a freed batch comes back in its own order, first first
     with pytest.raises(IntegrityError):
         pool.free([1, 2, 0])  # the reserved sink: nothing is freed
     assert not pool.is_free(1) and not pool.is_free(2)
     pool.check_integrity()
+
+
+def test_arrays_in_and_out_and_single_slots():
+    pool = SlotPool(6, reserved=(0,))
+    ids = pool.allocate(3)
+    assert ids.dtype == np.int64 and ids.tolist() == [1, 2, 3]
+    one = pool.allocate_one()
+    assert isinstance(one, int) and one == 4
+    pool.free(np.array([3, 1]))
+    assert pool.allocate_one() == 3 and pool.num_free == 2
+    with pytest.raises(IntegrityError):
+        pool.free(np.array([6]))  # outside the pool
+    pool._is_free[2] = True  # a flag without a free-list entry
+    with pytest.raises(IntegrityError):
+        pool.check_integrity()

@@ -13,8 +13,9 @@ from .helpers import tiny_geometry
 
 def _storage():
     g = tiny_geometry()
-    return g, DeviceStorage(g, PoolSizes(num_pages=6, num_live_slots=3, num_checkpoint_slots=2),
-                            torch.device("cpu"))
+    return g, DeviceStorage(
+        g, PoolSizes(num_pages=6, num_live_slots=3, num_checkpoint_slots=2), torch.device("cpu")
+    )
 
 
 def test_shapes():

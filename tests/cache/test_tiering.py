@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenspeed.cache import CheckpointKind, KeyChain, LocalHostCache, ObjectKind
 
 from .helpers import make_manager, tiny_geometry, token_stream
@@ -38,9 +40,17 @@ def test_coverage_continues_through_l2_gaps_and_l1_runs():
     cache.check_integrity()
 
 
-def test_object_vanishing_between_match_and_allocate_shrinks_the_hit():
+class _Unaware(LocalHostCache):
+    """A host tier whose version misses a change (as another process's eviction would)."""
+
+    def presence_version(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("tier", [LocalHostCache, _Unaware])
+def test_object_vanishing_between_match_and_allocate_shrinks_the_hit(tier):
     g = tiny_geometry()
-    shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    shared = tier(capacity_bytes=1 << 20, metadata_only=True)
     a = make_manager(g, l2=shared, metadata_only=True)
     b = make_manager(g, l2=shared, metadata_only=True)
     keys = KeyChain(P).append_tokens(token_stream(2, 33))
@@ -50,9 +60,24 @@ def test_object_vanishing_between_match_and_allocate_shrinks_the_hit():
     shared.remove(ObjectKind.PAGE, [keys[5]])  # another rank's traffic evicts it meanwhile
     h = b.allocate("r", keys, 33, match=m)
     assert (h.num_cached_tokens, h.l2_cached_tokens) == (16, 16)
-    assert b.stats().counters.l2_fetch_failures == 1
+    # A tier that reports the change gets the prefix matched again; otherwise the stale plan's
+    # read fails and the hit shrinks to the checkpoint the readable pages still cover.
+    assert b.stats().counters.l2_fetch_failures == (1 if tier is _Unaware else 0)
     b.release(h)
     b.check_integrity()
+
+
+def test_a_match_is_reused_only_while_neither_tier_changed():
+    g = tiny_geometry()
+    shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    a = make_manager(g, l2=shared, metadata_only=True)
+    b = make_manager(g, l2=shared, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(3, 33))
+    _turn(a, "w", keys[:4], 17, checkpoints=[16])
+    m = b.match(keys, 33)
+    assert m.num_tokens == 16 and b._usable_match(m, keys, 33) is m
+    _turn(a, "x", keys, 33, checkpoints=[32])  # another rank publishes a deeper prefix
+    assert b._usable_match(m, keys, 33).num_tokens == 32
 
 
 def test_l1_checkpoint_wins_ties_and_l2_extends_deeper():

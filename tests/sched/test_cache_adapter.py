@@ -137,3 +137,37 @@ def test_save_state_receives_slots_for_checkpoints_inside_a_chunk():
     sched.complete(batch, save_state=lambda r, pos, slot: saved.append((r.rid, pos)))
     # None of them is the chunk end (150): the runner writes all three from kernel states.
     assert saved == [(1, 64), (1, 128), (1, 144)]
+
+
+def _prefill_and_publish(port, req, checkpoints):
+    assert port.acquire(req, req.prompt_len - 1) is not None
+    assert port.reserve(req, req.prompt_len)
+    for length in checkpoints:
+        port.checkpoint(req, length, turn_end=length == checkpoints[-1], from_live=True)
+    port.publish(req, checkpoints[-1])
+    port.release(req)
+
+
+def test_acquire_right_after_lookup_reuses_the_match_and_answers_the_same():
+    l2 = LocalHostCache(capacity_bytes=10_000 * GEO.mla_page_bytes, metadata_only=True)
+    a, b = _cache(l2=l2), _cache(l2=l2)
+    port_a, port_b = CacheManagerPort(a), CacheManagerPort(b)
+    chain = KeyChain(P)
+    first = _request(1, chain, [1, 2, 3, 4], 250)
+    _prefill_and_publish(port_a, first, [64, 128, 192, 240])
+    nxt = _request(2, chain, [5, 6], 100)
+    limit = nxt.prompt_len - 1
+    walks = []
+    match = b.match
+    b.match = lambda *args: walks.append(args) or match(*args)  # count the prefix walks
+    assert port_b.lookup(nxt, limit) == 240
+    assert port_b.acquire(nxt, limit) == 240 and len(walks) == 1  # reused, not walked again
+    port_b.release(nxt)
+    assert port_b.lookup(nxt, limit) == 240
+    # Another rank publishes the next turn's prefix meanwhile: the plan is stale, and acquire
+    # matches again, finding the deeper prefix.
+    _prefill_and_publish(port_a, Request(3, nxt.prompt_len, 4, keys=nxt.keys), [352])
+    assert port_b.acquire(nxt, limit) == 352 and len(walks) == 3
+    port_b.release(nxt)
+    for c in (a, b):
+        c.check_integrity()

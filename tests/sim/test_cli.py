@@ -49,8 +49,19 @@ def test_report_names_the_command_it_was_run_with(tmp_path):
     from tokenspeed.cli import main as tokenspeed_main
 
     out = tmp_path / "report"
-    args = ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "2", "--duration",
-            "10", "--out", str(out), "--no-progress"]
+    args = [
+        "--prefill-ranks",
+        "1",
+        "--decode-ranks",
+        "1",
+        "--concurrency",
+        "2",
+        "--duration",
+        "10",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert tokenspeed_main(["sim", *args]) == 0
     report = (out / "report.md").read_text()
     assert "tokenspeed sim --prefill-ranks 1 --decode-ranks 1" in report

@@ -119,7 +119,7 @@ class CheckpointManager:
             raise IntegrityError(f"checkpoint {key!r} added twice")
         if self.pool.num_free == 0 and not self.evict(1, writeback):
             return None
-        (slot,) = self.pool.allocate(1)
+        slot = self.pool.allocate_one()
         entry = CheckpointEntry(key=key, num_tokens=num_tokens, slot=slot, kind=kind)
         self.index[key] = entry
         self._lru[key] = entry

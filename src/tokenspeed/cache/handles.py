@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
+import numpy as np
 
-from ..types import PageId, PageKey, RequestId, SlotId
+from ..types import PageKey, RequestId, SlotId
 from .checkpoints import CheckpointEntry
 from .load import LoadHandle
 
@@ -27,8 +28,9 @@ class PrefixMatch:
     mla_covered_tokens: how far MLA pages alone reach (>= num_tokens); the excess has no
         checkpoint at its end and is worth nothing (`kv_only_tokens`).
 
-    A match is a plan, not a reservation: `allocate` reuses it if the device tier has not changed
-    since, and re-matches otherwise; the handle says what was actually reused.
+    A match is a plan, not a reservation: `allocate` reuses it if neither tier has changed since
+    (no page or checkpoint indexed or evicted, no host object stored or gone), and re-matches
+    otherwise; the handle says what was actually reused.
     """
 
     num_tokens: int
@@ -36,12 +38,13 @@ class PrefixMatch:
     l2_tokens: int
     checkpoint_tier: Literal["l1", "l2"] | None
     mla_covered_tokens: int
-    epoch: int = attrs.field(repr=False)
+    # What the plan was made from (index versions); None: cannot tell, never reused.
+    epoch: tuple[int, int, int | None] | None = attrs.field(repr=False)
     owner: object = attrs.field(repr=False)
     # (pages considered, key of the last one): ties the plan to the prompt it was made for.
     scope: tuple[int, PageKey | None] = attrs.field(repr=False)
-    # Per hit page: the L1 page id, or None where the page comes from L2.
-    sources: tuple[PageId | None, ...] = attrs.field(repr=False)
+    # [hit pages] int64: per hit page its L1 page id, or -1 where the page comes from L2.
+    sources: np.ndarray = attrs.field(repr=False)
 
     @property
     def hit(self) -> bool:
@@ -61,7 +64,7 @@ class RequestCache:
       num_tokens         tokens the page table covers (reserved; grows with `extend`)
       num_cached_tokens  prefix reused at allocate (L); tokens [L, ...) must be computed
       l2_cached_tokens   the part of that prefix loaded from the host tier
-      page_ids           the page table: page_ids[i] holds tokens [i*P, (i+1)*P)
+      page_ids           the page table, [pages] int64: page_ids[i] holds tokens [i*P, (i+1)*P)
       live_slot          the KDA state slot the forward reads and advances
       load               LoadHandle: per-layer events for the copies the hit needs
       released           True after `release`
@@ -70,16 +73,17 @@ class RequestCache:
     __slots__ = (
         "_held",
         "_keys",
+        "_num_pages",
         "_owner",
         "_path",
         "_registered",
         "_rolling",
+        "_table",
         "l2_cached_tokens",
         "live_slot",
         "load",
         "num_cached_tokens",
         "num_tokens",
-        "page_ids",
         "released",
         "request_id",
     )
@@ -90,7 +94,7 @@ class RequestCache:
         owner: object,
         request_id: RequestId,
         keys: list[PageKey],
-        page_ids: list[PageId],
+        page_ids: np.ndarray,
         num_tokens: int,
         num_cached_tokens: int,
         l2_cached_tokens: int,
@@ -100,7 +104,9 @@ class RequestCache:
         self._owner = owner
         self.request_id = request_id
         self._keys = keys
-        self.page_ids = page_ids
+        # The page table lives in a buffer with room to grow (decode extends it page by page).
+        self._table = page_ids
+        self._num_pages = len(page_ids)
         self.num_tokens = num_tokens
         self.num_cached_tokens = num_cached_tokens
         self.l2_cached_tokens = l2_cached_tokens
@@ -114,6 +120,23 @@ class RequestCache:
         self._rolling: CheckpointEntry | None = None
         # Checkpoint entries this request pins while it runs (rolling, or filled by its load).
         self._held: list[CheckpointEntry] = []
+
+    @property
+    def page_ids(self) -> np.ndarray:
+        """The page table, [pages] int64 (read-only: a view of the handle's buffer)."""
+        view = self._table[: self._num_pages]
+        view.flags.writeable = False
+        return view
+
+    def _append_pages(self, ids: np.ndarray) -> None:
+        """Grow the page table by `ids` (amortised: the buffer doubles when full)."""
+        n, k = self._num_pages, len(ids)
+        if n + k > len(self._table):
+            grown = np.empty(max(2 * len(self._table), n + k, 16), dtype=np.int64)
+            grown[:n] = self._table[:n]
+            self._table = grown
+        self._table[n : n + k] = ids
+        self._num_pages = n + k
 
     @property
     def page_keys(self) -> list[PageKey]:

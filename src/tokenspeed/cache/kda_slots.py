@@ -30,7 +30,7 @@ class LiveSlotManager:
             raise CacheFullError(
                 f"all {self.pool.capacity} live KDA slots are taken (max_live_requests)"
             )
-        (slot,) = self.pool.allocate(1)
+        slot = self.pool.allocate_one()
         self.owner[slot] = request_id
         return slot
 

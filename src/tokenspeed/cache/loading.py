@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from ..types import PageId, PageKey, SlotId
 from .checkpoints import CheckpointEntry
 from .config import CacheGeometry
@@ -41,8 +43,8 @@ class Loader:
         self,
         live_slot: SlotId,
         plan: HitPlan,
-        l1_hit: list[PageId],
-        l2_pids: list[PageId],
+        l1_hit: np.ndarray,
+        l2_pids: np.ndarray,
         source_ckpt: CheckpointEntry | None,
         promoted: CheckpointEntry | None,
     ) -> LoadHandle:
@@ -54,7 +56,11 @@ class Loader:
         mla_events: list[tuple] = [()] * g.num_mla_layers
         kda_events: list[tuple] = [()] * g.num_kda_layers
         pending = self._pending_pages
-        deps = {id(d): d for p in l1_hit if (d := pending.get(p)) is not None} if pending else {}
+        deps = (
+            {id(d): d for p in l1_hit.tolist() if (d := pending.get(p)) is not None}
+            if pending
+            else {}
+        )
         for dep in deps.values():
             for layer in range(g.num_mla_layers):
                 mla_events[layer] = (*mla_events[layer], *dep.mla_events(layer))
@@ -72,7 +78,7 @@ class Loader:
             storage.restore_checkpoint(source_ckpt.slot, live_slot)
         steps: dict[tuple[str, int], Callable[[], None]] = {}
         keepalive: list = []
-        if l2_pids:
+        if len(l2_pids):
             page_steps, keep = storage.page_load_steps(l2_pids, plan.page_payloads)
             keepalive += keep
             steps.update({("mla", i): s for i, s in enumerate(page_steps)})
@@ -98,7 +104,7 @@ class Loader:
             keepalive=keepalive,
         )
         if events:
-            for pid in l2_pids:
+            for pid in l2_pids.tolist():
                 pending[pid] = load
             if promoted is not None:
                 self._pending_ckpts[promoted.key] = load

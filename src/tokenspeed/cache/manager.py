@@ -21,18 +21,15 @@ cover) lives in `match`; fetching the L2 part of a hit lives in `tiering.py`.
 from __future__ import annotations
 
 import logging
-import operator
 import weakref
 from collections import Counter
 from collections.abc import Sequence
-from itertools import compress, repeat
 
 import attrs
 import numpy as np
 import torch
 
 from ..types import PageKey, RequestId, SlotId
-from ._exhaust import exhaust
 from .checkpoints import CheckpointKind, CheckpointManager
 from .config import CacheConfig, CacheGeometry
 from .copy_engine import make_copy_engine
@@ -62,18 +59,17 @@ from .tiering import Tiering
 logger = logging.getLogger("tokenspeed.cache")
 
 
+_NO_SOURCES = np.zeros(0, dtype=np.int64)
+_NO_SOURCES.flags.writeable = False
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _l1_pages(sources: Sequence[int | None]) -> list[int]:
-    """The L1 page ids of a hit's sources, in order."""
-    return list(compress(sources, map(operator.is_not, sources, repeat(None))))
-
-
-def _l2_positions(sources: Sequence[int | None]) -> list[int]:
-    """Indices of the hit pages that come from L2 (source None), in order."""
-    return list(compress(range(len(sources)), map(operator.is_, sources, repeat(None))))
+def _l1_pages(sources: np.ndarray) -> np.ndarray:
+    """The L1 page ids of a hit's sources ([hit] int64, -1 where from L2), in order."""
+    return sources[sources >= 0]
 
 
 class CacheManager:
@@ -163,8 +159,13 @@ class CacheManager:
     def get(self, request_id: RequestId) -> RequestCache | None:
         return self._requests.get(request_id)
 
-    def _epoch(self) -> int:
-        return self._pages.version + self._ckpts.version
+    def _epoch(self) -> tuple[int, int, int | None] | None:
+        """What a match depends on: the L1 page and checkpoint indexes and the host tier's
+        presence. None when the host tier cannot tell whether it changed (never reused)."""
+        l2 = self._tiering.l2_version()
+        if l2 is None and self._l2 is not None:
+            return None
+        return (self._pages.version, self._ckpts.version, l2)
 
     def match(self, page_keys: Sequence[PageKey], prompt_tokens: int) -> PrefixMatch:
         """The longest reusable prefix of a prompt (the hybrid rule), without changing anything.
@@ -189,14 +190,14 @@ class CacheManager:
                 epoch=self._epoch(),
                 owner=self._token,
                 scope=scope,
-                sources=(),
+                sources=_NO_SOURCES,
             )
-        pids = self._pages.lookup(keys)
+        pids = self._pages.lookup_ids(keys)
         covered = self._tiering.coverage(keys, pids)
         best, tier = self._tiering.deepest_checkpoint(keys, covered)
         hit = best + 1
-        sources = tuple(pids[:hit])
-        from_l2 = sources.count(None)
+        sources = np.array(pids[:hit], dtype=np.int64)
+        from_l2 = int(np.count_nonzero(sources < 0))
         return PrefixMatch(
             num_tokens=hit * P,
             l1_tokens=(hit - from_l2) * P,
@@ -230,7 +231,12 @@ class CacheManager:
     def _usable_match(
         self, match: PrefixMatch | None, page_keys: Sequence[PageKey], prompt_tokens: int
     ) -> PrefixMatch:
-        if match is not None and match.owner is self._token and match.epoch == self._epoch():
+        if (
+            match is not None
+            and match.owner is self._token
+            and match.epoch is not None
+            and match.epoch == self._epoch()
+        ):
             limit = min(len(page_keys), (prompt_tokens - 1) // self.page_size)
             if match.scope == (limit, page_keys[limit - 1] if limit > 0 else None):
                 return match
@@ -282,8 +288,9 @@ class CacheManager:
         plan = self._tiering.fetch(keys, m)  # L2 reads happen here; nothing changed yet
         hit = plan.hit_pages
         total = max(_ceil_div(reserve, P), hit)
-        all_l1 = None not in plan.sources
-        l1_hit = list(plan.sources) if all_l1 else _l1_pages(plan.sources)
+        from_l2 = plan.sources < 0
+        all_l1 = not from_l2.any()
+        l1_hit = plan.sources if all_l1 else plan.sources[~from_l2]
         if total - len(l1_hit) > self._pages.room_besides(l1_hit):
             raise CacheFullError(
                 f"request {request_id!r} needs {total - len(l1_hit)} new pages; "
@@ -303,18 +310,19 @@ class CacheManager:
         slot = self._live.acquire(request_id)
 
         # Page table: the hit's L1 pages in place, fresh pages for L2 pages and the rest.
-        l2_pids: list[int] = []
+        table = np.empty(total, dtype=np.int64)
+        table[:hit] = plan.sources
+        l2_pids = _NO_SOURCES
         if all_l1:
-            table = l1_hit + fresh
+            table[hit:] = fresh
         else:
             # The L2 part of the hit takes the first fresh pages, in order.
-            table = list(plan.sources)
-            at = _l2_positions(table)
+            at = np.flatnonzero(from_l2)
             l2_pids = fresh[: len(at)]
-            exhaust(map(table.__setitem__, at, l2_pids))
-            table += fresh[len(at) :]
+            table[at] = l2_pids
+            table[hit:] = fresh[len(at) :]
             # Matchable at once: their content arrives with this load.
-            self._pages.register_at(l2_pids, list(map(keys.__getitem__, at)), at)
+            self._pages.register_at(l2_pids, list(map(keys.__getitem__, at.tolist())), at)
 
         handle = RequestCache(
             owner=self._token,
@@ -369,7 +377,7 @@ class CacheManager:
                     f"request {handle.request_id!r} would need {total} pages; the device pool "
                     f"holds {self._pages.capacity}"
                 )
-            handle.page_ids.extend(self._pages.allocate(need, self._tiering.writeback_pages))
+            handle._append_pages(self._pages.allocate(need, self._tiering.writeback_pages))
         handle._keys.extend(page_keys)
         handle.num_tokens = num_tokens
 
@@ -591,16 +599,17 @@ class CacheManager:
                 raise IntegrityError(
                     f"request {rid!r}: {len(h.page_ids)} pages for {h.num_tokens} tokens"
                 )
-            if len(set(h.page_ids)) != len(h.page_ids) or SINK_PAGE in h.page_ids:
+            table = h.page_ids.tolist()
+            if len(set(table)) != len(table) or SINK_PAGE in table:
                 raise IntegrityError(f"request {rid!r}: a page appears twice, or the sink page")
             if h._registered > min(len(h.page_ids), len(h._keys)):
                 raise IntegrityError(f"request {rid!r}: more pages registered than known")
             key_of = self._pages.key_of
             for i in range(h._registered):
-                key = key_of[h.page_ids[i]]
+                key = key_of[table[i]]
                 if key is not None and key != h._keys[i]:
                     raise IntegrityError(f"request {rid!r}: page {i} indexed under a foreign key")
-            refs.update(h.page_ids)
+            refs.update(table)
             for entry in h._held + ([h._rolling] if h._rolling is not None else []):
                 pins[entry.key] += 1
             owners[h.live_slot] = rid

@@ -8,7 +8,9 @@ A page is in exactly one of three states:
 
 Pages get a key (become matchable) only once their content is known to be computed, which the
 facade decides (at a checkpoint or an L2 load). Bookkeeping is vectorised with numpy because a
-200k-token history holds ~3k pages and is pinned and unpinned on every turn.
+200k-token history holds ~3k pages and is pinned and unpinned on every turn: page ids travel as
+[n] int64 arrays end to end (page tables, the free list, eviction victims), so no call converts
+lists to arrays and back.
 """
 
 from __future__ import annotations
@@ -23,22 +25,27 @@ import numpy as np
 from ..types import PageId, PageKey
 from ._exhaust import exhaust
 from .errors import BudgetTooSmallError, CacheFullError, IntegrityError
-from .pool import SlotPool
+from .pool import SlotPool, as_ids
 
 SINK_PAGE: PageId = 0
 """Page 0 is never handed out: padded rows of a captured graph point at it."""
 
-# Called with (page ids, keys, positions) of pages about to be evicted, before they are reused.
-WritebackFn = Callable[[list[int], list[PageKey], list[int]], None]
+# Called with ([n] int64 page ids, keys, [n] int64 positions) of pages about to be evicted, before
+# they are reused.
+WritebackFn = Callable[[np.ndarray, list[PageKey], np.ndarray], None]
 
 
 class MlaPageManager:
-    """Pages of one device pool (ids [0, num_pages), page 0 the sink)."""
+    """Pages of one device pool (ids [0, num_pages), page 0 the sink).
+
+    Page ids come and go as [n] int64 arrays (sequences of ints are accepted and converted).
+    """
 
     def __init__(self, num_pages: int) -> None:
         self.pool = SlotPool(num_pages, reserved=(SINK_PAGE,))
         self.index: dict[PageKey, PageId] = {}
-        self.key_of: list[PageKey | None] = [None] * num_pages
+        # [num_pages] object: the key a page is indexed under, None when it is not indexed.
+        self.key_of = np.full(num_pages, None, dtype=object)
         self.position_of = np.full(num_pages, -1, dtype=np.int64)  # page index in its chain
         self.ref = np.zeros(num_pages, dtype=np.int32)
         self.indexed = np.zeros(num_pages, dtype=bool)
@@ -74,30 +81,34 @@ class MlaPageManager:
         """Page id of each key in the L1 index (None where absent)."""
         return list(map(self.index.get, keys))
 
-    def room_besides(self, pids: Sequence[PageId]) -> int:
+    def lookup_ids(self, keys: Sequence[PageKey]) -> list[int]:
+        """`lookup` with -1 where absent (plain ints: they go straight into an int64 array)."""
+        return list(map(self.index.get, keys, repeat(-1)))
+
+    def room_besides(self, pids: Sequence[PageId] | np.ndarray) -> int:
         """Pages an allocation could take (free + evictable) once `pids` are pinned."""
-        held = int(self.evictable[np.asarray(pids, dtype=np.int64)].sum()) if len(pids) else 0
+        held = int(np.count_nonzero(self.evictable[as_ids(pids)])) if len(pids) else 0
         return self.pool.num_free + self.num_cached - held
 
-    def pin(self, pids: Sequence[PageId]) -> None:
+    def pin(self, pids: Sequence[PageId] | np.ndarray) -> None:
         """Add one reference to each page (the pages must be distinct and allocated)."""
-        if not pids:
+        if not len(pids):
             return
-        arr = np.asarray(pids, dtype=np.int64)
+        arr = as_ids(pids)
         was_cached = self.evictable[arr]
-        n = int(was_cached.sum())
+        n = int(np.count_nonzero(was_cached))
         if n:
             self.evictable[arr[was_cached]] = False
             self.num_cached -= n
         self.ref[arr] += 1
 
-    def unpin(self, pids: Sequence[PageId]) -> None:
+    def unpin(self, pids: Sequence[PageId] | np.ndarray) -> None:
         """Drop one reference from each page. Pages left unreferenced become cached if indexed
         (the table's tail first in LRU order, so a long history loses its end before its start)
         and free otherwise."""
-        if not pids:
+        if not len(pids):
             return
-        arr = np.asarray(pids, dtype=np.int64)
+        arr = as_ids(pids)
         refs = self.ref[arr]
         if (refs <= 0).any():
             raise IntegrityError(f"unpin of unreferenced pages {arr[refs <= 0].tolist()}")
@@ -116,14 +127,13 @@ class MlaPageManager:
             self.evictable[cached] = True
             self.num_cached += len(cached)
             self._enqueue(cached[::-1], stamps[::-1])
-        freed = zero[~keep]
-        if len(freed):
-            self.pool.free(freed.tolist())
+        if len(cached) < len(zero):
+            self.pool.free(zero[~keep])
 
-    def allocate(self, n: int, writeback: WritebackFn | None) -> list[PageId]:
-        """n fresh pages with refcount 1, evicting cached pages (LRU) if the free list is short.
-        Raises BudgetTooSmallError if n exceeds the whole pool, CacheFullError if too many pages
-        are in use (in both cases nothing is taken)."""
+    def allocate(self, n: int, writeback: WritebackFn | None) -> np.ndarray:
+        """[n] int64 fresh pages with refcount 1, evicting cached pages (LRU) if the free list is
+        short. Raises BudgetTooSmallError if n exceeds the whole pool, CacheFullError if too many
+        pages are in use (in both cases nothing is taken)."""
         if n > self.capacity:
             raise BudgetTooSmallError(
                 f"{n} pages needed but the device pool holds only {self.capacity} usable pages"
@@ -136,8 +146,7 @@ class MlaPageManager:
         if short > 0:
             self.evict(short, writeback)
         ids = self.pool.allocate(n)
-        if ids:
-            self.ref[np.asarray(ids, dtype=np.int64)] = 1
+        self.ref[ids] = 1
         return ids
 
     def _enqueue(self, pids: np.ndarray, stamps: np.ndarray) -> None:
@@ -185,23 +194,23 @@ class MlaPageManager:
         if n <= 0 or self.num_cached == 0:
             return 0
         victims = self._lru_victims(n)
-        pids = victims.tolist()
-        keys = list(map(self.key_of.__getitem__, pids))
+        keys = self.key_of[victims].tolist()
         if writeback is not None:
-            writeback(pids, keys, self.position_of[victims].tolist())
+            writeback(victims, keys, self.position_of[victims])
         exhaust(map(self.index.__delitem__, keys))
-        exhaust(map(self.key_of.__setitem__, pids, repeat(None)))
+        self.key_of[victims] = None
         self.indexed[victims] = False
         self.evictable[victims] = False
         self.position_of[victims] = -1
-        self.num_cached -= len(pids)
-        self.pool.free(pids)
+        self.num_cached -= len(victims)
+        self.pool.free(victims)
         self.version += 1
-        return len(pids)
+        return len(victims)
 
     def register(self, pid: PageId, key: PageKey, position: int) -> bool:
         """Make a used page matchable under `key` (its content is computed). Returns False, and
         leaves the page private, if the key already names another page (same content)."""
+        pid = int(pid)
         if self.ref[pid] <= 0:
             raise IntegrityError(f"register of unreferenced page {pid}")
         current = self.index.get(key)
@@ -217,51 +226,73 @@ class MlaPageManager:
         return True
 
     def register_many(
-        self, pids: Sequence[PageId], keys: Sequence[PageKey], first_position: int
+        self, pids: Sequence[PageId] | np.ndarray, keys: Sequence[PageKey], first_position: int
     ) -> None:
         """`register` for consecutive pages of one chain (positions first_position, ...)."""
-        self.register_at(pids, keys, range(first_position, first_position + len(pids)))
+        n = len(pids)
+        self.register_at(pids, keys, np.arange(first_position, first_position + n))
 
     def register_at(
-        self, pids: Sequence[PageId], keys: Sequence[PageKey], positions: Sequence[int]
+        self,
+        pids: Sequence[PageId] | np.ndarray,
+        keys: Sequence[PageKey],
+        positions: Sequence[int] | np.ndarray,
     ) -> None:
         """`register(pid, key, position)` for each triple in order (distinct used pages): keys
         already indexed are skipped (their pages stay private). One batch, not a loop per page."""
-        if len(pids) != len(keys) or len(pids) != len(positions):
-            raise ValueError(f"{len(pids)} pages, {len(keys)} keys, {len(positions)} positions")
-        if not len(pids):
+        n = len(pids)
+        if n != len(keys) or n != len(positions):
+            raise ValueError(f"{n} pages, {len(keys)} keys, {len(positions)} positions")
+        if not n:
             return
         index = self.index
-        sel = np.asarray(pids, dtype=np.int64)
+        sel = as_ids(pids)
         if (self.ref[sel] <= 0).any():
             raise IntegrityError("register of unreferenced pages")
-        if self.indexed[sel].any() or len(set(pids)) != len(pids):
-            # Pages indexed already (re-registration, or a bug): the per-page rules decide,
-            # checked first so that a refused batch changes nothing.
-            taken_keys, taken_pids = set(), set()
-            for pid, key in zip(pids, keys, strict=True):
-                if key in index or key in taken_keys:
-                    continue
-                if self.indexed[pid] or pid in taken_pids:
-                    raise IntegrityError(f"page {pid} is already indexed under another key")
-                taken_keys.add(key)
-                taken_pids.add(pid)
-            for pid, key, position in zip(pids, keys, positions, strict=True):
-                self.register(pid, key, position)
-            return
-        # One pass: a key already indexed (by another page, or earlier in this batch) keeps its
-        # page, and this one stays private, exactly as `register` page by page.
-        got = list(map(index.setdefault, keys, pids))
-        fresh = list(map(operator.is_, got, pids))
-        if not all(fresh):
-            pids = list(compress(pids, fresh))
-            keys = list(compress(keys, fresh))
-            positions = list(compress(positions, fresh))
-            if not pids:
+        indexed = self.indexed
+        if not indexed[sel].any():
+            before = len(index)
+            indexed[sel] = True
+            if int(np.count_nonzero(indexed)) != before + n:
+                indexed[sel] = False  # a page appears twice in this batch: the slow path
+            else:
+                self._register_fresh(sel, keys, positions)
                 return
-            sel = np.asarray(pids, dtype=np.int64)
-        exhaust(map(self.key_of.__setitem__, pids, keys))
-        self.indexed[sel] = True
+        # Pages indexed already (re-registration, or a bug): the per-page rules decide, checked
+        # first so that a refused batch changes nothing.
+        plist = sel.tolist()
+        taken_keys, taken_pids = set(), set()
+        for pid, key in zip(plist, keys, strict=True):
+            if key in index or key in taken_keys:
+                continue
+            if indexed[pid] or pid in taken_pids:
+                raise IntegrityError(f"page {pid} is already indexed under another key")
+            taken_keys.add(key)
+            taken_pids.add(pid)
+        for pid, key, position in zip(plist, keys, positions, strict=True):
+            self.register(pid, key, int(position))
+
+    def _register_fresh(
+        self, sel: np.ndarray, keys: Sequence[PageKey], positions: Sequence[int] | np.ndarray
+    ) -> None:
+        """register_at of distinct pages none of which is indexed; their `indexed` flags are
+        already set. One pass: a key already indexed (by another page, or earlier in this batch)
+        keeps its page, and this one stays private, exactly as `register` page by page."""
+        plist = sel.tolist()
+        keys = keys if isinstance(keys, list) else list(keys)
+        got = list(map(self.index.setdefault, keys, plist))
+        if got == plist:
+            self.key_of[sel] = keys
+        else:
+            # setdefault hands back the very int it stored: identity marks the fresh pages.
+            fresh_list = list(map(operator.is_, got, plist))
+            fresh = np.array(fresh_list, dtype=bool)
+            self.indexed[sel[~fresh]] = False
+            if not fresh.any():
+                return
+            sel = sel[fresh]
+            self.key_of[sel] = list(compress(keys, fresh_list))
+            positions = np.asarray(positions, dtype=np.int64)[fresh]
         self.position_of[sel] = positions
         self.version += 1
 
@@ -305,6 +336,8 @@ class MlaPageManager:
         for key, pid in self.index.items():
             if self.key_of[pid] != key or not self.indexed[pid]:
                 raise IntegrityError(f"index entry {key!r} -> {pid} is not mirrored")
+        if any(k is not None for k in self.key_of[~self.indexed].tolist()):
+            raise IntegrityError("a page that is not indexed still names a key")
         qp = self._queue_pid[self._head : self._tail]
         qu = self._queue_use[self._head : self._tail]
         if (np.diff(qu) <= 0).any() or (len(qu) and qu[-1] >= self._clock):

@@ -18,9 +18,10 @@ from itertools import compress, repeat
 from typing import Literal
 
 import attrs
+import numpy as np
 import torch
 
-from ..types import PageId, PageKey
+from ..types import PageKey
 from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
 from .config import CacheGeometry
 from .handles import PrefixMatch
@@ -37,12 +38,13 @@ Tier = Literal["l1", "l2"]
 class HitPlan:
     """A hit whose L2 part has been read and verified.
 
-    sources: per hit page, its L1 page id or None (to be filled from `page_payloads`, in order).
+    sources: [hit pages] int64: per hit page, its L1 page id or -1 (to be filled from
+        `page_payloads`, in order).
     checkpoint_payload: the checkpoint's bytes when it comes from L2 (an empty tensor in
         metadata-only mode), else None.
     """
 
-    sources: list[PageId | None]
+    sources: np.ndarray
     checkpoint_tier: Tier | None
     page_payloads: list[torch.Tensor]
     checkpoint_payload: torch.Tensor | None
@@ -69,25 +71,29 @@ class Tiering:
         self.counters = counters
         self.l2 = GuardedL2(l2, self._count_error) if l2 is not None else None
 
+    def l2_version(self) -> int | None:
+        """The host tier's `presence_version` (None without a host tier)."""
+        return self.l2.presence_version() if self.l2 is not None else None
+
     def _count_error(self) -> None:
         self.counters.l2_errors += 1
 
     # -------------------------------------------------------------------------- lookups
-    def coverage(self, keys: Sequence[PageKey], pids: list[PageId | None]) -> int:
-        """Pages [0, n) covered by L1 or L2, given the L1 lookup `pids` of `keys`."""
+    def coverage(self, keys: Sequence[PageKey], pids: list[int]) -> int:
+        """Pages [0, n) covered by L1 or L2, given the L1 lookup `pids` of `keys` (-1: absent)."""
         n = len(keys)
         try:
-            covered = pids.index(None)
+            covered = pids.index(-1)
         except ValueError:
             return n
         if self.l2 is None:
             return covered
         while covered < n:
-            if pids[covered] is not None:
+            if pids[covered] >= 0:
                 covered += 1
                 continue
             gap_end = covered
-            while gap_end < n and pids[gap_end] is None:
+            while gap_end < n and pids[gap_end] < 0:
                 gap_end += 1
             found = self.l2.prefix_present(ObjectKind.PAGE, keys[covered:gap_end])
             covered += found
@@ -108,15 +114,16 @@ class Tiering:
     # ---------------------------------------------------------------------------- reads
     def fetch(self, keys: Sequence[PageKey], match: PrefixMatch) -> HitPlan:
         """Read and verify the L2 part of a hit; shrink the hit when something is unreadable."""
-        sources = list(match.sources)
+        sources = match.sources
         tier = match.checkpoint_tier
         hit = len(sources)
-        if self.l2 is None or hit == 0 or (tier == "l1" and None not in sources):
+        from_l2_mask = sources < 0
+        if self.l2 is None or hit == 0 or (tier == "l1" and not from_l2_mask.any()):
             return HitPlan(sources, tier, [], None)
         P = self.geometry.page_size
         fetched: dict[int, torch.Tensor] = {}
         # Hit pages that come from L2, ascending.
-        from_l2 = list(compress(range(hit), map(operator.is_, sources, repeat(None))))
+        from_l2 = np.flatnonzero(from_l2_mask).tolist()
         while hit > 0:
             need = from_l2[: bisect.bisect_left(from_l2, hit)]
             if fetched:
@@ -144,7 +151,7 @@ class Tiering:
             best, tier = self.deepest_checkpoint(keys, limit)
             hit = best + 1
         else:
-            return HitPlan([], None, [], None)
+            return HitPlan(sources[:0], None, [], None)
         sources = sources[:hit]
         payloads = list(map(fetched.__getitem__, from_l2[: bisect.bisect_left(from_l2, hit)]))
         return HitPlan(sources, tier, payloads, checkpoint)
@@ -160,21 +167,22 @@ class Tiering:
         return entry
 
     # --------------------------------------------------------------------------- writes
-    def writeback_pages(
-        self, pids: list[PageId], keys: list[PageKey], positions: list[int]
-    ) -> None:
+    def writeback_pages(self, pids: np.ndarray, keys: list[PageKey], positions: np.ndarray) -> None:
         """Eviction hook: store evicted pages that L2 lacks before their slots are reused."""
         self.counters.pages_evicted += len(pids)
         if self.l2 is None:
             return
         present = self.l2.contains(ObjectKind.PAGE, keys)
-        missing = list(compress(range(len(keys)), map(operator.not_, present)))
-        if not missing:
+        if all(present):
             return
+        if not any(present):
+            self.counters.pages_written_back += self._put_pages(keys, positions.tolist(), pids)
+            return
+        missing = np.flatnonzero(~np.array(present, dtype=bool))
         self.counters.pages_written_back += self._put_pages(
-            list(map(keys.__getitem__, missing)),
-            list(map(positions.__getitem__, missing)),
-            list(map(pids.__getitem__, missing)),
+            list(map(keys.__getitem__, missing.tolist())),
+            positions[missing].tolist(),
+            pids[missing],
         )
 
     def writeback_checkpoints(self, entries: list[CheckpointEntry]) -> None:
@@ -189,7 +197,7 @@ class Tiering:
         if objects:
             self.counters.checkpoints_written_back += self.l2.put(objects)
 
-    def publish(self, keys: Sequence[PageKey], page_ids: Sequence[PageId], path: list[int]) -> int:
+    def publish(self, keys: Sequence[PageKey], page_ids: np.ndarray, path: list[int]) -> int:
         """Write-through of a request's prefix up to its deepest checkpoint `path[-1]` (pages)
         and of its checkpoints at `path`; returns how many objects were newly stored."""
         assert self.l2 is not None
@@ -207,15 +215,13 @@ class Tiering:
         ]
         # Both lookups come before the writes (what is written does not depend on what the
         # writes evict); pages first, then checkpoints.
-        stored = self._put_pages(
-            list(map(keys.__getitem__, missing)), missing, list(map(page_ids.__getitem__, missing))
-        )
+        stored = self._put_pages(list(map(keys.__getitem__, missing)), missing, page_ids[missing])
         stored += self.l2.put(objects) if objects else 0
         self.counters.objects_published += stored
         return stored
 
-    def _put_pages(self, keys: list[PageKey], positions: list[int], pids: list[PageId]) -> int:
-        """Store pages (device ids `pids`) in L2; returns how many are stored now."""
+    def _put_pages(self, keys: list[PageKey], positions: list[int], pids: np.ndarray) -> int:
+        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now."""
         if not keys:
             return 0
         payloads = self.storage.read_pages(pids) if self.storage is not None else None

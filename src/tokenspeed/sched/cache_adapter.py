@@ -15,6 +15,7 @@ from tokenspeed.cache import (
     CacheFullError,
     CacheManager,
     CheckpointKind,
+    PrefixMatch,
     RequestCache,
 )
 from tokenspeed.sched.request import Request
@@ -27,6 +28,10 @@ class CacheManagerPort:
         self.cache = cache
         self.page_size = cache.page_size
         self._handles: dict[Hashable, RequestCache] = {}
+        # The latest lookup: (rid, limit, match). A request queued on an idle rank is admitted
+        # at once; `allocate` reuses the match when neither tier changed in between (it checks),
+        # instead of walking the prefix again.
+        self._last: tuple[Hashable, int, PrefixMatch] | None = None
 
     def handle(self, rid: Hashable) -> RequestCache:
         """The cache handle a request holds on this rank (page table, live slot, loads)."""
@@ -39,11 +44,15 @@ class CacheManagerPort:
         if limit < self.page_size:
             return 0
         # `match` leaves at least one token of `prompt_tokens` uncached: limit + 1 caps at limit.
-        return self.cache.match(req.keys, limit + 1).num_tokens
+        m = self.cache.match(req.keys, limit + 1)
+        self._last = (req.rid, limit, m)
+        return m.num_tokens
 
     def acquire(self, req: Request, limit: int) -> int | None:
+        last, self._last = self._last, None
+        m = last[2] if last is not None and last[:2] == (req.rid, limit) else None
         try:
-            handle = self.cache.allocate(req.rid, req.keys, limit + 1, reserve_tokens=1)
+            handle = self.cache.allocate(req.rid, req.keys, limit + 1, reserve_tokens=1, match=m)
         except _CAPACITY_ERRORS:
             return None
         self._handles[req.rid] = handle

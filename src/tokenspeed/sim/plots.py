@@ -27,8 +27,14 @@ def plot_throughput_vs_interactivity(
         # Neighbouring points of a curve can sit close together (a saturated configuration):
         # their labels go above and below in turn, in the curve's colour.
         for i, (x, y, c) in enumerate(pts):
-            ax.annotate(str(c), (x, y), textcoords="offset points", fontsize=7,
-                        xytext=(4, 4 if i % 2 == 0 else -11), color=line.get_color())
+            ax.annotate(
+                str(c),
+                (x, y),
+                textcoords="offset points",
+                fontsize=7,
+                xytext=(4, 4 if i % 2 == 0 else -11),
+                color=line.get_color(),
+            )
     ax.set_xlabel("P90 interactivity (output tokens/s per user)")
     ax.set_ylabel("output tokens/s per GPU (incl. drain)")
     ax.set_title("Throughput vs interactivity (labels: concurrency)")

@@ -51,7 +51,11 @@ def _cache(master: str, pages: int, *, op_timeout: float = 20.0, retry: float = 
         )
     )
     cache = make_manager(
-        tiny_geometry(P), pages=pages, live=2, checkpoints=16, l2=l2,
+        tiny_geometry(P),
+        pages=pages,
+        live=2,
+        checkpoints=16,
+        l2=l2,
         policy=CheckpointPolicy(interval_pages=100, max_per_path=16),
     )
     return cache, l2
@@ -156,8 +160,9 @@ def fault(master: str, n_pages: int) -> dict:
             cache.publish(h)
             cache.release(h)
             cache.check_integrity()
-            turns.append({"session": i, "hit": hit, "exact": exact,
-                          "seconds": time.monotonic() - start})
+            turns.append(
+                {"session": i, "hit": hit, "exact": exact, "seconds": time.monotonic() - start}
+            )
         if deadline is None and turns[-1]["hit"]:
             print("LOOPING", flush=True)  # the test kills the master now
             deadline = time.monotonic() + 5.0

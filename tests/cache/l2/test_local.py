@@ -179,15 +179,34 @@ _op = st.one_of(
     st.tuples(
         st.just("prefix"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 12), st.booleans()
     ),
+    # Tail first (write-back order), and a write that names a key twice.
+    st.tuples(
+        st.just("put_many_rev"),
+        st.integers(0, 3),
+        st.integers(0, 11),
+        st.integers(1, 12),
+        st.booleans(),
+    ),
+    st.tuples(
+        st.just("get_rev"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 12), st.booleans()
+    ),
+    st.tuples(
+        st.just("put_many_dup"),
+        st.integers(0, 3),
+        st.integers(0, 11),
+        st.integers(1, 8),
+        st.booleans(),
+    ),
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ops=st.lists(_op, max_size=40), capacity_pages=st.integers(3, 30))
 def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
     """Four chains of 12 page keys (chains 0-2 share their first 4 pages, like a system prompt);
-    every call on a slice of a chain, checkpoints mixed in: answers, counters, LRU evictions and
-    integrity agree with the reference model."""
+    every call on a slice of a chain (either direction), checkpoints mixed in, writes that evict
+    their own objects or repeat a key: answers, counters, LRU evictions and integrity agree with
+    the reference model."""
     l2, n = _bound(capacity_pages, metadata_only=True)
     ck = l2.object_bytes(CKPT)
     ref = _ReferenceL2(l2.capacity_bytes, {PAGE: n, CKPT: ck})
@@ -196,6 +215,10 @@ def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
         keys = chains[chain][start : start + length]
         positions = list(range(start, start + len(keys)))
         kind = CKPT if checkpoint and op != "prefix" else PAGE
+        if op.endswith("_rev"):
+            op, keys, positions = op[:-4], keys[::-1], positions[::-1]
+        elif op == "put_many_dup":
+            op, keys, positions = "put_many", keys + keys[:2], positions + positions[:2]
         if op == "put_many":
             assert l2.put_many(kind, keys, positions) == ref.put(kind, keys, positions)
         elif op == "put":
@@ -237,3 +260,51 @@ def test_integrity_check_catches_a_run_that_vouches_for_a_missing_object():
     l2._mutations += 1
     with pytest.raises(IntegrityError):
         l2.check_integrity()
+
+
+def _loaded() -> LocalHostCache:
+    l2, _ = _bound(8, metadata_only=True)
+    l2.put_many(PAGE, [1, 2, 3, 4], [0, 1, 2, 3])
+    l2.put([HostObject(CKPT, 4, 8, l2.object_bytes(CKPT))])
+    l2.check_integrity()
+    return l2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "stamp",  # a stored object drops out of the LRU order
+        "slot key",  # a slot names another key than its store entry
+        "free slot",  # a slot in use is also on the free list
+        "bytes",  # the byte count drifts
+        "run offset",  # a run vouches for a slot at the wrong offset
+    ],
+)
+def test_integrity_check_catches_broken_slot_bookkeeping(damage):
+    l2 = _loaded()
+    slot = l2._pages[2]
+    if damage == "stamp":
+        l2._lru.stamp[slot] = -1
+    elif damage == "slot key":
+        l2._keys[slot] = 99
+    elif damage == "free slot":
+        l2._free.append(slot)
+    elif damage == "bytes":
+        l2._bytes += 1
+    else:
+        l2._runs.off_of[slot] += 1
+    l2._mutations += 1
+    with pytest.raises(IntegrityError):
+        l2.check_integrity()
+
+
+def test_presence_version_moves_with_stores_and_evictions_not_with_reads():
+    l2, _ = _bound(2, metadata_only=True)
+    v0 = l2.presence_version()
+    l2.put_many(PAGE, [1, 2], [0, 1])
+    v1 = l2.presence_version()
+    l2.get(PAGE, [1, 2], [0, 1])
+    l2.put_many(PAGE, [1], [0])  # already there: a touch
+    assert l2.presence_version() == v1 != v0
+    l2.put_many(PAGE, [3], [2])  # evicts the least recently used: 2
+    assert l2.presence_version() != v1 and l2.contains(PAGE, [1, 2, 3]) == [True, False, True]

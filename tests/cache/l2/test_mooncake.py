@@ -26,11 +26,21 @@ from .mooncake_env import needs_mooncake, require_mooncake
 ROOT = Path(__file__).resolve().parents[3]
 N_PAGES = 1000
 
+
 def _run_worker(mode: str, master: str, out: Path, n_pages: int, timeout: float = 180) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.cache.l2.mooncake_worker", mode, master, str(out),
-         str(n_pages)],
-        cwd=ROOT, capture_output=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "tests.cache.l2.mooncake_worker",
+            mode,
+            master,
+            str(out),
+            str(n_pages),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=timeout,
     )
     result = json.loads(out.read_text()) if out.exists() else {}
     assert proc.returncode == 0, result.get("error") or proc.stderr.decode()[-4000:]
@@ -76,9 +86,18 @@ def test_master_killed_mid_run_degrades_to_misses(cluster, tmp_path):
     master, _ = cluster
     out = tmp_path / "fault.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.cache.l2.mooncake_worker", "fault", master.address,
-         str(out), "20"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "tests.cache.l2.mooncake_worker",
+            "fault",
+            master.address,
+            str(out),
+            "20",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         line = proc.stdout.readline()  # blocks until the worker hit L2 at least once

@@ -132,6 +132,12 @@ class HostCache(ABC):
                 return i
         return -1
 
+    def presence_version(self) -> int | None:
+        """A number that changes whenever an object may have been stored or may have left, so
+        that an unchanged number means every presence answer is unchanged; None where the
+        backend cannot tell (a store other processes write to)."""
+        return None
+
     @abstractmethod
     def put(self, objects: Sequence[HostObject]) -> int:
         """Store objects (existing keys are kept as they are); returns how many are now stored."""

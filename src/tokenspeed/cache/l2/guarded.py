@@ -49,6 +49,10 @@ class GuardedL2:
         i = self._guard("last_present", -1, lambda: self.inner.last_present(kind, keys))
         return i if isinstance(i, int) and -1 <= i < len(keys) else -1
 
+    def presence_version(self) -> int | None:
+        v = self._guard("presence_version", None, self.inner.presence_version)
+        return v if isinstance(v, int) else None
+
     def put(self, objects: Sequence[HostObject]) -> int:
         n = self._guard("put", 0, lambda: self.inner.put(objects))
         return n if isinstance(n, int) and n >= 0 else 0

@@ -6,68 +6,36 @@ kept, which is what the simulator needs to compare shared and rank-local L2 at c
 Objects are immutable, so a loader that holds a payload keeps reading valid bytes even if the
 object is evicted meanwhile.
 
-Bookkeeping is sized for a shared tier of millions of objects: a record is a plain tuple
-(position, nbytes, payload, crc), which the garbage collector stops tracking, and runs of keys
-(a prefix, a fetched hit, a published turn) are looked up, touched and stored with C-level
-`map` calls rather than a Python loop per key.
+Bookkeeping is sized for a shared tier of millions of objects. Each stored object has a slot, an
+index into numpy columns (position, size) and the LRU stamps (`SlotLru`); a dictionary per kind
+maps keys to slots. Batched calls on chain slices (a prefix check, a fetched hit, a published turn,
+pages written back together) resolve their keys through the runs of earlier batched writes
+(`RunIndex`: one probe per run, not per key) and touch, check and evict with whole-array
+operations. Every batch gives exactly the answers, counters and LRU order of the same objects
+handled one at a time; where a batch cannot guarantee that (a write that would evict one of its
+own objects, a key repeated in one write), it takes the per-object path.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import operator
 import zlib
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from operator import itemgetter
+from collections.abc import Sequence
+from itertools import repeat
 
 import attrs
+import numpy as np
 import torch
 
 from ...types import PageKey
 from .._exhaust import exhaust
 from ..errors import CacheConfigError, IntegrityError
+from ..runs import RunIndex
 from .base import HostCache, HostObject, L2Stats, ObjectKind
+from .slot_lru import FREE, SlotLru
 
 
 def crc32(payload: torch.Tensor) -> int:
     return zlib.crc32(payload.numpy())
-
-
-# A stored object: (position, nbytes, payload or None, crc or None, run id, offset in the run),
-# read by the field indexes below. A plain tuple, not a class or a NamedTuple: the garbage
-# collector untracks exact tuples of atoms, which matters with millions of them.
-_Record = tuple
-_AT_NBYTES, _AT_PAYLOAD, _AT_RUN, _AT_OFFSET = 1, 2, 4, 5
-_NO_RUN = -1  # objects stored by `put` belong to no run
-
-
-class _Run:
-    """The keys one `put_many` call stored, in the caller's order (a run of one chain: a
-    published turn, pages written back together). `dead` lists, sorted, the offsets whose
-    object is not this run's any more (evicted or removed) or never was (already stored by
-    someone else). Every other offset's key is stored, by this run's record: so a prefix check
-    can compare a slice of the caller's keys with the run's keys (C-level list comparison,
-    identity first) instead of probing the store once per key."""
-
-    __slots__ = ("alive", "dead", "keys")
-
-    def __init__(self, keys: list[PageKey]) -> None:
-        self.keys = keys
-        self.dead: list[int] = []
-        self.alive = 0
-
-
-_POSITION = itemgetter(0)
-_NBYTES = itemgetter(1)
-_CHECKPOINT = "c"
-
-
-def _name(is_checkpoint: bool, key: PageKey) -> Hashable:
-    """The object's name in the LRU order: the key itself for a page (pages are the many
-    objects: their touches hash nothing new), (_CHECKPOINT, key) for a checkpoint."""
-    return (_CHECKPOINT, key) if is_checkpoint else key
 
 
 class LocalHostCache(HostCache):
@@ -96,24 +64,92 @@ class LocalHostCache(HostCache):
         self.capacity_bytes = capacity_bytes
         self.checksum = checksum and not metadata_only
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._pages: dict[PageKey, _Record] = {}
-        self._checkpoints: dict[PageKey, _Record] = {}
-        # Names (`_name`) of every stored object of both kinds, least recently used first.
-        self._lru: OrderedDict[Hashable, None] = OrderedDict()
-        self._runs: dict[int, _Run] = {}  # runs with at least one live object
-        self._next_run = 0
+        # key -> slot, one dictionary per kind.
+        self._pages: dict[PageKey, int] = {}
+        self._checkpoints: dict[PageKey, int] = {}
+        # Per slot: numpy columns for what batches compare and sum, lists for the rest.
+        self._pos = np.zeros(0, dtype=np.int64)  # page index, or the checkpoint's length
+        self._nbytes = np.zeros(0, dtype=np.int64)
+        self._keys: list[PageKey | None] = []
+        self._is_checkpoint: list[bool] = []
+        self._payload: list[torch.Tensor | None] = []
+        self._crc: list[int | None] = []
+        self._free: list[int] = []  # slots holding no object
+        self._lru = SlotLru()
+        self._runs = RunIndex()
         self._bytes = 0
+        self._presence = 0  # bumped whenever an object is stored or leaves
         # Mutating calls so far, and the count at the last successful check_integrity().
         self._mutations = 0
         self._checked = -1
         self._empty = torch.empty(0, dtype=torch.uint8)
 
-    def _store(self, kind: ObjectKind) -> dict[PageKey, _Record]:
+    def presence_version(self) -> int:
+        return self._presence
+
+    def _store(self, kind: ObjectKind) -> dict[PageKey, int]:
         return self._checkpoints if kind is ObjectKind.CHECKPOINT else self._pages
 
+    # ------------------------------------------------------------------------------ slots
+    def _take_slots(self, n: int) -> np.ndarray:
+        """[n] int64 unused slots (the columns grow when the free slots run out)."""
+        free = self._free
+        got = free[len(free) - min(n, len(free)) :]
+        del free[len(free) - len(got) :]
+        if len(got) < n:
+            size = len(self._keys)
+            extra = n - len(got)
+            grown = max(2 * size, size + extra, 1024)
+            self._grow(grown)
+            got.extend(range(size, size + extra))
+            free.extend(range(grown - 1, size + extra - 1, -1))
+        return np.array(got, dtype=np.int64)
+
+    def _grow(self, size: int) -> None:
+        old = len(self._keys)
+        for name in ("_pos", "_nbytes"):
+            col = np.zeros(size, dtype=np.int64)
+            col[:old] = getattr(self, name)
+            setattr(self, name, col)
+        extra = size - old
+        self._keys.extend(repeat(None, extra))
+        self._is_checkpoint.extend(repeat(False, extra))
+        self._payload.extend(repeat(None, extra))
+        self._crc.extend(repeat(None, extra))
+        self._lru.grow(size)
+        self._runs.grow(size)
+
+    def _release(self, slots: np.ndarray) -> None:
+        """Slots whose objects left their store: clear them and return them to the free list."""
+        self._presence += 1
+        listed = slots.tolist()
+        self._lru.forget(slots)
+        self._runs.forget(slots)
+        exhaust(map(self._keys.__setitem__, listed, repeat(None)))
+        if not self.metadata_only:
+            exhaust(map(self._payload.__setitem__, listed, repeat(None)))
+            exhaust(map(self._crc.__setitem__, listed, repeat(None)))
+        self._free.extend(listed)
+
+    def _evict(self, need: int) -> None:
+        """Evict least recently used objects until `need` more bytes are free."""
+        victims, _, position = self._lru.oldest(self._nbytes, need)
+        self._lru.consume(position)
+        self._drop_slots(victims)
+        self.counters.evictions += len(victims)
+
+    def _drop_slots(self, slots: np.ndarray) -> None:
+        keys, is_ckpt = self._keys, self._is_checkpoint
+        pages, checkpoints = self._pages, self._checkpoints
+        for s in slots.tolist():
+            del (checkpoints if is_ckpt[s] else pages)[keys[s]]
+        self._bytes -= int(self._nbytes[slots].sum())
+        self._release(slots)
+
+    # ---------------------------------------------------------------------------- lookups
     def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
         self.counters.lookups += len(keys)
-        return list(map(self._store(kind).__contains__, keys))
+        return (self._runs.slots(self._store(kind), keys) >= 0).tolist()
 
     def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
         store = self._store(kind)
@@ -122,32 +158,7 @@ class LocalHostCache(HostCache):
             self.counters.lookups += min(1, n)
             return 0
         self.counters.lookups += n
-        # Walk the runs that hold the prefix: one probe per run, a list comparison within it.
-        # Where the runs are fragments (objects stored a few at a time), probe key by key.
-        runs, i, short = self._runs, 0, 0
-        while i < n:
-            if short > 4:
-                present = list(map(store.__contains__, keys[i:]))
-                return i + present.index(False) if False in present else n
-            s = store.get(keys[i])
-            if s is None:
-                return i
-            run = runs.get(s[_AT_RUN])
-            if run is None:  # stored by `put`: probe the rest one by one
-                present = list(map(store.__contains__, keys[i:]))
-                return i + present.index(False) if False in present else n
-            off = s[_AT_OFFSET]
-            stop = off + min(n - i, len(run.keys) - off)
-            d = bisect.bisect_right(run.dead, off)  # `off` itself is live: keys[i] maps to it
-            if d < len(run.dead):
-                stop = min(stop, run.dead[d])
-            m = stop - off
-            if m > 1 and keys[i : i + m] != run.keys[off:stop]:
-                same = list(map(operator.eq, keys[i : i + m], run.keys[off:stop]))
-                m = same.index(False)
-            short = short + 1 if m < 8 else 0
-            i += m
-        return n
+        return self._runs.prefix(store, keys)
 
     def last_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
         store = self._store(kind)
@@ -160,24 +171,13 @@ class LocalHostCache(HostCache):
         present = list(map(store.__contains__, reversed(keys)))
         return len(keys) - 1 - present.index(True) if True in present else -1
 
+    # ----------------------------------------------------------------------------- writes
     def put(self, objects: Sequence[HostObject]) -> int:
         self._mutations += 1
         stored = 0
-        c = self.counters
-        lru = self._lru
         for obj in objects:
-            is_checkpoint = obj.kind is ObjectKind.CHECKPOINT
-            store = self._checkpoints if is_checkpoint else self._pages
-            name = _name(is_checkpoint, obj.key)
-            if obj.key in store:
-                lru.move_to_end(name)
-                stored += 1
-                continue
-            if obj.nbytes > self.capacity_bytes:
-                c.dropped_writes += 1
-                continue
             payload, crc = None, None
-            if not self.metadata_only:
+            if not self.metadata_only and obj.key not in self._store(obj.kind):
                 if obj.payload is None or obj.payload.dtype != torch.uint8:
                     raise IntegrityError(f"{obj.kind} {obj.key!r}: a uint8 payload is required")
                 if obj.payload.numel() != obj.nbytes:
@@ -188,15 +188,43 @@ class LocalHostCache(HostCache):
                 # Copy: the caller's tensor may be a view into a larger staging buffer.
                 payload = obj.payload.pin_memory() if self._pin else obj.payload.clone()
                 crc = crc32(payload) if self.checksum else None
-            if self._bytes + obj.nbytes > self.capacity_bytes:
-                self._make_room(obj.nbytes)
-            store[obj.key] = (obj.position, obj.nbytes, payload, crc, _NO_RUN, 0)
-            lru[name] = None
-            self._bytes += obj.nbytes
-            c.puts += 1
-            c.put_bytes += obj.nbytes
-            stored += 1
+            stored += self._put_one(obj.kind, obj.key, obj.position, obj.nbytes, payload, crc)
         return stored
+
+    def _put_one(
+        self,
+        kind: ObjectKind,
+        key: PageKey,
+        position: int,
+        nbytes: int,
+        payload: torch.Tensor | None,
+        crc: int | None,
+    ) -> int:
+        """Store one object (the per-object path every batch reproduces); 1 if it is stored."""
+        store = self._store(kind)
+        s = store.get(key)
+        if s is not None:
+            self._lru.touch_one(s)
+            return 1
+        if nbytes > self.capacity_bytes:
+            self.counters.dropped_writes += 1
+            return 0
+        if self._bytes + nbytes > self.capacity_bytes:
+            self._evict(self._bytes + nbytes - self.capacity_bytes)
+        s = int(self._take_slots(1)[0])
+        self._pos[s] = position
+        self._nbytes[s] = nbytes
+        self._keys[s] = key
+        self._is_checkpoint[s] = kind is ObjectKind.CHECKPOINT
+        self._payload[s] = payload
+        self._crc[s] = crc
+        store[key] = s
+        self._presence += 1
+        self._lru.touch_one(s)
+        self._bytes += nbytes
+        self.counters.puts += 1
+        self.counters.put_bytes += nbytes
+        return 1
 
     def put_many(
         self,
@@ -208,51 +236,74 @@ class LocalHostCache(HostCache):
         self._mutations += 1
         if payloads is not None or not self.metadata_only:
             return super().put_many(kind, keys, positions, payloads)
-        # Metadata-only: `put` of the same objects, without building them first.
         nbytes = self.object_bytes(kind)
-        c = self.counters
         if nbytes > self.capacity_bytes:
-            c.dropped_writes += len(keys)
+            self.counters.dropped_writes += len(keys)
             return 0
-        is_checkpoint = kind is ObjectKind.CHECKPOINT
-        store = self._checkpoints if is_checkpoint else self._pages
-        lru, capacity = self._lru, self.capacity_bytes
-        run_id = self._next_run
-        self._next_run += 1
-        # The run lists the keys by position (write-back hands pages over tail first), so that
-        # it lines up with the chain slices prefix checks are asked about.
-        if all(map(operator.lt, positions, positions[1:])):
-            offsets: Sequence[int] = range(len(keys))
-            run = _Run(list(keys))
-        else:
-            order = sorted(range(len(keys)), key=positions.__getitem__)
-            offsets = [0] * len(keys)
-            exhaust(map(offsets.__setitem__, order, range(len(keys))))
-            run = _Run(list(map(keys.__getitem__, order)))
-        run.alive = 1  # held while it is being filled: evictions below may hit its records
-        self._runs[run_id] = run
-        dead = run.dead
-        added = 0
-        for offset, key, position in zip(offsets, keys, positions, strict=True):
-            name = (_CHECKPOINT, key) if is_checkpoint else key
-            if key in store:
-                lru.move_to_end(name)
-                bisect.insort(dead, offset)  # someone else's object
-                continue
-            if self._bytes + nbytes > capacity:
-                self._make_room(nbytes)
-            store[key] = (position, nbytes, None, None, run_id, offset)
-            lru[name] = None
-            self._bytes += nbytes
-            added += 1
-            run.alive += 1
-        run.alive -= 1
-        if not run.alive:
-            del self._runs[run_id]
-        c.puts += added
-        c.put_bytes += added * nbytes
+        if len(keys) != len(positions):
+            raise ValueError(f"{len(keys)} keys, {len(positions)} positions")
+        if not self._put_batch(kind, list(keys), positions, nbytes):
+            for key, position in zip(keys, positions, strict=True):
+                self._put_one(kind, key, position, nbytes, None, None)
         return len(keys)
 
+    def _put_batch(
+        self, kind: ObjectKind, keys: list[PageKey], positions: Sequence[int], nbytes: int
+    ) -> bool:
+        """Metadata-only `put_many` in whole-array steps. Returns False, having changed nothing,
+        where the result could differ from storing the objects one by one: the eviction it
+        needs would reach one of the batch's own objects, or a new key repeats."""
+        n = len(keys)
+        if not n:
+            return True
+        store = self._store(kind)
+        slots = self._runs.slots(store, keys)
+        new = np.flatnonzero(slots < 0)
+        k = len(new)
+        need = self._bytes + k * nbytes - self.capacity_bytes
+        victims, position = None, 0
+        if need > 0:
+            victims, freed, position = self._lru.oldest(self._nbytes, need)
+            if freed < need:
+                return False  # the old objects do not make room: later inserts evict earlier
+            present = slots[slots >= 0]
+            stamp = self._lru.stamp
+            if len(present) and stamp[present].min() <= stamp[victims[-1]]:
+                return False  # one by one, this batch would evict one of its own objects
+        run_slots = np.full(n, -1, dtype=np.int64)
+        if k:
+            new_keys = list(map(keys.__getitem__, new.tolist())) if k < n else keys
+            taken = self._take_slots(k)
+            listed = taken.tolist()
+            before = len(store)
+            store.update(zip(new_keys, listed, strict=True))
+            if len(store) != before + k:  # a key repeats within the batch
+                for key in new_keys:
+                    store.pop(key, None)
+                self._free.extend(listed)
+                return False
+            if victims is not None:
+                self._lru.consume(position)
+                self._drop_slots(victims)
+                self.counters.evictions += len(victims)
+            self._pos[taken] = np.asarray(positions, dtype=np.int64)[new]
+            self._nbytes[taken] = nbytes
+            exhaust(map(self._keys.__setitem__, listed, new_keys))
+            if kind is ObjectKind.CHECKPOINT:
+                exhaust(map(self._is_checkpoint.__setitem__, listed, repeat(True)))
+            else:
+                exhaust(map(self._is_checkpoint.__setitem__, listed, repeat(False)))
+            slots[new] = taken
+            run_slots[new] = taken
+            self._presence += 1
+            self._bytes += k * nbytes
+            self.counters.puts += k
+            self.counters.put_bytes += k * nbytes
+        self._lru.touch(slots)
+        self._runs.add(keys, run_slots)
+        return True
+
+    # ------------------------------------------------------------------------------ reads
     def get(
         self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
@@ -260,22 +311,19 @@ class LocalHostCache(HostCache):
         store = self._store(kind)
         expected = self.object_bytes(kind)
         c = self.counters
-        if self.metadata_only:
+        if self.metadata_only and len(keys):
             # Batched read of a run in which every object is present and as expected (the
-            # common case): the same LRU touches and counts as the loop below, in C.
-            found = list(map(store.get, keys))
+            # common case): the same LRU touches and counts as the loop below.
+            slots = self._runs.slots(store, keys)
             if (
-                None not in found
-                and list(map(_POSITION, found)) == list(positions)
-                and all(map(expected.__eq__, map(_NBYTES, found)))
+                (slots >= 0).all()
+                and np.array_equal(self._pos[slots], np.asarray(positions, dtype=np.int64))
+                and (self._nbytes[slots] == expected).all()
             ):
-                is_checkpoint = kind is ObjectKind.CHECKPOINT
-                names = [_name(True, k) for k in keys] if is_checkpoint else keys
-                exhaust(map(self._lru.move_to_end, names))
-                c.hits += len(found)
-                c.get_bytes += len(found) * expected
-                return [self._empty] * len(found)
-        is_checkpoint = kind is ObjectKind.CHECKPOINT
+                self._lru.touch(slots)
+                c.hits += len(keys)
+                c.get_bytes += len(keys) * expected
+                return [self._empty] * len(keys)
         out: list[torch.Tensor | None] = []
         for key, position in zip(keys, positions, strict=True):
             s = store.get(key)
@@ -289,49 +337,28 @@ class LocalHostCache(HostCache):
                 self._drop(kind, key)
                 out.append(None)
                 continue
-            self._lru.move_to_end(_name(is_checkpoint, key))
+            self._lru.touch_one(s)
             c.hits += 1
-            c.get_bytes += s[_AT_NBYTES]
-            out.append(self._empty if s[_AT_PAYLOAD] is None else s[_AT_PAYLOAD])
+            c.get_bytes += int(self._nbytes[s])
+            payload = self._payload[s]
+            out.append(self._empty if payload is None else payload)
         return out
 
-    def _valid(self, s: _Record, position: int, expected: int) -> bool:
-        pos, nbytes, payload, crc = s[:4]
-        if pos != position or nbytes != expected:
+    def _valid(self, s: int, position: int, expected: int) -> bool:
+        if self._pos[s] != position or self._nbytes[s] != expected:
             return False
+        payload = self._payload[s]
         if payload is None:
             return self.metadata_only
         if payload.numel() != expected:
             return False
-        return not self.checksum or crc32(payload) == crc
+        return not self.checksum or crc32(payload) == self._crc[s]
 
-    def _make_room(self, nbytes: int) -> None:
-        """Evict least recently used objects until `nbytes` more fit."""
-        lru, pages, checkpoints = self._lru, self._pages, self._checkpoints
-        evicted = 0
-        while self._bytes + nbytes > self.capacity_bytes:
-            name, _ = lru.popitem(last=False)
-            s = checkpoints.pop(name[1]) if type(name) is tuple else pages.pop(name)
-            self._bytes -= s[_AT_NBYTES]
-            self._forget(s)
-            evicted += 1
-        self.counters.evictions += evicted
-
-    def _forget(self, s: _Record) -> None:
-        """A record left the store: its run no longer vouches for its offset."""
-        run = self._runs.get(s[_AT_RUN])
-        if run is not None:
-            bisect.insort(run.dead, s[_AT_OFFSET])
-            run.alive -= 1
-            if not run.alive:
-                del self._runs[s[_AT_RUN]]
-
+    # ---------------------------------------------------------------------------- removal
     def _drop(self, kind: ObjectKind, key: PageKey) -> None:
-        is_checkpoint = kind is ObjectKind.CHECKPOINT
-        s = (self._checkpoints if is_checkpoint else self._pages).pop(key)
-        del self._lru[_name(is_checkpoint, key)]
-        self._bytes -= s[_AT_NBYTES]
-        self._forget(s)
+        s = self._store(kind).pop(key)
+        self._bytes -= int(self._nbytes[s])
+        self._release(np.array([s], dtype=np.int64))
 
     def remove(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
         self._mutations += 1
@@ -346,68 +373,54 @@ class LocalHostCache(HostCache):
     def corrupt_for_test(self, kind: ObjectKind, key: PageKey) -> None:
         """Flip one payload byte in place (fault-injection hook for tests)."""
         self._mutations += 1
-        payload = self._store(kind)[key][_AT_PAYLOAD]
+        payload = self._payload[self._store(kind)[key]]
         if payload is not None and payload.numel():
             payload[0] ^= 0xFF
 
+    # ------------------------------------------------------------------ accounting, checks
     def stats(self) -> L2Stats:
         c = self.counters
         return L2Stats(
             backend=self.backend_name,
             available=True,
-            objects=len(self._lru),
+            objects=len(self._pages) + len(self._checkpoints),
             bytes=self._bytes,
             capacity_bytes=self.capacity_bytes,
             **attrs.asdict(c),
         )
 
     def check_integrity(self) -> None:
-        """Stores, LRU order, byte count, payload presence and runs all agree. A shared tier is
-        checked by every manager that uses it: a state already verified (no mutation since) is
+        """Stores, slots, LRU log, byte count, payload presence and runs all agree. A shared tier
+        is checked by every manager that uses it: a state already verified (no mutation since) is
         not walked again."""
         if self._checked == self._mutations:
             return
-        lru = self._lru
-        names_ok = len(lru) == len(self._pages) + len(self._checkpoints) and all(
-            map(lru.__contains__, self._pages)
-        )
-        if not names_ok or any(_name(True, k) not in lru for k in self._checkpoints):
-            raise IntegrityError("L2 LRU order disagrees with the stored objects")
-        records = (*self._pages.values(), *self._checkpoints.values())
-        total = sum(map(_NBYTES, records))
+        size = len(self._keys)
+        used = self._lru.stamp[:size] != FREE
+        held: list[int] = []
+        for store, is_ckpt in ((self._pages, False), (self._checkpoints, True)):
+            slots = list(store.values())
+            keys, flags = self._keys, self._is_checkpoint
+            if any(keys[s] != k or flags[s] != is_ckpt for k, s in store.items()):
+                raise IntegrityError("L2 store entry does not match its slot")
+            held += slots
+        if len(set(held)) != len(held) or int(used.sum()) != len(held):
+            raise IntegrityError("L2 slots in use disagree with the stored objects")
+        if len(held) and not used[np.asarray(held, dtype=np.int64)].all():
+            raise IntegrityError("L2 stored object has no LRU stamp")
+        free = self._free
+        if len(set(free)) != len(free) or len(free) + len(held) != size or used[free].any():
+            raise IntegrityError("L2 free slots disagree with the slots in use")
+        if any(self._keys[s] is not None for s in free):
+            raise IntegrityError("L2 free slot still names a key")
+        total = int(self._nbytes[:size][used].sum())
         if total != self._bytes or self._bytes > self.capacity_bytes:
             raise IntegrityError(
                 f"L2 holds {total} bytes, accounts {self._bytes}, capacity {self.capacity_bytes}"
             )
-        without_payload = sum(s[_AT_PAYLOAD] is None for s in records)
-        if without_payload != (len(records) if self.metadata_only else 0):
+        without_payload = sum(self._payload[s] is None for s in held)
+        if without_payload != (len(held) if self.metadata_only else 0):
             raise IntegrityError("L2 payload presence disagrees with metadata_only")
-        self._check_runs()
+        self._lru.check_integrity()
+        self._runs.check_integrity(self._keys, used)
         self._checked = self._mutations
-
-    def _check_runs(self) -> None:
-        """Each record of a run sits at a live offset holding its key; runs count their records;
-        dead offsets are sorted and distinct; no run without records is kept."""
-        runs = self._runs
-        members: dict[int, list[int]] = {}
-        for store in (self._pages, self._checkpoints):
-            for key, s in store.items():
-                rid, off = s[_AT_RUN], s[_AT_OFFSET]
-                if rid == _NO_RUN:
-                    continue
-                run = runs.get(rid)
-                if run is None or not 0 <= off < len(run.keys) or run.keys[off] != key:
-                    raise IntegrityError(f"L2 object {key!r} is not where its run says")
-                members.setdefault(rid, []).append(off)
-        if members.keys() != runs.keys():
-            raise IntegrityError("L2 keeps a run without objects, or an object's run is gone")
-        for rid, run in runs.items():
-            offs = members[rid]
-            dead = run.dead
-            if (
-                run.alive != len(offs)
-                or any(a >= b for a, b in itertools.pairwise(dead))
-                or len(offs) + len(dead) != len(run.keys)
-                or not set(offs).isdisjoint(dead)
-            ):
-                raise IntegrityError(f"L2 run {rid}: live and dead offsets disagree")
