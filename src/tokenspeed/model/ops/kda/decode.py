@@ -19,8 +19,9 @@ written once; everything else is a few percent of that. Three implementations:
      and then releases the (row, head)'s ready counter (`counters` [B, H]).
   2. recurrence, one program per (row, head, V block of BV columns): loads its K x BV state tile
      (at once: the prep kernel does not write the state pool, see `_kda_recurrent_kernel`),
-     waits for its own (row, head)'s ready counter rather than for the whole prep grid, so
-     that the two kernels overlap; does the conv of its own BV v channels (their conv state is
+     waits, at one token per row, for its own (row, head)'s ready counter rather than for the
+     whole prep grid, so that the two kernels overlap (verify steps wait for the grid: faster
+     there); does the conv of its own BV v channels (their conv state is
      touched by that program only), then per token
         u = S^T (exp(g) * k),  w = S^T (exp(g) * q),  delta = beta (v - u),
         o = w + (q.k) delta,   S <- diag(exp(g)) S + k delta^T
@@ -390,10 +391,9 @@ def _kda_recurrent_kernel(
 
     With OVERLAP it waits for its own (row, head)'s records only (the ready counter), not for
     the whole prep grid (a PDL wait), so that it overlaps the prep kernel instead of following
-    it. Spinning is
-    safe: under PDL this grid launches only once every prep program has passed its
-    `gdc_launch_dependents`, i.e. is resident or done, so every counter is set without needing
-    an SM a spinning program holds; without PDL the prep grid has finished before."""
+    it. Spinning is safe: under PDL this grid launches only once every prep program has passed
+    its `gdc_launch_dependents`, i.e. is resident or done, so every counter is set without
+    needing an SM a spinning program holds; without PDL the prep grid has finished before."""
     pid = tl.program_id(0).to(tl.int64)
     NV = V // BV  # constexpr
     vb = pid % NV
