@@ -64,3 +64,18 @@ def test_arrays_in_and_out_and_single_slots():
     pool._is_free[2] = True  # a flag without a free-list entry
     with pytest.raises(IntegrityError):
         pool.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [[-1], [6], [0], [2], [3, -1], [3, 6], [3, 0], [3, 2]])
+def test_a_bad_free_of_one_or_many_ids_changes_nothing(bad):
+    # One id takes a path without numpy; many ids take the vector checks. Both refuse negative
+    # and out-of-range ids, the reserved sink and an id already free, leaving the pool as it was.
+    pool = SlotPool(6, reserved=(0,))
+    pool.allocate(3)  # 1, 2, 3 in use; 4, 5 free
+    pool.free([2])
+    before = (pool.free_mask().tolist(), pool.num_free)
+    with pytest.raises(IntegrityError):
+        pool.free(bad)
+    assert (pool.free_mask().tolist(), pool.num_free) == before
+    pool.check_integrity()
+    assert pool.allocate(3).tolist() == [2, 4, 5]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tokenspeed.cache import CheckpointKind, KeyChain, LocalHostCache, ObjectKind
+from tokenspeed.cache.tiering import Tiering
 
 from .helpers import make_manager, tiny_geometry, token_stream
 
@@ -16,6 +20,53 @@ def _turn(cache, rid, keys, tokens, *, checkpoints):
     for length in checkpoints:
         cache.checkpoint(h, length, kind=CheckpointKind.TURN_END)
     cache.release(h, publish=True)
+
+
+class _PrefixOnlyL2:
+    """Answers `prefix_present` from a set of present keys and records every question."""
+
+    def __init__(self, present):
+        self.present, self.asked = present, []
+
+    def prefix_present(self, kind, keys):
+        self.asked.append(list(keys))
+        found = [k in self.present for k in keys]
+        return found.index(False) if False in found else len(keys)
+
+
+def _coverage_page_by_page(l2, keys, pids):
+    """The walk coverage replaced: step through L1 pages one by one, ask L2 for each gap."""
+    n, covered = len(keys), 0
+    while covered < n:
+        if pids[covered] >= 0:
+            covered += 1
+            continue
+        gap_end = covered
+        while gap_end < n and pids[gap_end] < 0:
+            gap_end += 1
+        found = l2.prefix_present(ObjectKind.PAGE, keys[covered:gap_end])
+        covered += found
+        if covered < gap_end:
+            break
+    return covered
+
+
+@given(st.lists(st.sampled_from(["l1", "l2", "none"]), max_size=40))
+def test_coverage_asks_l2_the_same_gaps_as_a_page_by_page_walk(where):
+    # Coverage finds L1 gaps with whole-array steps; it must ask L2 exactly the questions, in
+    # the same order, and give the answer of stepping through the pages one by one.
+    keys = list(range(100, 100 + len(where)))
+    pids = np.array([7 if w == "l1" else -1 for w in where], dtype=np.int64)
+    in_l2 = {k for k, w in zip(keys, where, strict=True) if w == "l2"}
+    fast, slow = _PrefixOnlyL2(in_l2), _PrefixOnlyL2(in_l2)
+    tiering = Tiering.__new__(Tiering)
+    tiering.l2 = fast
+    got = Tiering.coverage(tiering, keys, pids)
+    assert got == _coverage_page_by_page(slow, keys, pids.tolist())
+    assert fast.asked == slow.asked
+    tiering.l2 = None  # without a host tier, coverage ends at the first page not in L1
+    first_gap = next((i for i, w in enumerate(where) if w != "l1"), len(where))
+    assert Tiering.coverage(tiering, keys, pids) == first_gap
 
 
 def test_coverage_continues_through_l2_gaps_and_l1_runs():
@@ -63,6 +114,26 @@ def test_object_vanishing_between_match_and_allocate_shrinks_the_hit(tier):
     # A tier that reports the change gets the prefix matched again; otherwise the stale plan's
     # read fails and the hit shrinks to the checkpoint the readable pages still cover.
     assert b.stats().counters.l2_fetch_failures == (1 if tier is _Unaware else 0)
+    b.release(h)
+    b.check_integrity()
+
+
+def test_a_vanished_l2_checkpoint_shrinks_the_hit_to_pages_already_read():
+    # The stale plan reads every page, then finds its checkpoint gone: the second pass keeps the
+    # pages the first read returned (none is read twice) and stops at the shallower checkpoint.
+    g = tiny_geometry()
+    shared = _Unaware(capacity_bytes=1 << 20, metadata_only=True)
+    a = make_manager(g, l2=shared, metadata_only=True)
+    b = make_manager(g, l2=shared, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(2, 33))
+    _turn(a, "w", keys, 33, checkpoints=[16, 32])
+    m = b.match(keys, 33)
+    shared.remove(ObjectKind.CHECKPOINT, [keys[7]])
+    hits = shared.stats().hits
+    h = b.allocate("r", keys, 33, match=m)
+    assert (h.num_cached_tokens, h.l2_cached_tokens) == (16, 16)
+    assert shared.stats().hits == hits + 8 + 1  # 8 pages once, the checkpoint at 16 tokens
+    assert b.stats().counters.l2_fetch_failures == 1
     b.release(h)
     b.check_integrity()
 

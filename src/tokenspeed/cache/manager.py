@@ -196,7 +196,7 @@ class CacheManager:
         covered = self._tiering.coverage(keys, pids)
         best, tier = self._tiering.deepest_checkpoint(keys, covered)
         hit = best + 1
-        sources = np.array(pids[:hit], dtype=np.int64)
+        sources = pids[:hit]
         from_l2 = int(np.count_nonzero(sources < 0))
         return PrefixMatch(
             num_tokens=hit * P,
@@ -289,7 +289,7 @@ class CacheManager:
         hit = plan.hit_pages
         total = max(_ceil_div(reserve, P), hit)
         from_l2 = plan.sources < 0
-        all_l1 = not from_l2.any()
+        all_l1 = not np.count_nonzero(from_l2)
         l1_hit = plan.sources if all_l1 else plan.sources[~from_l2]
         if total - len(l1_hit) > self._pages.room_besides(l1_hit):
             raise CacheFullError(
@@ -370,7 +370,7 @@ class CacheManager:
                 f"holds {handle.num_tokens} (extend never shrinks)"
             )
         total = _ceil_div(num_tokens, self.page_size)
-        need = total - len(handle.page_ids)
+        need = total - handle._num_pages  # not len(page_ids): that builds a view, per step
         if need > 0:
             if total > self._pages.capacity:
                 raise BudgetTooSmallError(
@@ -416,7 +416,7 @@ class CacheManager:
         keys = handle._keys
         start = handle._registered
         if n > start:
-            self._pages.register_many(handle.page_ids[start:n], keys[start:n], start)
+            self._pages.register_many(handle._table[start:n], keys[start:n], start)
             handle._registered = n
         self._paths.path(handle)  # find the path's checkpoints before adding one
         entry = self._ckpts.get(keys[n - 1])

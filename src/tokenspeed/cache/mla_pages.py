@@ -15,7 +15,6 @@ lists to arrays and back.
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from itertools import compress, repeat
@@ -81,9 +80,10 @@ class MlaPageManager:
         """Page id of each key in the L1 index (None where absent)."""
         return list(map(self.index.get, keys))
 
-    def lookup_ids(self, keys: Sequence[PageKey]) -> list[int]:
-        """`lookup` with -1 where absent (plain ints: they go straight into an int64 array)."""
-        return list(map(self.index.get, keys, repeat(-1)))
+    def lookup_ids(self, keys: Sequence[PageKey]) -> np.ndarray:
+        """[n] int64: `lookup` with -1 where absent (filled straight from the probes, with no
+        list in between: a prefill match looks up a whole history)."""
+        return np.fromiter(map(self.index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
 
     def room_besides(self, pids: Sequence[PageId] | np.ndarray) -> int:
         """Pages an allocation could take (free + evictable) once `pids` are pinned."""
@@ -110,7 +110,7 @@ class MlaPageManager:
             return
         arr = as_ids(pids)
         refs = self.ref[arr]
-        if (refs <= 0).any():
+        if np.count_nonzero(refs <= 0):  # count_nonzero: cheaper than .any() per call
             raise IntegrityError(f"unpin of unreferenced pages {arr[refs <= 0].tolist()}")
         refs -= 1
         self.ref[arr] = refs
@@ -247,10 +247,10 @@ class MlaPageManager:
             return
         index = self.index
         sel = as_ids(pids)
-        if (self.ref[sel] <= 0).any():
+        if np.count_nonzero(self.ref[sel] <= 0):
             raise IntegrityError("register of unreferenced pages")
         indexed = self.indexed
-        if not indexed[sel].any():
+        if not np.count_nonzero(indexed[sel]):
             before = len(index)
             indexed[sel] = True
             if int(np.count_nonzero(indexed)) != before + n:
@@ -284,14 +284,16 @@ class MlaPageManager:
         if got == plist:
             self.key_of[sel] = keys
         else:
-            # setdefault hands back the very int it stored: identity marks the fresh pages.
-            fresh_list = list(map(operator.is_, got, plist))
-            fresh = np.array(fresh_list, dtype=bool)
+            # setdefault hands back the page it stored, or the page the key already names: no
+            # key names one of these pages (none is indexed, and they are distinct), so a page
+            # got back under its own id is exactly a fresh one. Compared as arrays (an int64
+            # array from the list is cheaper than a list of identity tests turned into bools).
+            fresh = np.fromiter(got, dtype=np.int64, count=len(got)) == sel
             self.indexed[sel[~fresh]] = False
-            if not fresh.any():
+            if not np.count_nonzero(fresh):
                 return
             sel = sel[fresh]
-            self.key_of[sel] = list(compress(keys, fresh_list))
+            self.key_of[sel] = list(compress(keys, fresh.tolist()))
             positions = np.asarray(positions, dtype=np.int64)[fresh]
         self.position_of[sel] = positions
         self.version += 1

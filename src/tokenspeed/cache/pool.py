@@ -87,15 +87,28 @@ class SlotPool:
         n = len(arr)
         if not n:
             return
-        # Checked before anything changes, so a bad call leaves the pool as it was.
-        if (arr < 0).any() or (arr >= self.size).any():
-            raise IntegrityError(f"ids outside [0, {self.size}) freed: {arr.tolist()[:8]}")
+        # Checked before anything changes, so a bad call leaves the pool as it was. The checks
+        # use `np.count_nonzero` rather than `.any()` (microseconds less per call: the pools
+        # free about a million times per simulated hour), and one id (a KDA slot, a checkpoint)
+        # skips numpy altogether.
         flags = self._is_free
-        if flags[arr].any() or self._reserved_hits(arr):
+        top = self._top
+        if n == 1:
+            i = int(arr[0])
+            if not 0 <= i < self.size:
+                raise IntegrityError(f"ids outside [0, {self.size}) freed: [{i}]")
+            if flags[i] or i in self.reserved:
+                raise IntegrityError(f"id {i} freed twice or reserved")
+            flags[i] = True
+            self._stack[top] = i
+            self._top = top + 1
+            return
+        if np.count_nonzero(arr.view(np.uint64) >= self.size):  # a negative id wraps to >= 2^63
+            raise IntegrityError(f"ids outside [0, {self.size}) freed: {arr.tolist()[:8]}")
+        if np.count_nonzero(flags[arr]) or self._reserved_hits(arr):
             bad = next(int(i) for i in arr if int(i) in self.reserved or flags[i])
             raise IntegrityError(f"id {bad} freed twice or reserved")
         flags[arr] = True
-        top = self._top
         if int(np.count_nonzero(flags)) != top + n:
             flags[arr] = False  # some id appears twice in this call: undo
             raise IntegrityError(f"ids freed twice in one call: {arr.tolist()[:16]}")
@@ -105,7 +118,7 @@ class SlotPool:
 
     def _reserved_hits(self, arr: np.ndarray) -> list[int]:
         """The reserved ids among `arr` (few reserved ids: one vector test each)."""
-        return [r for r in self.reserved if (arr == r).any()]
+        return [r for r in self.reserved if np.count_nonzero(arr == r)]
 
     def check_integrity(self) -> None:
         free = self._stack[: self._top]

@@ -79,27 +79,24 @@ class Tiering:
         self.counters.l2_errors += 1
 
     # -------------------------------------------------------------------------- lookups
-    def coverage(self, keys: Sequence[PageKey], pids: list[int]) -> int:
-        """Pages [0, n) covered by L1 or L2, given the L1 lookup `pids` of `keys` (-1: absent)."""
+    def coverage(self, keys: Sequence[PageKey], pids: np.ndarray) -> int:
+        """Pages [0, n) covered by L1 or L2, given the L1 lookup `pids` ([n] int64, -1: absent)
+        of `keys`. Each gap in L1 is asked of L2 in order until one is not fully covered; gaps
+        are found with whole-array steps, so a long history costs a step per gap, not per page."""
         n = len(keys)
-        try:
-            covered = pids.index(-1)
-        except ValueError:
+        absent = np.flatnonzero(pids < 0)
+        if not len(absent):
             return n
         if self.l2 is None:
-            return covered
-        while covered < n:
-            if pids[covered] >= 0:
-                covered += 1
-                continue
-            gap_end = covered
-            while gap_end < n and pids[gap_end] < 0:
-                gap_end += 1
-            found = self.l2.prefix_present(ObjectKind.PAGE, keys[covered:gap_end])
-            covered += found
-            if covered < gap_end:
-                break
-        return covered
+            return int(absent[0])
+        cut = np.flatnonzero(np.diff(absent) > 1)  # a gap ends where the next absent page skips
+        starts = absent[np.concatenate(([0], cut + 1))].tolist()
+        ends = (absent[np.concatenate((cut, [len(absent) - 1]))] + 1).tolist()
+        for start, end in zip(starts, ends, strict=True):
+            found = self.l2.prefix_present(ObjectKind.PAGE, keys[start:end])
+            if found < end - start:
+                return start + found
+        return n
 
     def deepest_checkpoint(self, keys: Sequence[PageKey], limit: int) -> tuple[int, Tier | None]:
         """Largest i < limit with a checkpoint at keys[i] in L1 or L2, and its tier (L1 wins
@@ -118,14 +115,21 @@ class Tiering:
         tier = match.checkpoint_tier
         hit = len(sources)
         from_l2_mask = sources < 0
-        if self.l2 is None or hit == 0 or (tier == "l1" and not from_l2_mask.any()):
+        if self.l2 is None or hit == 0 or (tier == "l1" and not np.count_nonzero(from_l2_mask)):
             return HitPlan(sources, tier, [], None)
         P = self.geometry.page_size
         fetched: dict[int, torch.Tensor] = {}
+        # The first read while nothing in it failed: in the common case (one pass) it is the
+        # payloads, in order, and no per-page dictionary is built.
+        first: list[torch.Tensor] | None = None
+        first_need: list[int] = []
         # Hit pages that come from L2, ascending.
         from_l2 = np.flatnonzero(from_l2_mask).tolist()
         while hit > 0:
             need = from_l2[: bisect.bisect_left(from_l2, hit)]
+            if first is not None:  # a later pass: keep the first read's pages by index
+                fetched.update(zip(first_need, first, strict=True))
+                first = None
             if fetched:
                 need = [i for i in need if i not in fetched]
             first_bad = None
@@ -136,7 +140,11 @@ class Tiering:
                     j = bad.index(True)
                     first_bad = need[j]
                     need, got = need[:j], got[:j]
-                fetched.update(zip(need, got, strict=True))
+                    fetched.update(zip(need, got, strict=True))
+                elif fetched:
+                    fetched.update(zip(need, got, strict=True))
+                else:
+                    first, first_need = got, need
             checkpoint = None
             if first_bad is None and tier == "l2":
                 (checkpoint,) = self.l2.get(ObjectKind.CHECKPOINT, [keys[hit - 1]], [hit * P])
@@ -153,7 +161,12 @@ class Tiering:
         else:
             return HitPlan(sources[:0], None, [], None)
         sources = sources[:hit]
-        payloads = list(map(fetched.__getitem__, from_l2[: bisect.bisect_left(from_l2, hit)]))
+        if first is not None:
+            # Set in the pass that ended the loop, before `hit` could shrink: `first_need` is
+            # exactly the L2 pages of this hit.
+            payloads = first
+        else:
+            payloads = list(map(fetched.__getitem__, from_l2[: bisect.bisect_left(from_l2, hit)]))
         return HitPlan(sources, tier, payloads, checkpoint)
 
     def promote_checkpoint(self, key: PageKey, num_tokens: int) -> CheckpointEntry | None:
