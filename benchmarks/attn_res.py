@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.testing
 
+from fla_tuning import autotuner
 from tokenspeed.model.ops.attn_res.fused import attn_res_mix_norm, mix_norm_reference
 
 HIDDEN = 7168
@@ -73,13 +74,10 @@ SWEEP = [(bl, w, 0) for bl in (0, 1, 2, 4, 8) for w in (4, 8, 16)] + [
 
 
 def fla_tuner():
-    """The autotuner of fla's AttnRes forward kernel (its tuned configs are `.cache`)."""
+    """The autotuner of fla's AttnRes forward kernel."""
     from fla.ops.attnres import fused as fla_fused
 
-    tuner = fla_fused.attnres_fwd_kernel
-    while not hasattr(tuner, "cache") and hasattr(tuner, "fn"):
-        tuner = tuner.fn
-    return tuner
+    return autotuner(fla_fused.attnres_fwd_kernel)
 
 
 def ratio(a: float | None, b: float | None) -> str:

@@ -44,6 +44,7 @@ import warnings
 import torch
 import triton
 
+from fla_tuning import autotuner
 from tokenspeed.model.ops.conv import causal_conv
 from tokenspeed.model.ops.kda import kda_gate, kda_recurrent
 from tokenspeed.model.ops.kda.decode import (
@@ -140,13 +141,10 @@ def split_stages(inp, gate, **kw):
 
 
 def fla_conv_tuner():
-    """The autotuner of fla's conv-update kernel (under its heuristics wrapper)."""
+    """The autotuner of fla's conv-update kernel."""
     from fla.modules.causal_conv1d import ops
 
-    tuner = ops.causal_conv1d_update_kernel
-    while not hasattr(tuner, "cache") and hasattr(tuner, "fn"):
-        tuner = tuner.fn
-    return tuner
+    return autotuner(ops.causal_conv1d_update_kernel)
 
 
 def retune_fla_conv() -> None:
