@@ -70,6 +70,22 @@ def bench(fn, graph: bool) -> float:
     return ms
 
 
+def kernel_times(fn, names: tuple[str, ...], reps: int = 10) -> list[float]:
+    """Mean device us per call of the kernels whose names contain each of `names`."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals = [0.0] * len(names)
+    for event in prof.key_averages():
+        for i, name in enumerate(names):
+            if name in event.key:
+                totals[i] += event.device_time_total
+    return [t / reps for t in totals]
+
+
 def ceilings() -> tuple[float, float | None]:
     """Measured bf16 and FP8 matmul TFLOP/s at 8192^3."""
     n = 8192
@@ -250,20 +266,15 @@ def _candidates(fmt: str, rows_per_expert: float) -> list[MoeKernelConfig]:
                       (16, t(32, 256, 4, 4), t(128, 256, 4, 3))],
         }[fmt]
     else:
+        up, down = default_config(fmt, rows_per_expert)[1:3]
         extra = {
-            "dense": [(64, t(64, 64, 4, 4), t(128, 64, 4, 4)), (64, t(128, 64, 8, 3),
-                      t(256, 64, 8, 3)), (128, t(128, 64, 8, 3), t(256, 64, 8, 3)),
-                      (32, t(64, 128, 4, 3), t(128, 128, 4, 3)),
-                      (128, t(64, 64, 8, 4), t(256, 64, 8, 4)),
-                      (128, t(128, 64, 8, 4), t(256, 64, 8, 4)),
-                      (64, t(128, 64, 8, 4), t(256, 64, 8, 4))],
-            "fp8": [(64, t(128, 128, 8, 3), t(256, 128, 8, 3)),
-                    (128, t(128, 128, 8, 3), t(256, 128, 8, 3)),
-                    (32, t(128, 128, 4, 3), t(128, 128, 4, 3)),
-                    (64, t(128, 128, 8, 4), t(256, 128, 8, 4)),
-                    (128, t(64, 128, 8, 3), t(128, 128, 8, 3)),
-                    (128, t(64, 128, 8, 4), t(128, 128, 8, 4)),
-                    (64, t(128, 128, 8, 3), t(128, 128, 8, 3))],
+            "dense": [(128, t(128, 64, 8, 3), t(256, 64, 8, 3)),
+                      (128, t(64, 128, 8, 3), t(256, 64, 8, 4)),
+                      (64, t(128, 64, 8, 3), t(256, 64, 8, 3))],
+            # FP8 (H200, 2026-12-01): every tile with 4 warps, a register cap for two programs
+            # per SM, or BLOCK_M 128 measured 1.7-3x slower than the default.
+            "fp8": [(64, t(128, 128, 8, 3), down), (64, up, t(128, 128, 4, 3)),
+                    (64, up, t(128, 128, 8, 4)), (128, t(64, 128, 8, 3), t(128, 128, 8, 4))],
             "mxfp4": [(64, t(64, 64, 4, 4), t(128, 64, 4, 4)),
                       (128, t(128, 64, 8, 3), t(128, 64, 8, 3))],
         }[fmt]
@@ -302,9 +313,11 @@ def sweep_rows(tokens, formats, weights_by_format, layer_parts, gen) -> list[str
             err = rel_rms(run(config), want)
             check(f"sweep {fmt} {config}", err <= 1e-2, f"rel rms {err}")
             ms = bench(lambda config=config: run(config), False)
+            up_us, down_us = kernel_times(lambda config=config: run(config),
+                                          ("_gate_up_kernel", "_down_kernel"))
             base_ms = base_ms or ms
             rows.append(f"| {fmt} | {tokens} | {_config_name(config)} | {ms * 1e3:.0f} | "
-                        f"{base_ms / ms:.2f}x |")
+                        f"{up_us:.0f} | {down_us:.0f} | {base_ms / ms:.2f}x |")
             print(rows[-1], flush=True)
     return rows
 
@@ -395,8 +408,8 @@ def main() -> int:
                  f"{triton.__version__}); config = block_m; gate/up and down tiles "
                  "(block_n x block_k, warps, stages); persistent waves. First row per format "
                  "and tokens = the default",
-                 "", "| format | tokens | config | experts us | vs default |",
-                 "|---|---|---|---|---|"]
+                 "", "| format | tokens | config | experts us | gate/up us | down us | "
+                 "vs default |", "|---|---|---|---|---|---|---|"]
         print("\n".join(lines), flush=True)
         try:
             for tokens in tokens_list:

@@ -29,7 +29,9 @@ from triton.compiler import ASTSource
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
 
 
-def usage(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, div16=()) -> str:
+def usage(
+    fn, sig: dict, consts: dict, num_warps: int, num_stages: int, div16=(), maxnreg=None
+) -> str:
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
@@ -38,7 +40,7 @@ def usage(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, div16=()
     out = triton.compile(
         ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg},
     )
     ptx = Path("/tmp") / f"kernel_resources_{fn.__name__}.ptx"
     ptx.write_text(out.asm["ptx"])
@@ -53,10 +55,11 @@ def usage(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, div16=()
         2048 // (32 * num_warps), 65536 // (regs * 32 * num_warps), 228 * 1024 // max(smem, 1)
     )
     ir = out.asm["ttgir"]
+    shapes = " ".join(sorted(set(re.findall(r"instrShape = (\[[0-9, ]+\])", ir))))
     return (
         f"regs {regs:3d}  spill {spill:5d} B  smem {smem // 1024:3d} KiB  programs/SM {per_sm}  "
         f"async copies {ir.count('async_copy_global_to_local'):2d}  "
-        f"wgmma {ir.count('warp_group_dot')}"
+        f"wgmma {ir.count('warp_group_dot')}  mma {shapes or '-'}"
     )
 
 
@@ -73,35 +76,44 @@ def _moe() -> list[tuple[str, Callable[[], str]]]:
     div = ("L", "inter", "stride_xt", "stride_we", "stride_wn", "stride_ht", "stride_yt",
            "stride_se")
     presets = []
-    # (format, BM, BN, BK, warps, stages): the large-M defaults of grouped.py's table and the
-    # 8-warp alternatives of benchmarks/moe.py --sweep.
-    for fmt, bm, bn, bk, warps, stages in (
-        ("bf16", 16, 64, 128, 4, 4), ("bf16", 64, 128, 64, 4, 3), ("bf16", 64, 128, 64, 8, 3),
-        ("fp8", 64, 128, 128, 4, 4), ("fp8", 64, 128, 128, 8, 3),
+    # (kernel, format, BM, BN, BK, warps, stages, register cap): the defaults of grouped.py's
+    # table and alternatives of benchmarks/moe.py --sweep.
+    for kernel, fmt, bm, bn, bk, warps, stages, cap in (
+        ("gate_up", "bf16", 16, 64, 128, 4, 4, None), ("gate_up", "bf16", 64, 128, 64, 8, 3, None),
+        ("gate_up", "bf16", 128, 64, 64, 8, 4, None), ("down", "bf16", 128, 256, 64, 8, 4, None),
+        ("gate_up", "fp8", 16, 128, 128, 4, 3, None), ("gate_up", "fp8", 64, 128, 128, 8, 4, None),
+        ("gate_up", "fp8", 64, 128, 128, 8, 2, 128), ("gate_up", "fp8", 64, 64, 128, 4, 3, None),
+        ("gate_up", "fp8", 64, 64, 128, 4, 3, 168), ("gate_up", "fp8", 128, 64, 128, 8, 3, None),
+        ("down", "fp8", 64, 256, 128, 8, 4, None), ("down", "fp8", 64, 128, 128, 4, 3, None),
+        ("down", "fp8", 64, 128, 128, 4, 3, 168), ("down", "fp8", 64, 256, 128, 8, 2, 128),
     ):
         dt = "*fp8e4nv" if fmt == "fp8" else "*bf16"
         wfmt = gg.FP8 if fmt == "fp8" else gg.DENSE
-        up = _signature(gg._gate_up_kernel, {
-            "x_ptr": dt, "xs_ptr": "*fp32", "w1_ptr": dt, "w3_ptr": dt, "s1_ptr": "*fp32",
-            "s3_ptr": "*fp32", "h_ptr": dt, "hs_ptr": "*fp32", "row_pair_ptr": "*i32",
-            "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
-            "num_blocks_ptr": "*i32", "beta": "fp32", "linear_beta": "fp32",
-        }, ("WFMT", "ACT", "CAP_UP", "OUT_FP8", "ROUND", "EXACT", "INTERPRET", "BM", "BN", "BK"))
-        up_consts = dict(WFMT=wfmt, ACT=gg.SITU, CAP_UP=True, OUT_FP8=fmt == "fp8",
-                         ROUND=tl.bfloat16, EXACT=True, INTERPRET=False, BM=bm, BN=bn, BK=bk)
-        down = _signature(gg._down_kernel, {
-            "h_ptr": dt, "hs_ptr": "*fp32", "w2_ptr": dt, "s2_ptr": "*fp32", "y_ptr": "*bf16",
-            "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
-            "num_blocks_ptr": "*i32",
-        }, ("WFMT", "BM", "BN", "BK"))
-        down_consts = dict(WFMT=wfmt, BM=bm, BN=bn, BK=bk)
-        tag = f"{fmt} BM {bm} BN {bn} BK {bk} w{warps} s{stages}"
-        presets += [
-            (f"moe gate_up {tag}", lambda s=up, c=up_consts, w=warps, st=stages:
-                usage(gg._gate_up_kernel, s, c, w, st, div)),
-            (f"moe down    {tag}", lambda s=down, c=down_consts, w=warps, st=stages:
-                usage(gg._down_kernel, s, c, w, st, div)),
-        ]
+        tag = f"{fmt} BM {bm} BN {bn} BK {bk} w{warps} s{stages}" + (f" cap {cap}" if cap else "")
+        if kernel == "gate_up":
+            fn = gg._gate_up_kernel
+            sig = _signature(fn, {
+                "x_ptr": dt, "xs_ptr": "*fp32", "w1_ptr": dt, "w3_ptr": dt, "s1_ptr": "*fp32",
+                "s3_ptr": "*fp32", "h_ptr": dt, "hs_ptr": "*fp32", "row_pair_ptr": "*i32",
+                "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
+                "num_blocks_ptr": "*i32", "beta": "fp32", "linear_beta": "fp32",
+            }, ("WFMT", "ACT", "CAP_UP", "OUT_FP8", "ROUND", "EXACT", "INTERPRET", "BM", "BN",
+                "BK"))
+            consts = dict(WFMT=wfmt, ACT=gg.SITU, CAP_UP=True, OUT_FP8=fmt == "fp8",
+                          ROUND=tl.bfloat16, EXACT=True, INTERPRET=False, BM=bm, BN=bn, BK=bk)
+        else:
+            fn = gg._down_kernel
+            sig = _signature(fn, {
+                "h_ptr": dt, "hs_ptr": "*fp32", "w2_ptr": dt, "s2_ptr": "*fp32", "y_ptr": "*bf16",
+                "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
+                "num_blocks_ptr": "*i32",
+            }, ("WFMT", "BM", "BN", "BK"))
+            consts = dict(WFMT=wfmt, BM=bm, BN=bn, BK=bk)
+        presets.append((
+            f"moe {kernel:7s} {tag}",
+            lambda fn=fn, s=sig, c=consts, w=warps, st=stages, cap=cap:
+                usage(fn, s, c, w, st, div, cap),
+        ))
     return presets
 
 
@@ -132,14 +144,16 @@ def _attn_res() -> list[tuple[str, Callable[[], str]]]:
     k = fused._mix_norm_kernel
     sig = _signature(k, {name: "*bf16" for name in k.arg_names if name.endswith("_ptr")}
                      | {"mix_eps": "fp32", "norm_eps": "fp32"},
-                     ("D", "N", "HAS_DELTA", "ACCUMULATE", "BD", "BL"))
+                     ("D", "N", "HAS_DELTA", "ACCUMULATE", "BD", "BL", "STAGES", "ONE_REDUCE"))
     presets = []
-    for n, bl, warps in ((8, 1, 4), (8, 0, 8), (8, 2, 4), (4, 1, 4), (2, 1, 16)):
-        consts = dict(D=7168, N=n, HAS_DELTA=True, ACCUMULATE=True, BD=8192, BL=bl)
+    for n, bl, warps, stages in ((8, 1, 4, 0), (8, 1, 4, 4), (8, 0, 8, 0), (8, 2, 8, 0),
+                                 (4, 1, 4, 3), (2, 0, 8, 0), (2, 2, 8, 0), (1, 0, 16, 0)):
+        consts = dict(D=7168, N=n, HAS_DELTA=True, ACCUMULATE=True, BD=8192, BL=bl,
+                      STAGES=stages, ONE_REDUCE=True)
         presets.append((
-            f"attn_res K3 N {n} block_entries {bl} w{warps}",
-            lambda c=consts, w=warps: usage(
-                k, sig, c, w, 1, ("stride_bn", "stride_bt", "stride_dt", "stride_ot")
+            f"attn_res K3 N {n} block_entries {bl} w{warps} stages {stages}",
+            lambda c=consts, w=warps, st=stages: usage(
+                k, sig, c, w, max(st, 1), ("stride_bn", "stride_bt", "stride_dt", "stride_ot")
             ),
         ))
     return presets

@@ -148,13 +148,19 @@ CASES = {
     "fp32-nine-replace-strided-tiles-of-4": lambda: check(
         9, True, False, torch.float32, slots=12, atol=1e-5, block_entries=4
     ),
+    "fp32-three-accumulate-one-tile-of-4": lambda: check(
+        3, True, True, torch.float32, atol=1e-5, block_entries=4
+    ),
     "fp32-one-entry-tiles-of-4": lambda: check(
         1, True, True, torch.float32, atol=1e-5, block_entries=4
     ),
     "fp16-three-no-delta-tiles-of-1": lambda: check(
         3, False, True, torch.float16, atol=2e-3, block_entries=1
     ),
-    # The unrolled form (block_entries 0).
+    # The unrolled form (block_entries 0); one entry takes no score (its softmax weight is 1).
+    "fp32-one-entry-accumulate-unrolled": lambda: check(
+        1, True, True, torch.float32, atol=1e-5, block_entries=0
+    ),
     "fp32-three-accumulate-unrolled": lambda: check(
         3, True, True, torch.float32, atol=1e-5, block_entries=0
     ),
@@ -207,6 +213,8 @@ def test_default_launch_by_bank_size():
     # between, the pipelined entry loop for 3+ entries from 4k tokens; small rows unrolled.
     assert default_launch(2, 7168, 1) == (0, 8, 0)
     assert default_launch(8, 7168, 16) == (2, 8, 0)
+    assert default_launch(3, 7168, 1) == (4, 8, 0)  # one tile holds all entries
+    assert default_launch(4, 7168, 64) == (4, 8, 0)
     assert default_launch(8, 7168, 256) == (1, 4, 0)
     assert default_launch(2, 7168, 16384) == (0, 4, 0)
     assert default_launch(4, 7168, 4096) == (1, 4, 3)

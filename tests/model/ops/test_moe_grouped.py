@@ -156,6 +156,18 @@ def _case_fp8():
                         1e-5)
 
 
+def _case_fp8_wide_down():
+    # Down tile of 256 columns: two weight blocks per tile, so a [1, BN] row of scales (the
+    # narrower tiles load one scalar per K step).
+    x, w1, w2, w3, ids, weights = random_problem(6, 2, 4, 256, 128, seed=8)
+    (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
+    experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
+    config = MoeKernelConfig(16, GemmTile(128, 128, 4, 2), GemmTile(256, 128, 4, 2))
+    got = fused_experts(x, weights, ids, experts, config=config)
+    assert_close_scaled(got, fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, "silu"),
+                        1e-5)
+
+
 def _case_mxfp4():
     x, w1, w2, w3, ids, weights = random_problem(7, 2, 4, 64, 96, seed=6)
     (p1, c1), (p2, c2), (p3, c3) = (quantize_mxfp4(w) for w in (w1, w2, w3))
@@ -196,6 +208,7 @@ CASES = {
     "router-pipeline": _case_router_pipeline,
     "align-layout": _case_align_layout,
     "fp8-situ": _case_fp8,
+    "fp8-wide-down": _case_fp8_wide_down,
     "mxfp4-silu": _case_mxfp4,
 }
 

@@ -25,15 +25,38 @@ import torch
 import triton
 import triton.language as tl
 
+from ..moe._launch import is_interpreting
 from ..norm import rms_norm
 from .reference import attn_res_mix
 
 
 @triton.jit
-def _online_softmax_step(v, qw, m, den, acc, D, mix_eps):
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _score(v, qw, D, mix_eps, axis: tl.constexpr, ONE_REDUCE: tl.constexpr):
+    """rmsnorm(v) . qw along `axis`.
+
+    ONE_REDUCE: both sums in one two-operand reduction, so one exchange through shared memory
+    (and one barrier) instead of two; that latency is most of the time of a program at decode
+    sizes. `tl.sum` is the same reduction with one operand, so each sum is added up in the same
+    order either way. Off under the CPU interpreter only, which runs a reduction with its own
+    combine function as a Python loop over the elements, in another order than numpy's sum."""
+    if ONE_REDUCE:
+        dot, sq = tl.reduce((v * qw, v * v), axis, _add_pair)
+    else:
+        dot = tl.sum(v * qw, axis=axis)
+        sq = tl.sum(v * v, axis=axis)
+    return dot * tl.rsqrt(sq / D + mix_eps)
+
+
+@triton.jit
+def _online_softmax_step(v, qw, m, den, acc, D, mix_eps, ONE_REDUCE: tl.constexpr):
     """Fold one entry v [BD] (fp32) into the running max m, denominator den and weighted sum
     acc [BD]; its score is rmsnorm(v) . qw."""
-    score = tl.sum(v * qw, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + mix_eps)
+    score = _score(v, qw, D, mix_eps, 0, ONE_REDUCE)
     m_new = tl.maximum(m, score)
     rescale = tl.exp(m - m_new)
     p = tl.exp(score - m_new)
@@ -61,6 +84,7 @@ def _mix_norm_kernel(
     BD: tl.constexpr,
     BL: tl.constexpr,
     STAGES: tl.constexpr,
+    ONE_REDUCE: tl.constexpr,
 ):
     """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D].
 
@@ -97,7 +121,11 @@ def _mix_norm_kernel(
             ahead = partial
         else:
             ahead = tl.load(row, mask=dmask, other=0.0, eviction_policy="evict_first")
-        for i in tl.static_range(N):
+        if N == 1:
+            # A softmax over one entry is 1: the mix is the entry, no score to reduce.
+            acc = ahead.to(tl.float32)
+            den = 1.0
+        for i in tl.static_range(N if N > 1 else 0):
             v = ahead.to(tl.float32)
             if i + 2 < N:
                 ahead = tl.load(
@@ -106,7 +134,7 @@ def _mix_norm_kernel(
                 )
             elif i + 2 == N:
                 ahead = partial
-            m, den, acc = _online_softmax_step(v, qw, m, den, acc, D, mix_eps)
+            m, den, acc = _online_softmax_step(v, qw, m, den, acc, D, mix_eps, ONE_REDUCE)
         if HAS_DELTA:  # stored last, so no load above waits on it
             tl.store(row + (N - 1) * stride_bn.to(tl.int64), partial, mask=dmask)
     else:
@@ -145,9 +173,7 @@ def _mix_norm_kernel(
                              mask=is_partial & dmask[None, :])
             v = tile.to(tl.float32)  # [BL, BD]
             emask = idx < N
-            score = tl.sum(v * qw[None, :], axis=1) * tl.rsqrt(
-                tl.sum(v * v, axis=1) / D + mix_eps
-            )
+            score = _score(v, qw[None, :], D, mix_eps, 1, ONE_REDUCE)
             score = tl.where(emask, score, -float("inf"))
             m_new = tl.maximum(m, tl.max(score, axis=0))
             rescale = tl.exp(m - m_new)
@@ -167,7 +193,8 @@ def default_launch(entries: int, dim: int, tokens: int) -> tuple[int, int, int]:
     """(block_entries, num_warps, stages) by bank size, from `benchmarks/attn_res.py --sweep` on
     the H200 (docs/perf/attn_res.md). At K3's hidden size:
     - up to 64 tokens (fewer programs than SMs: each program's latency is the time) 8 warps,
-      the unrolled form up to 2 entries, 2 entries per load beyond;
+      the unrolled form up to 2 entries, 3-4 entries in one [4, D] tile (one reduction for
+      all scores: 1.06-1.25x the 2-per-load loop in graphs), 2 entries per load beyond;
     - from 4k tokens 4 warps (two programs per SM), the unrolled form up to 2 entries, beyond
       it the entry loop with the pipeliner keeping 2 (up to 4 entries) or 3 entries in flight
       through shared memory: 7-14% faster than the register prefetch at 4-8 entries, which
@@ -178,7 +205,9 @@ def default_launch(entries: int, dim: int, tokens: int) -> tuple[int, int, int]:
     if bd < 4096:
         return 0, 4 if bd >= 1024 else 2, 0
     if tokens <= 64:
-        return (0, 8, 0) if entries <= 2 else (2, 8, 0)
+        if entries <= 2:
+            return 0, 8, 0
+        return (4, 8, 0) if entries <= 4 else (2, 8, 0)
     if entries <= 2:
         return 0, 4, 0
     if tokens < 4096:
@@ -255,6 +284,7 @@ def attn_res_mix_norm(
         BD=triton.next_power_of_2(dim),
         BL=block_entries,
         STAGES=stages,
+        ONE_REDUCE=not is_interpreting(),
         num_warps=num_warps,
     )
     return out

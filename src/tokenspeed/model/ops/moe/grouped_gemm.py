@@ -89,6 +89,7 @@ def _mma_step(
     a_scale,
     w_tile,
     s_tile,
+    s_block,
     k0,
     K,
     ks,
@@ -101,6 +102,7 @@ def _mma_step(
 
     w_tile: [1, BN] pointers to the weight rows (K contiguous); s_tile: [1, BN] pointers to
     the rows of the scales (FP8: the 128-row block's scale row; MXFP4: the row's scales);
+    s_block: FP8 with BN <= 128: the scale row of the one 128-row block the tile lies in;
     a_scale: [BM] FP8 activation scales of this K block (unused otherwise).
     """
     if WFMT == 0:
@@ -108,8 +110,14 @@ def _mma_step(
         acc = tl.dot(a, b.to(a.dtype), acc)
     elif WFMT == 1:
         b = tl.load(w_tile + ks[:, None], mask=nmask & (ks < K)[:, None], other=0.0)
-        b_scale = tl.load(s_tile + k0 // 128, mask=nmask, other=0.0)  # [1, BN]
-        acc += tl.dot(a, b) * (a_scale[:, None] * b_scale)
+        if BN <= 128:
+            # One weight block across the tile: a scalar scale, folded into the row scales
+            # (a [BM] product, not a [BM, BN] one, and one load instead of BN).
+            b_scale = tl.load(s_block + k0 // 128)
+            acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
+        else:
+            b_scale = tl.load(s_tile + k0 // 128, mask=nmask, other=0.0)  # [1, BN]
+            acc += tl.dot(a, b) * (a_scale[:, None] * b_scale)
     else:
         kk = k0 // 2 + tl.arange(0, BK // 2)
         packed = tl.load(w_tile + kk[:, None], mask=nmask & (kk < K // 2)[:, None], other=0)
@@ -184,6 +192,7 @@ def _gate_up_kernel(
             s_off = e64 * stride_se + (cols[None, :] // 128).to(tl.int64) * stride_sn
         else:
             s_off = e64 * stride_se + cols[None, :].to(tl.int64) * stride_sn
+        s_block = e64 * stride_se + ((nt * BN) // 128).to(tl.int64) * stride_sn
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, L, BK):
@@ -197,10 +206,12 @@ def _gate_up_kernel(
             if WFMT == 1:
                 a_scale = tl.load(xs_ptr + token * stride_xst + k0 // 128, mask=rmask, other=0.0)
             acc_g = _mma_step(
-                acc_g, a, a_scale, w1_ptr + w_off, s1_ptr + s_off, k0, L, ks, nmask, WFMT, BK, BN
+                acc_g, a, a_scale, w1_ptr + w_off, s1_ptr + s_off, s1_ptr + s_block, k0, L,
+                ks, nmask, WFMT, BK, BN,
             )
             acc_u = _mma_step(
-                acc_u, a, a_scale, w3_ptr + w_off, s3_ptr + s_off, k0, L, ks, nmask, WFMT, BK, BN
+                acc_u, a, a_scale, w3_ptr + w_off, s3_ptr + s_off, s3_ptr + s_block, k0, L,
+                ks, nmask, WFMT, BK, BN,
             )
         g = acc_g.to(ROUND).to(tl.float32)
         u = acc_u.to(ROUND).to(tl.float32)
@@ -265,6 +276,7 @@ def _down_kernel(
             s_off = e64 * stride_se + (cols[None, :] // 128).to(tl.int64) * stride_sn
         else:
             s_off = e64 * stride_se + cols[None, :].to(tl.int64) * stride_sn
+        s_block = e64 * stride_se + ((nt * BN) // 128).to(tl.int64) * stride_sn
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, inter, BK):
             ks = k0 + tl.arange(0, BK)
@@ -277,7 +289,8 @@ def _down_kernel(
             if WFMT == 1:
                 a_scale = tl.load(hs_ptr + r64 * stride_hst + k0 // 128, mask=rmask, other=0.0)
             acc = _mma_step(
-                acc, a, a_scale, w2_ptr + w_off, s2_ptr + s_off, k0, inter, ks, nmask, WFMT, BK, BN
+                acc, a, a_scale, w2_ptr + w_off, s2_ptr + s_off, s2_ptr + s_block, k0, inter, ks,
+                nmask, WFMT, BK, BN,
             )
         y_ptrs = y_ptr + r64[:, None] * stride_yt + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask)
