@@ -237,9 +237,10 @@ def case_given_scratch(steps=3):
     }
 
 
-def case_stages():
-    """The split variant's two launches run one by one (kda_decode_stages) == kda_decode: the
-    prep sets the ready counters to V // BV, the recurrence's programs count them back to 0."""
+def case_stages(overlap_prep=True):
+    """The split variant's two launches run one by one (kda_decode_stages) == kda_decode.
+    Waiting on the ready counters, the prep sets them to V // BV and the recurrence's programs
+    count them back to 0; with the grid wait neither kernel touches them."""
     inp = make_inputs(steps=2, seed=15)
     o, conv, state = run_kernel(inp, gate="lower_bound", block_v=4)
     mine = {
@@ -250,11 +251,12 @@ def case_stages():
     out = torch.empty_like(o)
     counters = torch.zeros(3, 2, dtype=torch.int32)
     stages = kda_decode_stages(
-        **mine, gate="lower_bound", out=out, variant="split", counters=counters, block_v=4
+        **mine, gate="lower_bound", out=out, variant="split", counters=counters, block_v=4,
+        overlap_prep=overlap_prep,
     )
     assert len(stages) == 2
     stages[0]()
-    ready = bool((counters == 16 // 4).all())
+    ready = bool((counters == (16 // 4 if overlap_prep else 0)).all())
     stages[1]()
     return {
         "out": (out - o).abs().max().item(),
@@ -374,6 +376,7 @@ CPU_CASES = {
     },
     "split:given-scratch": case_given_scratch,
     "split:stages": case_stages,
+    "split:stages-grid-wait": lambda: case_stages(overlap_prep=False),
     "split:one-warp-T2": lambda: compare(
         make_inputs(steps=2, seed=16), "softplus", variant="split", block_v=16, num_warps=1
     ),

@@ -16,7 +16,8 @@ written once; everything else is a few percent of that. Three implementations:
      channels is read and rewritten by that program only, so exactly once), SiLU, the norms,
      the gate and beta; per token it writes one fp32 record of `scratch` [B, T, H, D]:
         dq = exp(g) * q (scaled) [K] | k [K] | exp(g) [K] | beta | q.k | padding
-     and then releases the (row, head)'s ready counter (`counters` [B, H]).
+     and then, at one token per row, releases the (row, head)'s ready counter (`counters`
+     [B, H]).
   2. recurrence, one program per (row, head, V block of BV columns): loads its K x BV state tile
      (at once: the prep kernel does not write the state pool, see `_kda_recurrent_kernel`),
      waits, at one token per row, for its own (row, head)'s ready counter rather than for the
@@ -293,6 +294,7 @@ def _kda_prep_kernel(
     WP: tl.constexpr,  # next power of two >= W - 1 + T
     D: tl.constexpr,  # scratch record width
     NV: tl.constexpr,  # recurrence programs per (row, head): V // BV
+    RELEASE: tl.constexpr,  # set the ready counters (the recurrence waits on them, OVERLAP)
     LOWER_BOUND: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -354,9 +356,11 @@ def _kda_prep_kernel(
     _store_window(conv_row, k_win, k_ch, cols, T, W)
     # Release, after every lane's stores (the barrier): the records and the conv state are
     # visible to whoever acquires the counter. Last, so that the recurrence (and through it
-    # every later kernel) never runs ahead of any memory work of this program.
-    tl.debug_barrier()
-    tl.atomic_add(ready_ptr + pid, NV, sem="release")
+    # every later kernel) never runs ahead of any memory work of this program. Only when the
+    # recurrence waits on the counters: with the grid wait they stay untouched (zero).
+    if RELEASE:
+        tl.debug_barrier()
+        tl.atomic_add(ready_ptr + pid, NV, sem="release")
 
 
 @triton.jit
@@ -416,9 +420,11 @@ def _kda_recurrent_kernel(
     x_row = qkv_ptr + row * stride_qkv_b
     conv_row = conv_state_ptr + slot * C * (W - 1)
 
-    # Acquire this (row, head)'s records (OVERLAP), or wait for the whole prep grid; either
-    # way count this program off (the counter is back to zero once all NV programs of the head
-    # have passed). With OVERLAP the conv window of the block's v channels is also loaded now
+    # Acquire this (row, head)'s records and count this program off (OVERLAP: the counter is
+    # back to zero once all NV programs of the head have passed), or wait for the whole prep
+    # grid (the counters untouched: a scalar atomic costs each program a barrier and a round
+    # trip, which verify steps measured). With OVERLAP the conv window of the block's v
+    # channels is also loaded now
     # and rewritten before the tile's store, so that the program ends with that store (the
     # form timed with it; the grid wait keeps the window after the store, as timed with it).
     ready = ready_ptr + row * H + head
@@ -428,10 +434,10 @@ def _kda_recurrent_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         while tl.atomic_add(ready, 0, sem="acquire") == 0:
             pass
+        tl.atomic_add(ready, -1, sem="relaxed")
     elif USE_PDL:
         tl.extra.cuda.gdc_wait()  # the records of the prep kernel
         tl.extra.cuda.gdc_launch_dependents()
-    tl.atomic_add(ready, -1, sem="relaxed")
 
     for t in tl.static_range(T):
         rec = scratch_ptr + ((row * T + t) * H + head) * D
@@ -818,6 +824,7 @@ def _plan(
                 **launch,
             )
         ]
+    overlap = steps == 1 if overlap_prep is None else overlap_prep
     return out, [
         lambda: _kda_prep_kernel[(batch * heads,)](
             qkv,
@@ -836,6 +843,7 @@ def _plan(
             float(lower_bound),
             D=record,
             NV=v_dim // block_v,
+            RELEASE=overlap,
             num_warps=prep_warps,
             **common,
             **launch,
@@ -855,7 +863,7 @@ def _plan(
             qkv.stride(1),
             D=record,
             BV=block_v,
-            OVERLAP=steps == 1 if overlap_prep is None else overlap_prep,
+            OVERLAP=overlap,
             num_warps=num_warps,
             **{k: v for k, v in common.items() if k != "LOWER_BOUND"},
             **launch,
