@@ -151,6 +151,24 @@ def test_a_match_is_reused_only_while_neither_tier_changed():
     assert b._usable_match(m, keys, 33).num_tokens == 32
 
 
+def test_publish_names_the_page_before_the_new_ones_so_a_history_stays_one_run():
+    # Turn by turn, each publish stores the pages after the history already in L2 and names the
+    # page before them: the shared tier keeps the conversation in one run.
+    g = tiny_geometry()
+    shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    a = make_manager(g, l2=shared, metadata_only=True)
+    b = make_manager(g, l2=shared, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(5, 49))
+    _turn(a, "t1", keys[:4], 17, checkpoints=[16])
+    _turn(b, "t2", keys[:8], 33, checkpoints=[32])  # another rank: it finds the start in L2
+    _turn(a, "t3", keys, 49, checkpoints=[48])
+    assert shared.prefix_present(ObjectKind.PAGE, keys) == 12
+    assert len(shared._runs.runs) == 1
+    (run,) = shared._runs.runs.values()
+    assert run.keys == keys[:12]
+    shared.check_integrity()
+
+
 def test_l1_checkpoint_wins_ties_and_l2_extends_deeper():
     g = tiny_geometry()
     l2 = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)

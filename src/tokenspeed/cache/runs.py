@@ -75,16 +75,33 @@ class RunIndex:
             run_of[:old], off_of[:old] = self.run_of, self.off_of
             self.run_of, self.off_of = run_of, off_of
 
-    def add(self, keys: list[PageKey], slots: np.ndarray) -> None:
-        """A run of `keys` (kept, not copied) whose slots this batch indexed (-1: not this
-        batch's). The slots must belong to no run."""
+    def add(self, keys: list[PageKey], slots: np.ndarray, after: int = -1) -> None:
+        """A run of `keys` (kept, not copied: the index owns the list and may extend it) whose
+        slots this batch indexed (-1: not this batch's). The slots must belong to no run.
+
+        after: a slot holding the key just before `keys[0]` in its chain (a turn published after
+            the turn before it), or -1. When that slot is the last offset of its run, the batch
+            continues that run instead of starting one, so a history published turn by turn
+            stays one run and a walk over it is one segment, not one per turn. Only where to
+            look changes: any slot will do (answers never depend on how keys are grouped)."""
         offs = np.flatnonzero(slots >= 0)
         if not len(offs):
             return
+        owned = slots[offs]
+        if after >= 0:
+            rid = int(self.run_of[after])
+            run = self.runs.get(rid) if rid != NO_RUN else None
+            if run is not None and int(self.off_of[after]) == len(run.keys) - 1:
+                base = len(run.keys)
+                run.keys.extend(keys)
+                run.slots = np.concatenate((run.slots, slots))
+                run.alive += len(offs)
+                self.run_of[owned] = rid
+                self.off_of[owned] = offs + base
+                return
         rid = self._next
         self._next += 1
         self.runs[rid] = _Run(keys, slots, len(offs))
-        owned = slots[offs]
         self.run_of[owned] = rid
         self.off_of[owned] = offs
 

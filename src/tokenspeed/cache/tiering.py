@@ -228,17 +228,29 @@ class Tiering:
         ]
         # Both lookups come before the writes (what is written does not depend on what the
         # writes evict); pages first, then checkpoints.
-        stored = self._put_pages(list(map(keys.__getitem__, missing)), missing, page_ids[missing])
+        # The new pages usually continue the stored history: name the page before them, so the
+        # host tier can keep the chain's bookkeeping in one piece (a hint; results are the same).
+        after = keys[missing[0] - 1] if missing and missing[0] > 0 else None
+        stored = self._put_pages(
+            list(map(keys.__getitem__, missing)), missing, page_ids[missing], after
+        )
         stored += self.l2.put(objects) if objects else 0
         self.counters.objects_published += stored
         return stored
 
-    def _put_pages(self, keys: list[PageKey], positions: list[int], pids: np.ndarray) -> int:
-        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now."""
+    def _put_pages(
+        self,
+        keys: list[PageKey],
+        positions: list[int],
+        pids: np.ndarray,
+        after: PageKey | None = None,
+    ) -> int:
+        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now.
+        `after`: the key of the page before keys[0] in their chain, if known (a hint)."""
         if not keys:
             return 0
         payloads = self.storage.read_pages(pids) if self.storage is not None else None
-        return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads)
+        return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads, after=after)
 
     def _checkpoint_object(self, entry: CheckpointEntry) -> HostObject:
         payload = self.storage.read_checkpoint(entry.slot) if self.storage is not None else None

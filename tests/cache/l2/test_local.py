@@ -190,6 +190,14 @@ _op = st.one_of(
     st.tuples(
         st.just("get_rev"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 12), st.booleans()
     ),
+    # A write naming the page before it (its chain predecessor, or a wrong key: a hint only).
+    st.tuples(
+        st.just("put_many_after"),
+        st.integers(0, 3),
+        st.integers(0, 11),
+        st.integers(1, 8),
+        st.booleans(),
+    ),
     st.tuples(
         st.just("put_many_dup"),
         st.integers(0, 3),
@@ -221,6 +229,10 @@ def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
             op, keys, positions = "put_many", keys + keys[:2], positions + positions[:2]
         if op == "put_many":
             assert l2.put_many(kind, keys, positions) == ref.put(kind, keys, positions)
+        elif op == "put_many_after":
+            after = chains[chain][start - 1] if 0 < start <= 11 else chains[(chain + 1) % 4][3]
+            got = l2.put_many(kind, keys, positions, after=after)
+            assert got == ref.put(kind, keys, positions)
         elif op == "put":
             nbytes = ck if kind is CKPT else n
             objs = [HostObject(kind, k, p, nbytes) for k, p in zip(keys, positions, strict=True)]
@@ -240,6 +252,8 @@ def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
             assert l2.contains(k, [key for c in chains for key in c]) == [
                 key in ref.stores[k] for c in chains for key in c
             ]
+            few = keys[:7]  # a few keys (checkpoints, short writes): probed without the runs
+            assert l2.contains(k, few) == [key in ref.stores[k] for key in few]
         s = l2.stats()
         assert (s.objects, s.bytes, s.evictions, s.puts, s.hits, s.misses) == (
             len(ref.lru),
@@ -250,6 +264,31 @@ def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
             ref.misses,
         )
         l2.check_integrity()
+
+
+def test_contains_counts_every_key_asked_about_short_or_long():
+    l2, _ = _bound(64, metadata_only=True)
+    l2.put_many(PAGE, list(range(20)), list(range(20)))
+    before = l2.stats().lookups
+    assert l2.contains(PAGE, [3, 99, 5]) == [True, False, True]
+    assert l2.contains(PAGE, list(range(15, 30))) == [k < 20 for k in range(15, 30)]
+    assert l2.stats().lookups == before + 3 + 15
+
+
+def test_a_history_written_turn_by_turn_after_its_last_page_stays_one_run():
+    # Each turn's new pages name the page before them: the tier keeps the chain in one run, so
+    # a prefix check over the whole history resolves in one segment.
+    l2, _ = _bound(64, metadata_only=True)
+    chain = list(range(500, 540))
+    l2.put_many(PAGE, chain[:10], list(range(10)))
+    for start, end in ((10, 18), (18, 31), (31, 40)):
+        l2.put_many(PAGE, chain[start:end], list(range(start, end)), after=chain[start - 1])
+    assert len(l2._runs.runs) == 1
+    assert l2.prefix_present(PAGE, chain) == 40
+    assert l2.contains(PAGE, chain[::-1]) == [True] * 40
+    l2.put_many(PAGE, [900, 901], [0, 1])  # no predecessor named: a run of its own
+    assert len(l2._runs.runs) == 2
+    l2.check_integrity()
 
 
 def test_integrity_check_catches_a_run_that_vouches_for_a_missing_object():

@@ -148,9 +148,15 @@ class HostCache(ABC):
         keys: Sequence[PageKey],
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
+        *,
+        after: PageKey | None = None,
     ) -> int:
         """`put` of objects of one kind and the bound geometry's size (`object_bytes`), given as
-        parallel sequences (payloads None when metadata-only). Backends may do it in one batch."""
+        parallel sequences (payloads None when metadata-only). Backends may do it in one batch.
+
+        after: the key of the page just before `keys[0]` in its chain, when the caller knows it
+            (a turn's new pages after the history already stored): a placement hint that a
+            backend may use to keep a chain's bookkeeping together; it never changes a result."""
         nbytes = self.object_bytes(kind)
         if payloads is None:
             payloads = [None] * len(keys)

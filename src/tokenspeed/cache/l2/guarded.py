@@ -63,8 +63,14 @@ class GuardedL2:
         keys: Sequence[PageKey],
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
+        *,
+        after: PageKey | None = None,
     ) -> int:
-        n = self._guard("put_many", 0, lambda: self.inner.put_many(kind, keys, positions, payloads))
+        n = self._guard(
+            "put_many",
+            0,
+            lambda: self.inner.put_many(kind, keys, positions, payloads, after=after),
+        )
         return n if isinstance(n, int) and n >= 0 else 0
 
     def get(

@@ -141,15 +141,22 @@ class LocalHostCache(HostCache):
     def _drop_slots(self, slots: np.ndarray) -> None:
         keys, is_ckpt = self._keys, self._is_checkpoint
         pages, checkpoints = self._pages, self._checkpoints
-        for s in slots.tolist():
-            del (checkpoints if is_ckpt[s] else pages)[keys[s]]
+        listed = slots.tolist()
+        if True in map(is_ckpt.__getitem__, listed):
+            for s in listed:
+                del (checkpoints if is_ckpt[s] else pages)[keys[s]]
+        else:  # only pages (the common case): C-level deletes
+            exhaust(map(pages.__delitem__, map(keys.__getitem__, listed)))
         self._bytes -= int(self._nbytes[slots].sum())
         self._release(slots)
 
     # ---------------------------------------------------------------------------- lookups
     def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
         self.counters.lookups += len(keys)
-        return (self._runs.slots(self._store(kind), keys) >= 0).tolist()
+        store = self._store(kind)
+        if len(keys) < 8:  # a few keys (checkpoints): the walk would probe each one anyway
+            return list(map(store.__contains__, keys))
+        return (self._runs.slots(store, keys) >= 0).tolist()
 
     def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
         store = self._store(kind)
@@ -232,27 +239,35 @@ class LocalHostCache(HostCache):
         keys: Sequence[PageKey],
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
+        *,
+        after: PageKey | None = None,
     ) -> int:
         self._mutations += 1
         if payloads is not None or not self.metadata_only:
-            return super().put_many(kind, keys, positions, payloads)
+            return super().put_many(kind, keys, positions, payloads)  # no runs: `after` unused
         nbytes = self.object_bytes(kind)
         if nbytes > self.capacity_bytes:
             self.counters.dropped_writes += len(keys)
             return 0
         if len(keys) != len(positions):
             raise ValueError(f"{len(keys)} keys, {len(positions)} positions")
-        if not self._put_batch(kind, list(keys), positions, nbytes):
+        if not self._put_batch(kind, list(keys), positions, nbytes, after):
             for key, position in zip(keys, positions, strict=True):
                 self._put_one(kind, key, position, nbytes, None, None)
         return len(keys)
 
     def _put_batch(
-        self, kind: ObjectKind, keys: list[PageKey], positions: Sequence[int], nbytes: int
+        self,
+        kind: ObjectKind,
+        keys: list[PageKey],
+        positions: Sequence[int],
+        nbytes: int,
+        after: PageKey | None = None,
     ) -> bool:
         """Metadata-only `put_many` in whole-array steps. Returns False, having changed nothing,
         where the result could differ from storing the objects one by one: the eviction it
-        needs would reach one of the batch's own objects, or a new key repeats."""
+        needs would reach one of the batch's own objects, or a new key repeats. `keys` is owned
+        (it becomes the batch's run, or extends the run that holds `after`)."""
         n = len(keys)
         if not n:
             return True
@@ -300,7 +315,8 @@ class LocalHostCache(HostCache):
             self.counters.puts += k
             self.counters.put_bytes += k * nbytes
         self._lru.touch(slots)
-        self._runs.add(keys, run_slots)
+        prev = store.get(after, -1) if after is not None else -1
+        self._runs.add(keys, run_slots, prev)
         return True
 
     # ------------------------------------------------------------------------------ reads
