@@ -69,16 +69,7 @@ def test_walks_agree_with_probing_every_key(runs, gone, query):
     index, store = _index(
         [chain[a : a + n][::-1] if rev else chain[a : a + n] for a, n, rev in runs]
     )
-    for key in gone:
-        slot = store.pop(chain[key], None)
-        if slot is not None:
-            index.forget(np.array([slot]))
-    a, n, rev = query
-    keys = chain[a : a + n][::-1] if rev else chain[a : a + n]
-    probe = [store.get(k, -1) for k in keys]
-    assert index.slots(store, keys).tolist() == probe
-    assert index.prefix(store, keys) == (probe.index(-1) if -1 in probe else len(probe))
-    index.check_integrity(_keys_of(store), _used(store))
+    _forget_then_check_a_walk(index, store, chain, gone, query)
 
 
 def test_a_batch_after_the_last_slot_of_a_run_continues_it():
@@ -141,6 +132,12 @@ def test_walks_agree_with_probing_every_key_whatever_runs_continue(runs, gone, q
                 store[key] = slots[j] = len(store)
         prev = store.get(chain[after], -1) if after >= 0 else -1
         index.add(list(keys), slots, prev)
+    _forget_then_check_a_walk(index, store, chain, gone, query)
+
+
+def _forget_then_check_a_walk(index, store, chain, gone, query) -> None:
+    """Objects `gone` leave; a walk over the `query` run of `chain` (start, length, reversed)
+    then answers as probing every key would, and the index stays consistent."""
     for key in gone:
         slot = store.pop(chain[key], None)
         if slot is not None:
