@@ -158,9 +158,6 @@ CASES = {
         3, False, True, torch.float16, atol=2e-3, block_entries=1
     ),
     # The unrolled form (block_entries 0); one entry takes no score (its softmax weight is 1).
-    "fp32-one-entry-accumulate-unrolled": lambda: check(
-        1, True, True, torch.float32, atol=1e-5, block_entries=0
-    ),
     "fp32-three-accumulate-unrolled": lambda: check(
         3, True, True, torch.float32, atol=1e-5, block_entries=0
     ),
