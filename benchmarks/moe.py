@@ -279,6 +279,10 @@ def _candidates(fmt: str, rows_per_expert: float) -> list[MoeKernelConfig]:
                       (128, t(128, 64, 8, 3), t(128, 64, 8, 3))],
         }[fmt]
     configs = [default_config(fmt, rows_per_expert)]
+    if fmt == "fp8" and configs[0].block_m == 64:  # Triton vs Gluon down GEMM, same tiles
+        configs += [configs[0]._replace(gluon=not configs[0].gluon)]
+    if configs[0].gluon:  # other Gluon ring depths
+        configs += [configs[0]._replace(down=down._replace(num_stages=n)) for n in (3, 5)]
     configs += [MoeKernelConfig(*c) for c in extra]  # (block_m, gate_up, down[, waves])
     configs.append(configs[0]._replace(waves=2))
     return configs
@@ -288,7 +292,8 @@ def _config_name(c: MoeKernelConfig) -> str:
     def tile(t):
         return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
 
-    return f"M{c.block_m}; up {tile(c.gate_up)}; down {tile(c.down)}; waves {c.waves}"
+    gluon = " (Gluon)" if c.gluon else ""
+    return f"M{c.block_m}; up {tile(c.gate_up)}; down {tile(c.down)}{gluon}; waves {c.waves}"
 
 
 def sweep_rows(tokens, formats, weights_by_format, layer_parts, gen) -> list[str]:

@@ -7,7 +7,8 @@ layer owns (all of them by default; a slice for expert parallelism), optionally 
 CUDA graph; the intermediates are sized by `max_pairs`, a static bound on the local pairs.
 
 Launches: [count] (skipped when the router already counted), align, [FP8 activation
-quantisation], gate/up, down, combine.
+quantisation], gate/up, down, combine. With FP8 on Hopper the down GEMM of the BLOCK_M 64
+tiles is the Gluon kernel of gluon_fp8.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from .combine import combine
 from .fp8 import FP8_DTYPE, quantize_fp8_rows
 from .fp8 import GROUP as FP8_GROUP
 from .mxfp4 import GROUP as MX_GROUP
+
+try:  # Gluon (Triton's explicit-layout dialect) ships with Triton >= 3.4
+    from . import gluon_fp8
+except ImportError:  # pragma: no cover - an older Triton
+    gluon_fp8 = None
 
 _FORMATS = {"dense": gg.DENSE, "fp8": gg.FP8, "mxfp4": gg.MXFP4}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -125,6 +131,9 @@ class MoeKernelConfig(NamedTuple):
     gate_up: GemmTile
     down: GemmTile
     waves: int = 1  # persistent programs per SM
+    # FP8 on Hopper: the down GEMM in Gluon (gluon_fp8.py) where its tiles apply (BLOCK_M 64,
+    # bf16 out, latent width a multiple of 256); the Triton kernel otherwise.
+    gluon: bool = False
 
 
 # Rows per expert -> tiles, by format (BLOCK_N counts the columns of each of gate and up).
@@ -143,8 +152,10 @@ _TABLE = {
     ),
     "fp8": (
         (16, MoeKernelConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
-        (96, MoeKernelConfig(64, GemmTile(128, 128, 8, 3), GemmTile(256, 128, 8, 3))),
-        (None, MoeKernelConfig(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4))),
+        # BLOCK_M 64: the down GEMM in Gluon on Hopper (1.07x / 1.15x the Triton kernel at
+        # 2048 / 16384 tokens, docs/perf/moe.md "FP8 in Gluon").
+        (96, MoeKernelConfig(64, GemmTile(128, 128, 8, 3), GemmTile(256, 128, 8, 3), 1, True)),
+        (None, MoeKernelConfig(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4), 1, True)),
     ),
     "mxfp4": (
         (16, MoeKernelConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3))),
@@ -172,6 +183,19 @@ def _fit(tile: GemmTile, n: int, k: int, fmt: str, fixed_n: int | None) -> GemmT
     else:
         bk = min(tile.block_k, max(16, triton.next_power_of_2(k)))
     return tile._replace(block_n=bn, block_k=bk)
+
+
+def _gluon_down(x: torch.Tensor, experts: ExpertWeights, cfg: MoeKernelConfig, compute) -> bool:
+    """Whether this call's FP8 down GEMM runs the Gluon kernel (sm_90 only)."""
+    if not (cfg.gluon and gluon_fp8 is not None and experts.format == "fp8"):
+        return False
+    if not x.is_cuda or is_interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    return (
+        compute == torch.bfloat16
+        and experts.w2.is_contiguous()
+        and gluon_fp8.applies(experts.width, experts.intermediate, cfg.block_m)
+    )
 
 
 def fused_experts(
@@ -289,6 +313,11 @@ def fused_experts(
         num_warps=up.num_warps,
         num_stages=up.num_stages,
     )
+    if _gluon_down(x, experts, cfg, compute):
+        gluon_fp8.down_fp8(
+            h, hs, layout, experts.w2, s2, y, programs=programs, stages=cfg.down.num_stages
+        )
+        return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps)
     down = _fit(cfg.down, width, inter, fmt, None)
     grid = (max(1, min(programs, max_blocks * triton.cdiv(width, down.block_n))),)
     gg._down_kernel[grid](
