@@ -147,6 +147,29 @@ def _case_align_layout():
             assert row == -1
 
 
+def _case_align_many_programs():
+    # 64 local experts of 128, 300 tokens x top-8: 2400 pairs over many align programs (each
+    # takes 4096 // 64 = 64 pairs), so segments and blocks are labelled across programs.
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.rand(300, 128, generator=gen).argsort(-1)[:, :8].int()
+    counts, ranks = count_pairs(ids, first_expert=0, num_local=64)
+    layout = align_pairs(ids, ranks, counts, first_expert=0, block_m=8, max_pairs=ids.numel())
+    padded = (counts + 7) // 8 * 8
+    start = torch.cumsum(padded, 0) - padded
+    assert torch.equal(layout.expert_start, start.int())
+    assert int(layout.num_blocks) == int(padded.sum()) // 8
+    blocks = torch.repeat_interleave(torch.arange(64), padded // 8)
+    assert torch.equal(layout.block_expert[: len(blocks)], blocks.int())
+    assert (layout.block_expert[len(blocks):] == -1).all()
+    flat = ids.reshape(-1).long()
+    local = flat < 64
+    rows = layout.pair_row.long()
+    assert (rows[~local] == -1).all()
+    assert torch.equal(layout.row_pair[rows[local]].long(), torch.nonzero(local).flatten())
+    seg = start[flat[local]]
+    assert ((rows[local] >= seg) & (rows[local] < seg + counts[flat[local]])).all()
+
+
 def _case_fp8():
     x, w1, w2, w3, ids, weights = random_problem(6, 2, 4, 128, 256, seed=5)
     (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
@@ -207,6 +230,7 @@ CASES = {
     "fused-gate-up-views": _case_fused_gate_up_views,
     "router-pipeline": _case_router_pipeline,
     "align-layout": _case_align_layout,
+    "align-many-programs": _case_align_many_programs,
     "fp8-situ": _case_fp8,
     "fp8-wide-down": _case_fp8_wide_down,
     "mxfp4-silu": _case_mxfp4,
