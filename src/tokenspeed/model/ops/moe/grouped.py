@@ -30,7 +30,7 @@ from .mxfp4 import GROUP as MX_GROUP
 
 try:  # Gluon (Triton's explicit-layout dialect) ships with Triton >= 3.4
     from . import gluon_fp8
-except ImportError:  # pragma: no cover - an older Triton
+except (ImportError, AttributeError):  # pragma: no cover - a Triton without this Gluon API
     gluon_fp8 = None
 
 _FORMATS = {"dense": gg.DENSE, "fp8": gg.FP8, "mxfp4": gg.MXFP4}
@@ -154,8 +154,11 @@ _TABLE = {
         (16, MoeKernelConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
         # BLOCK_M 64: the down GEMM in Gluon on Hopper (1.07x / 1.15x the Triton kernel at
         # 2048 / 16384 tokens, docs/perf/moe.md "FP8 in Gluon").
-        (96, MoeKernelConfig(64, GemmTile(128, 128, 8, 3), GemmTile(256, 128, 8, 3), 1, True)),
-        (None, MoeKernelConfig(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4), 1, True)),
+        (96, MoeKernelConfig(64, GemmTile(128, 128, 8, 3), GemmTile(256, 128, 8, 3), gluon=True)),
+        (
+            None,
+            MoeKernelConfig(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4), gluon=True),
+        ),
     ),
     "mxfp4": (
         (16, MoeKernelConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3))),
