@@ -108,3 +108,14 @@ def test_gluon_all_local_with_norm_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_with_no_local_pairs_gives_zeros():
+    # Every id is another rank's expert: no block in use, so no program has a tile.
+    x, w1, w2, w3, ids, weights = k3_problem(256, seed=4)
+    experts = _fp8(w1, w2, w3)
+    got = fused_experts(x, weights, ids + K3["local"], experts, config=LARGE)
+    torch.cuda.synchronize()
+    assert not got.float().abs().sum().item()

@@ -41,7 +41,9 @@ def _tile(tile, block_expert_ptr, n_tiles, L, stride_se, stride_sn,
     """(first h row, first W2 row, offset of its two scale rows, expert) of a tile."""
     blk = tile // n_tiles
     t = tile % n_tiles
-    e = gl.load(block_expert_ptr + blk)
+    # A block past the ones in use has expert -1; only a program with no tile at all looks one
+    # up (its loads are predicated off), so clamp to keep every address inside the buffers.
+    e = gl.maximum(gl.load(block_expert_ptr + blk), 0)
     s = e * stride_se + (t * (BLOCK_N // 128)) * stride_sn
     return blk * BLOCK_M, e * L + t * BLOCK_N, s, e
 
@@ -72,8 +74,8 @@ def _issue_loads(q, my_steps, KSTEPS, j, cur_a, cur_b, nxt_a, nxt_b, h_desc, w_d
 def _load_scales(q, my_steps, KSTEPS, j, cur_a, cur_s, nxt_a, nxt_s, hs_ptr, s2_ptr,
                  stride_hsr, stride_hsk, stride_sn, offs_m):
     """Scales of local K step q (clamped to the last step): h's [BM] row scales and the
-    tile's two weight-block scales."""
-    q = gl.minimum(q, my_steps - 1)
+    tile's two weight-block scales. With no step at all it reads step 0 (never used)."""
+    q = gl.maximum(gl.minimum(q, my_steps - 1), 0)
     nxt = (q // KSTEPS != j).to(gl.int32)
     k = q % KSTEPS
     rows = _pick(nxt, cur_a, nxt_a) + offs_m
