@@ -138,11 +138,17 @@ def test_a_vanished_l2_checkpoint_shrinks_the_hit_to_pages_already_read():
     b.check_integrity()
 
 
-def test_a_match_is_reused_only_while_neither_tier_changed():
+def _two_ranks_sharing_l2():
+    """(host tier, manager a, manager b): two metadata-only ranks over one shared L2."""
     g = tiny_geometry()
     shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
-    a = make_manager(g, l2=shared, metadata_only=True)
-    b = make_manager(g, l2=shared, metadata_only=True)
+    return shared, make_manager(g, l2=shared, metadata_only=True), make_manager(
+        g, l2=shared, metadata_only=True
+    )
+
+
+def test_a_match_is_reused_only_while_neither_tier_changed():
+    _, a, b = _two_ranks_sharing_l2()
     keys = KeyChain(P).append_tokens(token_stream(3, 33))
     _turn(a, "w", keys[:4], 17, checkpoints=[16])
     m = b.match(keys, 33)
@@ -154,10 +160,7 @@ def test_a_match_is_reused_only_while_neither_tier_changed():
 def test_publish_names_the_page_before_the_new_ones_so_a_history_stays_one_run():
     # Turn by turn, each publish stores the pages after the history already in L2 and names the
     # page before them: the shared tier keeps the conversation in one run.
-    g = tiny_geometry()
-    shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
-    a = make_manager(g, l2=shared, metadata_only=True)
-    b = make_manager(g, l2=shared, metadata_only=True)
+    shared, a, b = _two_ranks_sharing_l2()
     keys = KeyChain(P).append_tokens(token_stream(5, 49))
     _turn(a, "t1", keys[:4], 17, checkpoints=[16])
     _turn(b, "t2", keys[:8], 33, checkpoints=[32])  # another rank: it finds the start in L2
