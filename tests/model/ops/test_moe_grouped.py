@@ -340,6 +340,25 @@ def test_grouped_fp8_k3(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_fast_math_is_the_fp8_default_and_stays_close_to_exact(fmt):
+    x, w1, w2, w3, ids, weights = k3_problem(2048, seed=21)
+    if fmt == "fp8":
+        (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
+        experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
+    else:
+        experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3)
+    kw = dict(activation="situ", linear_beta=25.0)
+    default = fused_experts(x, weights, ids, experts, **kw)
+    fast = fused_experts(x, weights, ids, experts, fast_math=True, **kw)
+    exact = fused_experts(x, weights, ids, experts, fast_math=False, **kw)
+    assert torch.equal(default, fast if fmt == "fp8" else exact)
+    assert not torch.equal(fast, exact)  # the switch reaches the kernels
+    # bf16: the GLU's last fp32 bits move a few bf16 roundings of h; FP8: a few e4m3 codes.
+    assert rel_rms(fast, exact) <= (1e-3 if fmt == "bf16" else 1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [16, 2048])
 def test_grouped_mxfp4_k3(tokens):
     x, w1, w2, w3, ids, weights = k3_problem(tokens, seed=tokens + 2)

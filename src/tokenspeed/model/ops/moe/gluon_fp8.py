@@ -10,7 +10,10 @@ k's partial is promoted (`warpgroup_mma_wait(num_outstanding=1)`), and one [64, 
 per tile gives each warpgroup 128-column wgmma instructions (the Triton tile's two [64, 128]
 products issue 64-column ones). On the H200 at 16384 tokens this kernel takes 597 us where
 the Triton one takes 687 us (docs/perf/moe.md, "FP8 in Gluon"); the outputs agree within 1e-3
-relative RMS (tests/model/ops/test_moe_gluon_fp8.py).
+relative RMS (tests/model/ops/test_moe_gluon_fp8.py). Caveat: ptxas (Triton 3.6, sm_90a)
+reports C7514 for this loop, "wgmma.mma_async instructions are serialized": the promotion reads
+accumulator registers inside the wgmma pipeline, so the issued overlap is not what runs
+(docs/perf/moe.md, "Fast math for FP8").
 
 Persistent over (block, n-tile), block-major, bound read on the device; TMA fills a ring of
 shared-memory stages across tile boundaries and the scales are loaded three K steps ahead.

@@ -9,6 +9,13 @@ CUDA graph; the intermediates are sized by `max_pairs`, a static bound on the lo
 Launches: [count] (skipped when the router already counted), align, [FP8 activation
 quantisation], gate/up, down, combine. With FP8 on Hopper the down GEMM of the BLOCK_M 64
 tiles is the Gluon kernel of gluon_fp8.py.
+
+Math: the gate/up epilogue (the GLU's exp, tanh and divisions, and with FP8 the quantisation
+of h) is IEEE-exact (libdevice, `div_rn`: the GLU as torch computes it on the same gate/up
+values) unless `fast_math`, the default for FP8 experts only: their h is quantised anyway, and
+the exact epilogue costs ~20% of the FP8 gate/up GEMM at 16384 tokens (docs/perf/moe.md,
+"Fast math for FP8"). The activations' FP8 quantisation stays exact either way: one e4m3 code
+moved in x moves many codes of h, which a reference quantisation no longer tracks.
 """
 
 from __future__ import annotations
@@ -219,6 +226,7 @@ def fused_experts(
     norm_eps: float = 1e-6,
     out_dtype: torch.dtype | None = None,
     config: MoeKernelConfig | None = None,
+    fast_math: bool | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over the local experts, [T, L].
 
@@ -229,7 +237,9 @@ def fused_experts(
     max_pairs: static bound on local pairs (default T*k); pairs_hint: expected local pairs,
     picks the tiles (default max_pairs). counts, ranks: from `route_fused` (skips a launch).
     norm_weight: fuse `rms_norm(out, norm_weight, norm_eps)` into the combine (only valid when
-    this call sees all of a token's experts). Returns out_dtype (default x's, bf16 for FP8 x).
+    this call sees all of a token's experts). fast_math: hardware exp and divisions in the
+    gate/up epilogue instead of IEEE-exact ones (None: for FP8 experts only).
+    Returns out_dtype (default x's, bf16 for FP8 x).
     """
     if activation not in ("silu", "situ"):
         raise ValueError(f"activation must be 'silu' or 'situ', got {activation!r}")
@@ -257,6 +267,7 @@ def fused_experts(
     rows = layout.capacity_rows
     device = x.device
 
+    fast = fmt == "fp8" if fast_math is None else bool(fast_math)
     xs = x_scale
     if fmt == "fp8" and not x_is_fp8:
         x, xs = quantize_fp8_rows(x)
@@ -268,7 +279,7 @@ def fused_experts(
         hs = h  # unused
     y = torch.empty(rows, width, dtype=compute, device=device)
     wfmt = _FORMATS[fmt]
-    exact = x.is_cuda and not is_interpreting()
+    exact = x.is_cuda and not is_interpreting() and not fast
     programs = num_sms(x) * cfg.waves
     max_blocks = capacity_blocks(max_pairs, num_local, cfg.block_m)
     s1, s2, s3 = experts.s1, experts.s2, experts.s3
