@@ -3,8 +3,8 @@
 Claim (issue 8): bf16 path >= 1.5x the baseline at <= 256 tokens, >= 1.1x at 16384; FP8
 experts >= 1.5x our bf16 experts at 16384. FP8 runs with fast math by default and bf16 with
 exact math, so the FP8 rows are compared with both our bf16 default and our bf16 with
-fast_math=True. TFLOP/s of the expert GEMMs against a bf16
-(and FP8) matmul ceiling measured in the same run.
+fast_math=True. TFLOP/s of the expert GEMMs against a bf16 (and FP8) matmul ceiling measured
+in the same run.
 
 Setup: hidden 7168, latent 3584, expert intermediate 3072, 896 experts, top-16, SiTU. This
 GPU owns 56 experts (ids 0..55, expert parallelism 16), so about one of each token's 16
