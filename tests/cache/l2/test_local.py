@@ -163,48 +163,28 @@ class _ReferenceL2:
 
 
 _chains = st.lists(st.integers(0, 5), min_size=1, max_size=4)  # chain ids: shared prefixes
+
+
+def _call(name: str, max_len: int):
+    """(op, chain, first page, pages, with checkpoint) for one call kind."""
+    return st.tuples(
+        st.just(name), st.integers(0, 3), st.integers(0, 11), st.integers(1, max_len),
+        st.booleans(),
+    )
+
+
 _op = st.one_of(
-    st.tuples(
-        st.just("put_many"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 8), st.booleans()
-    ),
-    st.tuples(
-        st.just("put"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 4), st.booleans()
-    ),
-    st.tuples(
-        st.just("get"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 8), st.booleans()
-    ),
-    st.tuples(
-        st.just("remove"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 3), st.booleans()
-    ),
-    st.tuples(
-        st.just("prefix"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 12), st.booleans()
-    ),
+    _call("put_many", 8),
+    _call("put", 4),
+    _call("get", 8),
+    _call("remove", 3),
+    _call("prefix", 12),
     # Tail first (write-back order), and a write that names a key twice.
-    st.tuples(
-        st.just("put_many_rev"),
-        st.integers(0, 3),
-        st.integers(0, 11),
-        st.integers(1, 12),
-        st.booleans(),
-    ),
-    st.tuples(
-        st.just("get_rev"), st.integers(0, 3), st.integers(0, 11), st.integers(1, 12), st.booleans()
-    ),
+    _call("put_many_rev", 12),
+    _call("get_rev", 12),
     # A write naming the page before it (its chain predecessor, or a wrong key: a hint only).
-    st.tuples(
-        st.just("put_many_after"),
-        st.integers(0, 3),
-        st.integers(0, 11),
-        st.integers(1, 8),
-        st.booleans(),
-    ),
-    st.tuples(
-        st.just("put_many_dup"),
-        st.integers(0, 3),
-        st.integers(0, 11),
-        st.integers(1, 8),
-        st.booleans(),
-    ),
+    _call("put_many_after", 8),
+    _call("put_many_dup", 8),
 )
 
 
