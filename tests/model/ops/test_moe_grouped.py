@@ -201,6 +201,53 @@ def _case_mxfp4():
     assert_close_scaled(got, want, 1e-5)
 
 
+def _combine_reference(y, pair_row, weights, norm_w=None):
+    out = torch.zeros(weights.shape[0], y.shape[1])
+    for j in range(weights.shape[1]):  # slot order, as the kernel sums
+        live = pair_row[:, j] >= 0
+        out[live] += weights[live, j, None] * y[pair_row[live, j].long()]
+    return out if norm_w is None else rms_norm(out, norm_w, 1e-6)
+
+
+def _case_combine(norm, block_l=None):
+    # 13 tokens, 600 columns (with block_l 512: two column programs, the second partial),
+    # dropped slots (-1) and a token with no local pair at all.
+    def case():
+        from tokenspeed.model.ops.moe.combine import combine
+
+        gen = torch.Generator().manual_seed(11)
+        y = torch.randn(40, 600, generator=gen)
+        pair_row = torch.randint(0, 40, (13, 3), generator=gen, dtype=torch.int32)
+        pair_row[torch.rand(13, 3, generator=gen) < 0.4] = -1
+        pair_row[5] = -1  # zeros (or zeros through the norm)
+        weights = torch.rand(13, 3, generator=gen)
+        norm_w = torch.rand(600, generator=gen) + 0.5 if norm else None
+        got = combine(y, pair_row, weights, torch.float32, norm_w, block_l=block_l)
+        want = _combine_reference(y, pair_row, weights, norm_w)
+        assert_close_scaled(got, want, 1e-6)
+        assert torch.equal(got[5], torch.zeros(600))
+        if norm:
+            with pytest.raises(ValueError, match="whole rows"):
+                combine(y, pair_row, weights, torch.float32, norm_w, block_l=512)
+
+    return case
+
+
+def _case_fp8_quantize_rows_exact():
+    # Bit for bit against the torch reference, over programs that straddle rows (37 x 3 groups
+    # in tiles of 32 groups, the last partial); amax 0 rows and e4m3 rounding carries included.
+    from tokenspeed.model.ops.moe.fp8 import quantize_fp8_rows
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(37, 384, generator=gen) * torch.logspace(-3, 3, 37)[:, None]
+    x[4] = 0.0
+    x[7, :128] = 31.3  # rounds up into the next binade
+    q, s = quantize_fp8_rows(x)
+    q_ref, s_ref = quantize_fp8_rows_reference(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, activation, round_dtype=None):
     """The reference on FP8-emulated operands, in fp32; round_dtype mimics the kernel's
     rounding of the GEMM outputs (bf16 on GPU)."""
@@ -234,6 +281,10 @@ CASES = {
     "fp8-situ": _case_fp8,
     "fp8-wide-down": _case_fp8_wide_down,
     "mxfp4-silu": _case_mxfp4,
+    "combine": _case_combine(norm=False),
+    "combine-column-programs": _case_combine(norm=False, block_l=512),
+    "combine-norm": _case_combine(norm=True),
+    "fp8-quantize-rows-exact": _case_fp8_quantize_rows_exact,
 }
 
 
@@ -319,6 +370,34 @@ def test_grouped_bf16_k3_all_experts_local_with_norm():
                     norm_w, 1e-6)
     assert rel_rms(got, want) <= 1e-2
     assert_close_scaled(got, want, 5e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_quantize_rows_bit_exact_k3():
+    from tokenspeed.model.ops.moe.fp8 import quantize_fp8_rows
+
+    x = k3_problem(4099, seed=23)[0]  # the K3 latent in bf16; 4099 x 28 groups: a partial tile
+    q, s = quantize_fp8_rows(x)
+    q_ref, s_ref = quantize_fp8_rows_reference(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_combine_k3_matches_reference():
+    from tokenspeed.model.ops.moe.combine import combine
+
+    gen = torch.Generator(device="cuda").manual_seed(24)
+    y = torch.randn(3000, K3["width"], device="cuda", generator=gen).bfloat16()
+    pair_row = torch.randint(0, 3000, (2049, K3["top_k"]), device="cuda", generator=gen)
+    pair_row[torch.rand(pair_row.shape, device="cuda", generator=gen) < 15 / 16] = -1
+    weights = torch.rand(pair_row.shape, device="cuda", generator=gen)
+    norm_w = torch.rand(K3["width"], device="cuda", generator=gen) + 0.5
+    for nw, block_l in ((None, None), (None, 512), (norm_w, None)):
+        got = combine(y, pair_row.int(), weights, torch.bfloat16, nw, block_l=block_l)
+        want = _combine_reference(y.float().cpu(), pair_row.cpu(), weights.cpu(),
+                                  None if nw is None else nw.cpu())
+        assert rel_rms(got.cpu(), want) <= 4e-3  # one bf16 rounding (two with the norm)
 
 
 @pytest.mark.gpu

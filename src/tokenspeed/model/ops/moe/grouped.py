@@ -13,8 +13,9 @@ tiles is the Gluon kernel of gluon_fp8.py.
 Math: the gate/up epilogue (the GLU's exp, tanh and divisions, and with FP8 the quantisation
 of h) is IEEE-exact (libdevice, `div_rn`: the GLU as torch computes it on the same gate/up
 values) unless `fast_math`, the default for FP8 experts only: their h is quantised anyway, and
-the exact epilogue costs ~20% of the FP8 gate/up GEMM at 16384 tokens (docs/perf/moe.md,
-"Fast math for FP8"). The activations' FP8 quantisation stays exact either way: one e4m3 code
+the exact epilogue costs ~20% of the FP8 gate/up GEMM at 16384 tokens and an exp-based fast
+one another ~15% (docs/perf/moe.md, "Fast math for FP8" and "Combine, quantisation and
+tanh.approx"). The activations' FP8 quantisation stays exact either way: one e4m3 code
 moved in x moves many codes of h, which a reference quantisation no longer tracks.
 """
 
@@ -237,8 +238,9 @@ def fused_experts(
     max_pairs: static bound on local pairs (default T*k); pairs_hint: expected local pairs,
     picks the tiles (default max_pairs). counts, ranks: from `route_fused` (skips a launch).
     norm_weight: fuse `rms_norm(out, norm_weight, norm_eps)` into the combine (only valid when
-    this call sees all of a token's experts). fast_math: hardware exp and divisions in the
-    gate/up epilogue instead of IEEE-exact ones (None: for FP8 experts only).
+    this call sees all of a token's experts). fast_math: PTX tanh.approx and approximate
+    divisions in the gate/up epilogue instead of libdevice and IEEE-exact ones (None: for FP8
+    experts only).
     Returns out_dtype (default x's, bf16 for FP8 x).
     """
     if activation not in ("silu", "situ"):
