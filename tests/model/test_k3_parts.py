@@ -1,5 +1,6 @@
 """K3-only parts, each against its formula computed independently inside the test."""
 
+import copy
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from tokenspeed.model.init import init_random_weights
 from tokenspeed.model.layers.kda import KdaAttention
 from tokenspeed.model.layers.mla import GatedMla
 from tokenspeed.model.layers.mlp import GluMlp
-from tokenspeed.model.layers.moe import MoE
+from tokenspeed.model.layers.moe import MoE, Mxfp4Experts, expert_format
 from tokenspeed.model.ops.activation import situ_glu
 from tokenspeed.model.state import KdaState
 
@@ -116,6 +117,36 @@ def test_latent_moe_with_latent_norm():
         # The latent norm is really applied: scaling its weight changes the output.
         moe.routed_expert_norm.weight.mul_(2.0)
         assert (moe(x) - _expected_moe(moe, cfg, act, x)).abs().max() <= TOL
+
+
+def test_latent_moe_with_mxfp4_experts():
+    cfg = MoeConfig(
+        num_experts=12, top_k=3, expert_intermediate_size=32, num_shared_experts=1,
+        latent_size=32, latent_norm=True,
+    )
+    act = ActivationConfig(kind="situ", situ_beta=4.0, situ_linear_beta=25.0)
+    moe = MoE(40, cfg, act, eps=1e-5)
+    _randomize(moe, 0)
+    dense = copy.deepcopy(moe)
+    moe.experts = Mxfp4Experts.quantize(moe.experts)
+    assert moe.experts.w1_packed.dtype == torch.uint8
+    for name, w in zip(("w1", "w2", "w3"), moe.experts.decoded(torch.float32), strict=True):
+        assert not torch.equal(getattr(dense.experts, name), w)  # rounded to MXFP4
+        getattr(dense.experts, name).data.copy_(w)
+    x = torch.randn(9, 40, generator=torch.Generator().manual_seed(1)) * 3
+    with torch.no_grad():
+        assert (moe(x) - _expected_moe(dense, cfg, act, x)).abs().max() <= TOL
+    # The Triton path gets the packed buffers themselves (no copies, no upcast).
+    _, kernel = moe._kernel_weights()
+    assert kernel.format == "mxfp4"
+    assert kernel.w2.data_ptr() == moe.experts.w2_packed.data_ptr()
+    assert kernel.s3.data_ptr() == moe.experts.w3_scale.data_ptr()
+    assert expert_format(moe) == "mxfp4" and expert_format(dense) == "dense"
+    mixed = torch.nn.ModuleList([moe, dense])
+    with pytest.raises(ValueError, match="mix dense and MXFP4"):
+        expert_format(mixed)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Mxfp4Experts(4, 40, 32, act)
 
 
 def _mla_reference(layer: GatedMla, x):

@@ -1,5 +1,6 @@
 """Checkpoint loading and saving in the Hugging Face layout."""
 
+import copy
 import json
 
 import pytest
@@ -9,7 +10,9 @@ from safetensors.torch import load_file, save_file
 from tokenspeed.model import ForwardBatch, KimiForCausalLM, get_preset
 from tokenspeed.model.checkpoint import save_checkpoint
 from tokenspeed.model.init import init_random_weights
+from tokenspeed.model.layers.moe import MoE, Mxfp4Experts
 from tokenspeed.model.loader import INDEX_FILE, CheckpointError, load_checkpoint
+from tokenspeed.model.ops.moe.mxfp4 import quantize_mxfp4
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +131,94 @@ def test_a_log_padding_must_be_zero(tiny, tmp_path):
         load_checkpoint(_flat(tmp_path, tiny, edit))
 
 
-def test_quantized_checkpoints_are_refused_with_a_reason(tiny, tmp_path):
+def test_other_quantized_checkpoints_are_refused_with_a_reason(tiny, tmp_path):
     def edit(tensors, config):
-        config["quantization_config"] = {"format": "mxfp4-pack-quantized"}
+        config["quantization_config"] = {"format": "float-quantized"}
 
-    with pytest.raises(CheckpointError, match="quantized checkpoints .mxfp4-pack-quantized."):
+    with pytest.raises(CheckpointError, match="quantized checkpoints .float-quantized."):
         load_checkpoint(_flat(tmp_path, tiny, edit))
+
+
+def _as_mxfp4(model):
+    """A copy of `model` whose routed experts are rounded to MXFP4 (Mxfp4Experts)."""
+    out = copy.deepcopy(model)
+    for module in out.modules():
+        if isinstance(module, MoE):
+            module.experts = Mxfp4Experts.quantize(module.experts)
+    return out
+
+
+def test_k3_style_mxfp4_experts_load_packed(tiny, tmp_path):
+    # A checkpoint written the way compressed-tensors names MXFP4 (weight_packed / weight_scale
+    # per expert, the format under config_groups as K3's config.json has it), not through our
+    # own writer: the experts stay uint8 and compute as their decoded values.
+    packed_model = _as_mxfp4(tiny)
+
+    def edit(tensors, config):
+        for name in [n for n in tensors if ".experts." in n and n.endswith(".weight")]:
+            packed, scale = quantize_mxfp4(tensors.pop(name))
+            tensors[name + "_packed"] = packed
+            tensors[name + "_scale"] = scale
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"group_0": {"format": "mxfp4-pack-quantized",
+                                          "targets": ["re:.*experts.*"]}},
+        }
+
+    loaded = load_checkpoint(_flat(tmp_path, tiny, edit), dtype="bfloat16")
+    experts = loaded.model.layers[1].mlp.experts
+    assert isinstance(experts, Mxfp4Experts)
+    e, inter, width = tiny.model.layers[1].mlp.experts.w1.shape
+    assert experts.w1_packed.dtype == torch.uint8
+    assert experts.w1_packed.shape == (e, inter, width // 2)
+    assert experts.w2_scale.shape == (e, width, inter // 32)
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    want = packed_model.model.layers[1].mlp.experts
+    for name in ("w1", "w2", "w3"):
+        for kind in ("packed", "scale"):
+            attr = f"{name}_{kind}"
+            assert torch.equal(getattr(experts, attr), getattr(want, attr)), attr
+    # fp32 load: the same function as the dense model holding the decoded weights.
+    loaded32 = load_checkpoint(tmp_path / "dst", dtype="float32")
+    decoded = copy.deepcopy(tiny)
+    for mine, theirs in zip(decoded.modules(), loaded32.modules(), strict=True):
+        if isinstance(mine, MoE):
+            for name, w in zip(("w1", "w2", "w3"), theirs.experts.decoded(torch.float32),
+                               strict=True):
+                getattr(mine.experts, name).data.copy_(w)
+    assert torch.equal(_logits(loaded32), _logits(decoded))
+    assert not torch.equal(_logits(loaded32), _logits(tiny))  # the rounding is real
+
+
+def test_mxfp4_models_round_trip_through_save(tiny, tmp_path):
+    model = _as_mxfp4(tiny)
+    save_checkpoint(model, tmp_path, layout="k3")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    index = json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"]
+    assert "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed" in index
+    assert "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight" not in index
+    loaded = load_checkpoint(tmp_path)
+    assert torch.equal(_logits(loaded), _logits(model))
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_mxfp4_packed_tensors_must_be_uint8(tiny, tmp_path):
+    model = _as_mxfp4(tiny)
+    src = save_checkpoint(model, tmp_path / "src", layout="kimi_linear")
+    tensors = {}
+    for shard in src.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    bad = "model.layers.1.block_sparse_moe.experts.2.w1.weight_scale"
+    tensors[bad] = tensors[bad].float()
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors")
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="experts.2.w1.weight_scale: packed MXFP4 must be"):
+        load_checkpoint(dst)
 
 
 def test_empty_directory(tmp_path):

@@ -1,6 +1,7 @@
 """Write a model as a Hugging Face layout checkpoint (config.json, safetensors shards, index).
 
-The names and layouts are the ones `loader.py` reads, so save -> load round-trips exactly.
+The names and layouts are the ones `loader.py` reads, so save -> load round-trips exactly; MXFP4
+experts (`layers.moe.Mxfp4Experts`) are written packed, as compressed-tensors names them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 
 from .hf_config import to_hf_config
 from .kimi import KimiForCausalLM
+from .layers.moe import expert_format
 from .loader import INDEX_FILE
 from .weight_map import split_parts, tensor_specs
 
@@ -32,8 +34,9 @@ def save_checkpoint(
     config = model.config
     prefix = "language_model." if layout == "k3" else ""
     state = model.state_dict()
+    experts = expert_format(model)
     tensors: dict[str, torch.Tensor] = {}
-    for spec in tensor_specs(config):
+    for spec in tensor_specs(config, experts):
         for candidates, part in zip(spec.parts, split_parts(spec, state[spec.target]), strict=True):
             tensors[prefix + candidates[0]] = part.detach().to("cpu").contiguous()
 
@@ -57,6 +60,11 @@ def save_checkpoint(
 
     hf = to_hf_config(config, layout=layout)
     hf["dtype"] = _DTYPE_NAMES.get(model.lm_head.weight.dtype, "float32")
+    if experts == "mxfp4":
+        from .ops.moe.mxfp4 import FORMAT_NAME  # imports Triton: only when needed
+
+        # Read from the top level in either layout (the loader also looks in text_config).
+        hf["quantization_config"] = {"quant_method": "compressed-tensors", "format": FORMAT_NAME}
     with (root / "config.json").open("w") as f:
         json.dump(hf, f, indent=1)
     return root

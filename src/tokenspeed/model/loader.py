@@ -18,6 +18,7 @@ from safetensors import safe_open
 from .config import ModelConfig
 from .hf_config import from_hf_config, load_config_json, text_config_of
 from .kimi import KimiForCausalLM
+from .layers.moe import use_mxfp4_experts
 from .weight_map import TensorSpec, check_part_shape, combine_parts, tensor_specs
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,16 +135,24 @@ def _plan(specs: Iterable[TensorSpec], index: CheckpointIndex, strict: bool) -> 
     return _Plan(sources)
 
 
-def _check_quantization(raw: dict) -> None:
+def expert_format_of(raw: dict) -> str:
+    """The routed experts' storage in a checkpoint's config.json: "dense" (no quantisation) or
+    "mxfp4" (compressed-tensors `mxfp4-pack-quantized`, as K3 ships); any other quantisation
+    is refused, naming its format."""
     quant = raw.get("quantization_config") or text_config_of(raw).get("quantization_config")
-    if quant:
-        fmt = quant.get("format") or quant.get("quant_method")
-        raise CheckpointError(
-            other=[
-                f"quantized checkpoints ({fmt}) are not supported by the reference loader; "
-                "load a bf16/fp32 export"
-            ]
-        )
+    if not quant:
+        return "dense"
+    from .ops.moe.mxfp4 import is_mxfp4_config  # imports Triton: only when needed
+
+    if is_mxfp4_config(quant):
+        return "mxfp4"
+    fmt = quant.get("format") or quant.get("quant_method")
+    raise CheckpointError(
+        other=[
+            f"quantized checkpoints ({fmt}) are not supported; the loader reads bf16/fp32 "
+            "exports and MXFP4 routed experts (mxfp4-pack-quantized)"
+        ]
+    )
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, raw: dict) -> torch.dtype:
@@ -168,16 +177,17 @@ def load_checkpoint(
     """Build `KimiForCausalLM` from a checkpoint directory.
 
     dtype: the model's dtype ("auto" takes the checkpoint's); decay rates and the router stay
-    fp32. strict: unexpected tensors are an error (multimodal towers are always skipped).
+    fp32, and MXFP4 routed experts stay packed (`layers.moe.Mxfp4Experts`, never upcast).
+    strict: unexpected tensors are an error (multimodal towers are always skipped).
     Raises CheckpointError listing missing, unexpected and mis-shaped tensors by name.
     """
     root = Path(path)
     raw = load_config_json(root)
-    _check_quantization(raw)
+    experts = expert_format_of(raw)
     config = config or from_hf_config(raw)
     dtype = resolve_dtype(dtype, raw)
     index = CheckpointIndex.open(root)
-    specs = tensor_specs(config)
+    specs = tensor_specs(config, experts)
     plan = _plan(specs, index, strict)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -198,7 +208,16 @@ def load_checkpoint(
                         f"{plan.sources[spec.target][0]}: has {parts[0].numel()} entries for "
                         f"{spec.shape[0]} heads and the extra ones are not zero padding"
                     )
-            target_dtype = torch.float32 if spec.keep_fp32 else dtype
+            if spec.packed:
+                bad = [
+                    n
+                    for n, t in zip(plan.sources[spec.target], parts, strict=True)
+                    if t.dtype != torch.uint8
+                ]
+                problems += [f"{n}: packed MXFP4 must be uint8" for n in bad]
+                target_dtype = torch.uint8
+            else:
+                target_dtype = torch.float32 if spec.keep_fp32 else dtype
             tensors[spec.target] = combine_parts(spec, parts).to(device=device, dtype=target_dtype)
     finally:
         handles.clear()
@@ -209,6 +228,8 @@ def load_checkpoint(
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     with torch.device("meta"):
         model = KimiForCausalLM(config)
+        if experts == "mxfp4":
+            use_mxfp4_experts(model)
     model.load_state_dict(tensors, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -4,7 +4,9 @@ Most parameters map one-to-one by name. The exceptions:
 - KDA's q/k/v short-conv weights are three checkpoint tensors [P, 1, W], stacked here as
   `conv_weight` [3P, W];
 - routed experts are E tensors per projection (`experts.{e}.w1.weight` ...), stacked here as
-  [E, out, in];
+  [E, out, in]; MXFP4 checkpoints (compressed-tensors `mxfp4-pack-quantized`, as K3 ships)
+  store `experts.{e}.w1.weight_packed` [out, in/2] and `.weight_scale` [out, in/32] uint8
+  instead, stacked here as `experts.w1_packed` / `experts.w1_scale` and kept packed;
 - MoE layers sit under `block_sparse_moe.` in checkpoints and under `mlp.` here; the dense
   layer is `mlp.` in release checkpoints but transformers' `save_pretrained` writes it under
   `block_sparse_moe.` too, so both are accepted;
@@ -32,7 +34,8 @@ class TensorSpec:
     parts: for each source tensor, the accepted checkpoint names (first found wins);
     part_shape: the shape each source must have; combine: how parts become the target
     ("copy" one tensor, "stack" along a new dim 0, "cat" along dim 0 after dropping the
-    middle singleton of conv weights, "a_log" the per-head decay rates).
+    middle singleton of conv weights, "a_log" the per-head decay rates); packed: uint8 codes
+    (MXFP4), loaded as stored, never cast to the model's dtype.
     """
 
     target: str
@@ -40,6 +43,7 @@ class TensorSpec:
     parts: tuple[tuple[str, ...], ...]
     part_shape: tuple[int, ...]
     combine: str = "copy"
+    packed: bool = False
 
     @property
     def keep_fp32(self) -> bool:
@@ -107,7 +111,7 @@ def _glu_specs(p: str, ckpt: tuple[str, ...], hidden: int, inter: int) -> Iterat
         yield _copy(f"{p}.{name}.weight", shape, *(f"{c}.{name}.weight" for c in ckpt))
 
 
-def _moe_specs(p: str, config: ModelConfig) -> Iterator[TensorSpec]:
+def _moe_specs(p: str, config: ModelConfig, expert_format: str) -> Iterator[TensorSpec]:
     m, hidden = config.moe, config.hidden_size
     ck = p.replace(".mlp", ".block_sparse_moe")
     width, inter, experts = m.latent_size or hidden, m.expert_intermediate_size, m.num_experts
@@ -115,18 +119,24 @@ def _moe_specs(p: str, config: ModelConfig) -> Iterator[TensorSpec]:
     yield _copy(
         f"{p}.gate.e_score_correction_bias", (experts,), f"{ck}.gate.e_score_correction_bias"
     )
-    for ours, theirs, shape in (
-        ("w1", "w1", (inter, width)),
-        ("w2", "w2", (width, inter)),
-        ("w3", "w3", (inter, width)),
-    ):
-        yield TensorSpec(
-            f"{p}.experts.{ours}",
-            (experts, *shape),
-            tuple((f"{ck}.experts.{e}.{theirs}.weight",) for e in range(experts)),
-            shape,
-            combine="stack",
-        )
+    for name, shape in (("w1", (inter, width)), ("w2", (width, inter)), ("w3", (inter, width))):
+        if expert_format == "dense":
+            stored = (("", "weight", shape, False),)
+        else:  # MXFP4: two E2M1 codes a byte, one E8M0 scale per 32 columns
+            rows, cols = shape
+            stored = (
+                ("_packed", "weight_packed", (rows, cols // 2), True),
+                ("_scale", "weight_scale", (rows, cols // 32), True),
+            )
+        for suffix, theirs, part_shape, packed in stored:
+            yield TensorSpec(
+                f"{p}.experts.{name}{suffix}",
+                (experts, *part_shape),
+                tuple((f"{ck}.experts.{e}.{name}.{theirs}",) for e in range(experts)),
+                part_shape,
+                combine="stack",
+                packed=packed,
+            )
     if m.latent_size is not None:
         yield _copy(
             f"{p}.routed_expert_down_proj.weight",
@@ -156,8 +166,14 @@ def _attn_res_specs(ours: str, theirs: str, hidden: int) -> Iterator[TensorSpec]
     yield _copy(f"{ours}.proj.weight", (1, hidden), f"{theirs}_proj.weight")
 
 
-def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Every parameter and buffer of `KimiForCausalLM(config)` with its checkpoint sources."""
+EXPERT_FORMATS = ("dense", "mxfp4")
+
+
+def tensor_specs(config: ModelConfig, expert_format: str = "dense") -> list[TensorSpec]:
+    """Every parameter and buffer of `KimiForCausalLM(config)` with its checkpoint sources;
+    expert_format "mxfp4": the routed experts as `layers.moe.Mxfp4Experts` holds them."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
     hidden = config.hidden_size
     specs = [_copy("model.embed_tokens.weight", (config.vocab_size, hidden))]
     for i in range(config.num_layers):
@@ -172,7 +188,7 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
         else:
             specs += _mla_specs(f"{p}.self_attn", config)
         if config.mlp_kinds[i] == "moe":
-            specs += _moe_specs(f"{p}.mlp", config)
+            specs += _moe_specs(f"{p}.mlp", config, expert_format)
         else:
             specs += _glu_specs(
                 f"{p}.mlp",

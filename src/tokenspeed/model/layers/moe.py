@@ -51,6 +51,105 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return routed_experts(x, weights, ids, self.w1, self.w2, self.w3, self.glu)
 
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.w1, self.w2, self.w3
+
+    def kernel_weights(self):
+        """`ops.moe.grouped.ExpertWeights` over these tensors (views, no copies)."""
+        from ..ops.moe.grouped import ExpertWeights
+
+        return ExpertWeights(format="dense", w1=self.w1, w2=self.w2, w3=self.w3)
+
+
+# (name, rows, columns) of each projection's [E, rows, columns] weight, for width D, inter I.
+def _projections(width: int, intermediate: int) -> tuple[tuple[str, int, int], ...]:
+    return (("w1", intermediate, width), ("w2", width, intermediate), ("w3", intermediate, width))
+
+
+class Mxfp4Experts(nn.Module):
+    """`Experts` stored as K3 checkpoints store them: MXFP4 (ops/moe/mxfp4.py), never upcast.
+
+    Buffers per projection p in w1, w2, w3 ([E, rows, cols] as in `Experts`): `p_packed` uint8
+    [E, rows, cols/2] (two E2M1 codes a byte) and `p_scale` uint8 [E, rows, cols/32] (E8M0).
+    The Triton path reads them packed; the torch reference decodes one layer's experts per
+    call (exact: every MXFP4 value is representable in bf16, fp16 and fp32).
+    """
+
+    def __init__(self, num_experts: int, width: int, intermediate: int, act: ActivationConfig):
+        super().__init__()
+        for dim in (width, intermediate):
+            if dim % 32:
+                raise ValueError(f"MXFP4 experts need widths that are multiples of 32, got {dim}")
+        for name, rows, cols in _projections(width, intermediate):
+            packed = torch.zeros(num_experts, rows, cols // 2, dtype=torch.uint8)
+            # 127: a scale of 2^0, so a fresh module decodes to zeros, not to NaNs (255).
+            scale = torch.full((num_experts, rows, cols // 32), 127, dtype=torch.uint8)
+            self.register_buffer(f"{name}_packed", packed)
+            self.register_buffer(f"{name}_scale", scale)
+        self.glu = make_glu(act)
+        self.act = act
+
+    @classmethod
+    def quantize(cls, experts: Experts) -> Mxfp4Experts:
+        """Round dense experts to MXFP4 (for tests and benchmarks; checkpoints ship packed)."""
+        from ..ops.moe.mxfp4 import quantize_mxfp4
+
+        e, inter, width = experts.w1.shape
+        out = cls(e, width, inter, experts.act)
+        for name in ("w1", "w2", "w3"):
+            packed, scale = quantize_mxfp4(getattr(experts, name).detach())
+            setattr(out, f"{name}_packed", packed)
+            setattr(out, f"{name}_scale", scale)
+        return out
+
+    def decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) decoded to dtype, [E, rows, cols] as `Experts` holds them."""
+        from ..ops.moe.mxfp4 import decode_mxfp4
+
+        return tuple(
+            decode_mxfp4(getattr(self, f"{n}_packed"), getattr(self, f"{n}_scale"), dtype)
+            for n in ("w1", "w2", "w3")
+        )
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return routed_experts(x, weights, ids, *self.decoded(x.dtype), self.glu)
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            getattr(self, f"{n}_{k}") for n in ("w1", "w2", "w3") for k in ("packed", "scale")
+        )
+
+    def kernel_weights(self):
+        from ..ops.moe.grouped import ExpertWeights
+
+        return ExpertWeights(
+            format="mxfp4",
+            w1=self.w1_packed,
+            w2=self.w2_packed,
+            w3=self.w3_packed,
+            s1=self.w1_scale,
+            s2=self.w2_scale,
+            s3=self.w3_scale,
+        )
+
+
+def use_mxfp4_experts(model: nn.Module) -> nn.Module:
+    """Give every MoE layer of `model` MXFP4 experts (fresh buffers on the default device, e.g.
+    "meta" before a checkpoint is assigned); returns the model."""
+    for module in model.modules():
+        if isinstance(module, MoE) and not isinstance(module.experts, Mxfp4Experts):
+            e, inter, width = module.experts.w1.shape
+            module.experts = Mxfp4Experts(e, width, inter, module.experts.act)
+    return model
+
+
+def expert_format(model: nn.Module) -> str:
+    """ "mxfp4" when the model's MoE layers hold `Mxfp4Experts`, else "dense" (never mixed)."""
+    kinds = {type(m.experts) for m in model.modules() if isinstance(m, MoE)}
+    if len(kinds) > 1:
+        raise ValueError("the MoE layers mix dense and MXFP4 experts")
+    return "mxfp4" if kinds == {Mxfp4Experts} else "dense"
+
 
 class MoE(nn.Module):
     # A `SideStream` (ops.moe.overlap) shared by the model's MoE layers, set by
@@ -98,15 +197,14 @@ class MoE(nn.Module):
     def _kernel_weights(self):
         """(router weight in its cheapest exact dtype, ExpertWeights) for the Triton path, made
         once per weight version (on the first eager step, before any graph capture)."""
-        from ..ops.moe.grouped import ExpertWeights
         from ..ops.moe.router import router_weight_for_kernel
 
         e = self.experts
-        key = tuple((t.data_ptr(), t._version) for t in (self.gate.weight, e.w1, e.w2, e.w3))
+        tensors = (self.gate.weight, *e.kernel_tensors())
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
         cached = getattr(self, "_kernel_cache", None)
         if cached is None or cached[0] != key:
-            experts = ExpertWeights(format="dense", w1=e.w1, w2=e.w2, w3=e.w3)
-            cached = (key, router_weight_for_kernel(self.gate.weight), experts)
+            cached = (key, router_weight_for_kernel(self.gate.weight), e.kernel_weights())
             self._kernel_cache = cached
         return cached[1], cached[2]
 
