@@ -107,6 +107,17 @@ def _glu(
 
 
 @triton.jit
+def _mxfp4_operand(x, dtype: tl.constexpr):
+    """Decoded MXFP4 values (fp32) as an MMA operand of `dtype`. Each is a bf16 value (at most
+    two significant bits, bf16's exponent range), so for bf16 the high half of the fp32 is the
+    value: a shift instead of a conversion (which runs at a quarter of the FMA rate)."""
+    if dtype == tl.bfloat16:
+        return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _mma_step(
     acc,
     a,
@@ -152,8 +163,8 @@ def _mma_step(
         lo, hi = mxfp4_dequant_pair(packed, scale)
         # K order inside a tile is free: even columns meet the low nibbles, odd the high.
         a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], BK // 2, 2]))
-        acc = tl.dot(a_even, lo.to(a.dtype), acc)
-        acc = tl.dot(a_odd, hi.to(a.dtype), acc)
+        acc = tl.dot(a_even, _mxfp4_operand(lo, a.dtype), acc)
+        acc = tl.dot(a_odd, _mxfp4_operand(hi, a.dtype), acc)
     return acc
 
 
