@@ -150,8 +150,7 @@ class MoeKernelConfig(NamedTuple):
 # keeps the gate and up accumulators out of local memory, and from ~100 rows BLOCK_M 128 for
 # bf16. bf16 and FP8 are from `benchmarks/moe.py --sweep` on the H200 at 64, 256, 2048 and
 # 16384 tokens (56 local experts; docs/perf/moe.md): 1.05-1.27x at decode, 1.2-1.5x at 2048
-# and 1.67x (bf16) / 3.0x (FP8) at 16384 over the previous table. MXFP4 is unswept: starting
-# points in line with public fused-MoE tunings.
+# and 1.67x (bf16) / 3.0x (FP8) at 16384 over the previous table.
 _TABLE = {
     "dense": (
         (16, MoeKernelConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4), waves=2)),
@@ -168,10 +167,13 @@ _TABLE = {
             MoeKernelConfig(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4), gluon=True),
         ),
     ),
+    # MXFP4: two persistent programs per SM, so that one's in-register decode overlaps the
+    # other's loads and MMAs: 1.36-1.51x one program at 64, 2048 and 16384 tokens (H200 sweep,
+    # docs/perf/moe.md "MXFP4"); the tiles themselves were the best of the sweep.
     "mxfp4": (
-        (16, MoeKernelConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3))),
-        (96, MoeKernelConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))),
-        (None, MoeKernelConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))),
+        (16, MoeKernelConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3), waves=2)),
+        (96, MoeKernelConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
+        (None, MoeKernelConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3), waves=2)),
     ),
 }
 
