@@ -110,7 +110,7 @@ def _glu(
 def _mxfp4_operand(x, dtype: tl.constexpr):
     """Decoded MXFP4 values (fp32) as an MMA operand of `dtype`. Each is a bf16 value (at most
     two significant bits, bf16's exponent range), so for bf16 the high half of the fp32 is the
-    value: a shift instead of a conversion (which runs at a quarter of the FMA rate)."""
+    value: a shift instead of a conversion (conversions issue at a fraction of the FMA rate)."""
     if dtype == tl.bfloat16:
         return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:

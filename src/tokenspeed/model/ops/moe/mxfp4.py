@@ -107,7 +107,7 @@ def mxfp4_dequant_pair(packed, scale):
     as the top mantissa bit and s as the sign is the E2M1 value times 2^-126, for every code:
     exponent 0 reads as an fp32 subnormal (0 or 2^-127 = 0.5 x 2^-126), as E2M1's does. So
     decoding is three integer operations and a product, with no int-to-float conversion
-    (those run at a quarter of the FMA rate; the conversion-based decode made the MXFP4 GEMMs
+    (those issue at a fraction of the FMA rate; the conversion-based decode made the MXFP4 GEMMs
     ALU-bound: 2.2-3x slower on the H200, docs/perf/moe.md)."""
     p = packed.to(tl.int32)
     lo = ((p & 7) << 22) | ((p & 8) << 28)
