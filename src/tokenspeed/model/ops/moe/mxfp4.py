@@ -106,9 +106,9 @@ def mxfp4_dequant_pair(packed, scale):
     An E2M1 nibble s|e1 e0|m moved into an fp32 with e1 e0 as the two lowest exponent bits, m
     as the top mantissa bit and s as the sign is the E2M1 value times 2^-126, for every code:
     exponent 0 reads as an fp32 subnormal (0 or 2^-127 = 0.5 x 2^-126), as E2M1's does. So
-    decoding is three integer operations and a product, with no int-to-float conversion
-    (those issue at a fraction of the FMA rate; the conversion-based decode made the MXFP4 GEMMs
-    ALU-bound: 2.2-3x slower on the H200, docs/perf/moe.md)."""
+    decoding is a few integer operations and a product, with no int-to-float conversion
+    (those issue at a fraction of the FMA rate; with the conversion-based decode the MXFP4
+    experts were 2.2-3.1x slower on the H200, docs/perf/moe.md)."""
     p = packed.to(tl.int32)
     lo = ((p & 7) << 22) | ((p & 8) << 28)
     hi = ((p & 0x70) << 18) | ((p & 0x80) << 24)
