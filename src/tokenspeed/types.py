@@ -16,7 +16,8 @@ RequestId: TypeAlias = Hashable
 
 PageKey: TypeAlias = int
 """Chained content key of one full page: a 128-bit integer that depends on the page's content and
-on every page before it, so equal keys mean equal prefixes (see `tokenspeed.cache.keys`)."""
+on every page before it, so equal keys mean equal prefixes. Sequences of keys travel as numpy
+`PageKeys` arrays, one element per key (see `tokenspeed.cache.keys`)."""
 
 PageId: TypeAlias = int
 """Index of a page in the device page pool (row of the MLA pool tensor)."""

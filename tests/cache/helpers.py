@@ -20,6 +20,7 @@ from tokenspeed.cache import (
     HostCache,
     RequestCache,
 )
+from tokenspeed.cache.keys import keys_to_ints
 
 
 def tiny_geometry(page_size: int = 4, **overrides) -> CacheGeometry:
@@ -98,8 +99,9 @@ def state_content(geometry: CacheGeometry, seed: int) -> tuple[torch.Tensor, tor
 def write_pages(cache: CacheManager, handle: RequestCache, start: int, end: int) -> None:
     """What the forward does: fill pages [start, end) of the request with their content."""
     storage = cache.storage
-    for i in range(start, end):
-        storage.mla[:, handle.page_ids[i]] = page_content(cache.geometry, handle.page_keys[i])
+    keys = keys_to_ints(handle.page_keys[start:end])
+    for i, key in zip(range(start, end), keys, strict=True):
+        storage.mla[:, handle.page_ids[i]] = page_content(cache.geometry, key)
 
 
 def write_live_state(cache: CacheManager, handle: RequestCache, seed: int) -> None:
@@ -119,7 +121,7 @@ def pages_match(cache: CacheManager, handle: RequestCache, start: int, end: int)
     device = storage.mla.device
     return all(
         torch.equal(storage.mla[:, handle.page_ids[i]], page_content(cache.geometry, k).to(device))
-        for i, k in zip(range(start, end), handle.page_keys[start:end], strict=True)
+        for i, k in zip(range(start, end), keys_to_ints(handle.page_keys[start:end]), strict=True)
     )
 
 

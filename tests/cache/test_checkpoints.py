@@ -8,6 +8,7 @@ import pytest
 
 from tokenspeed.cache import CheckpointKind, IntegrityError
 from tokenspeed.cache.checkpoints import CheckpointManager
+from tokenspeed.cache.keys import keys_from_ints
 
 INTERVAL = CheckpointKind.INTERVAL
 
@@ -42,13 +43,18 @@ def test_pinned_entries_are_never_evicted():
 
 def test_deepest_within_a_limit():
     ckpts = CheckpointManager(8)
-    keys = list(range(100, 120))
+    ints = list(range(100, 120))
+    keys = keys_from_ints(ints)
     for n in (3, 7, 12):  # checkpoints after pages 3, 7 and 12
-        ckpts.add(keys[n - 1], n * 4, INTERVAL, None)
-    assert ckpts.deepest(keys, 20, 4) == 11
-    assert ckpts.deepest(keys, 11, 4) == 6
-    assert ckpts.deepest(keys, 2, 4) == -1
-    other = list(range(200, 220))  # same positions, different prefix
-    assert ckpts.deepest(other, 20, 4) == -1
+        ckpts.add(ints[n - 1], n * 4, INTERVAL, None)
+    assert ckpts.deepest(keys, 20) == 11
+    assert ckpts.deepest(keys, 11) == 6
+    assert ckpts.deepest(keys, 2) == -1
+    assert ckpts.on_path(keys, 20) == [3, 7, 12] and ckpts.on_path(keys, 11) == [3, 7]
+    other = keys_from_ints(range(200, 220))  # same positions, different prefix
+    assert ckpts.deepest(other, 20) == -1 and ckpts.on_path(other, 20) == []
+    ckpts.evict(1, None)  # the least recently used: the one after page 3
+    assert ckpts.on_path(keys, 20) == [7, 12] and ckpts.deepest(keys, 6) == -1
+    ckpts.check_integrity(Counter())
     with pytest.raises(IntegrityError):
-        ckpts.add(keys[2], 12, INTERVAL, None)
+        ckpts.add(ints[6], 28, INTERVAL, None)

@@ -11,21 +11,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenspeed.cache import CacheConfigError, KeyChain, page_keys_for_blocks, page_keys_for_tokens
+from tokenspeed.cache.keys import (
+    KEY_DTYPE,
+    KeyBuffer,
+    as_page_keys,
+    key_at,
+    keys_equal,
+    keys_from_ints,
+    keys_to_ints,
+)
+
+ints = keys_to_ints
 
 
 def test_keys_name_the_whole_prefix():
-    a = page_keys_for_tokens([1, 2, 3, 4, 5, 6, 7, 8], 4)
-    b = page_keys_for_tokens([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    arr = page_keys_for_tokens([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert arr.dtype == KEY_DTYPE
+    a = ints(arr)
+    b = ints(page_keys_for_tokens([9, 2, 3, 4, 5, 6, 7, 8], 4))
     assert len(a) == 2
     assert a[0] != b[0] and a[1] != b[1]  # same second page, different history
-    assert a == page_keys_for_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)  # partial page: no key
+    assert a == ints(page_keys_for_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9], 4))  # partial page: no key
     assert all(isinstance(k, int) and 0 <= k < 1 << 128 for k in a)
 
 
 def test_salt_separates_key_spaces():
     tokens = list(range(8))
-    assert page_keys_for_tokens(tokens, 4, salt=b"model-a") != page_keys_for_tokens(
-        tokens, 4, salt=b"model-b"
+    assert ints(page_keys_for_tokens(tokens, 4, salt=b"model-a")) != ints(
+        page_keys_for_tokens(tokens, 4, salt=b"model-b")
     )
 
 
@@ -39,43 +52,43 @@ def test_incremental_appends_give_the_same_keys(tokens, cuts):
     new = []
     prev = 0
     for cut in [*sorted(min(c, len(tokens)) for c in cuts), len(tokens)]:
-        new += chain.append_tokens(tokens[prev:cut])
+        new += ints(chain.append_tokens(tokens[prev:cut]))
         prev = cut
-    assert new == chain.keys == page_keys_for_tokens(tokens, 4)
+    assert new == chain.keys.tolist() == ints(page_keys_for_tokens(tokens, 4))
     assert chain.num_tokens == len(tokens)
 
 
 def test_trace_blocks_map_to_pages():
     # A 512-token block spans 8 pages of 64: eight keys, chained like any others.
-    keys = page_keys_for_blocks([10, 11], 1024, block_size=512, page_size=64)
+    keys = ints(page_keys_for_blocks([10, 11], 1024, block_size=512, page_size=64))
     assert len(keys) == 16 and len(set(keys)) == 16
     # Equal block ids = equal content: two sessions sharing block 10 share its 8 page keys.
-    other = page_keys_for_blocks([10, 12], 1024, block_size=512, page_size=64)
+    other = ints(page_keys_for_blocks([10, 12], 1024, block_size=512, page_size=64))
     assert other[:8] == keys[:8] and other[8:] != keys[8:]
     # A partial last block yields keys for its full pages only.
-    partial = page_keys_for_blocks([10, 11], 512 + 100, block_size=512, page_size=64)
+    partial = ints(page_keys_for_blocks([10, 11], 512 + 100, block_size=512, page_size=64))
     assert partial == keys[:9]
 
 
 def test_blocks_grow_incrementally_across_turns():
     chain = KeyChain(64)
-    turn1 = chain.append_blocks([1, 2, 3], 1300, 512)  # 20 full pages, 20 tokens pending
+    turn1 = ints(chain.append_blocks([1, 2, 3], 1300, 512))  # 20 full pages, 20 tokens pending
     assert len(turn1) == 20 and chain.num_tokens == 1300
-    turn2 = chain.append_blocks([4], 300, 512)
+    turn2 = ints(chain.append_blocks([4], 300, 512))
     assert len(chain.keys) == 25  # 1600 tokens
-    assert turn1 + turn2 == chain.keys
+    assert turn1 + turn2 == chain.keys.tolist()
     fork = chain.fork()
     fork.append_blocks([5], 64, 512)
     assert len(fork.keys) == 26 and len(chain.keys) == 25
     again = KeyChain(64)
     again.append_blocks([1, 2, 3], 1300, 512)
     again.append_blocks([4], 300, 512)
-    assert again.keys == chain.keys  # deterministic: no re-hashing needed to agree
+    assert keys_equal(again.keys, chain.keys)  # deterministic: no re-hashing needed to agree
 
 
 def test_tokens_and_blocks_never_collide():
-    assert page_keys_for_tokens(list(range(64)), 64) != page_keys_for_blocks(
-        [0], 64, block_size=64, page_size=64
+    assert ints(page_keys_for_tokens(list(range(64)), 64)) != ints(
+        page_keys_for_blocks([0], 64, block_size=64, page_size=64)
     )
 
 
@@ -148,4 +161,56 @@ def test_block_appends_match_the_spelled_out_pieces(appends, block_ids):
             blocks = [next(ids) for _ in range(-(-arg // 6))]
             chain.append_blocks(blocks, arg, 6)
             spelled.append(("b", blocks, arg, 6))
-    assert chain.keys == _reference_keys(spelled, 4)
+    assert chain.keys.tolist() == _reference_keys(spelled, 4)
+
+
+# ------------------------------------------------------------------------ representation
+def test_a_key_is_its_digest_read_little_endian():
+    tokens = list(range(8))
+    digest = hashlib.blake2b(
+        hashlib.blake2b(b"tokenspeed-root", digest_size=16).digest()
+        + b"T"
+        + struct.pack("<I", 4)
+        + array("q", tokens[:4]).tobytes(),
+        digest_size=16,
+    ).digest()
+    keys = page_keys_for_tokens(tokens, 4)
+    assert keys[0].tobytes() == digest
+    assert key_at(keys, 0) == int.from_bytes(digest, "little")
+    assert int(keys["lo"][0]) == int.from_bytes(digest[:8], "little")
+    assert int(keys["hi"][0]) == int.from_bytes(digest[8:], "little")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, (1 << 128) - 1), max_size=20))
+def test_int_conversions_round_trip(values):
+    arr = keys_from_ints(values)
+    assert arr.dtype == KEY_DTYPE and len(arr) == len(values)
+    assert keys_to_ints(arr) == values
+    assert [key_at(arr, i) for i in range(len(values))] == values
+    assert as_page_keys(values).tobytes() == arr.tobytes()
+    assert as_page_keys(arr) is arr
+
+
+def test_keys_outside_128_bits_are_refused():
+    for bad in ([-1], [1 << 128]):
+        with pytest.raises(CacheConfigError):
+            keys_from_ints(bad)
+
+
+def test_key_buffer_grows_and_its_views_stay_as_they_were():
+    buf = KeyBuffer()
+    buf.extend(keys_from_ints(range(10)))
+    first = buf[:10]
+    for start in range(10, 200, 10):  # several regrowths
+        buf.extend(keys_from_ints(range(start, start + 10)))
+    assert len(buf) == 200 and buf.tolist() == list(range(200))
+    assert keys_to_ints(first) == list(range(10))  # a view taken before the growth
+    assert buf[5] == 5 and buf[-1] == 199 and list(buf)[:3] == [0, 1, 2]
+    with pytest.raises(IndexError):
+        buf[200]
+    assert not buf.array.flags.writeable
+    copy = buf.copy()
+    copy.extend([500])
+    assert len(copy) == 201 and len(buf) == 200
+    assert keys_equal(as_page_keys(buf), buf.array) and not keys_equal(buf, copy)

@@ -53,5 +53,11 @@ def test_kernels_compute_the_reference_function():
     reference, kernels = _run(False), _run(True)
     want, got = torch.tensor(reference["logits"]), torch.tensor(kernels["logits"])
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # The argmax must agree wherever the reference's top two are more than 4 fp16 ulps apart.
+    # Closer ones are ties at this precision (seen: 1 ulp), which the CPU's fp16 matmul
+    # rounding decides differently on different machines; the greedy tokens below still match.
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 4 * torch.finfo(torch.float16).eps * want.abs().max()
+    assert int(clear.sum()) >= len(want) - 3
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     assert kernels["tokens"] == reference["tokens"]

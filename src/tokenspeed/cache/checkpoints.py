@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import attrs
+import numpy as np
 
 from ..types import PageKey, SlotId
 from .errors import IntegrityError
+from .key_table import KeyTable
+from .keys import PageKeys, as_key_int, keys_from_ints, keys_to_ints
 from .pool import SlotPool
 
 
@@ -52,6 +55,8 @@ class CheckpointManager:
     def __init__(self, num_slots: int) -> None:
         self.pool = SlotPool(num_slots)
         self.index: dict[PageKey, CheckpointEntry] = {}
+        # The same keys for whole-history questions (which pages of a prefix have one): key -> slot.
+        self._table = KeyTable(num_slots)
         self._lru: OrderedDict[PageKey, CheckpointEntry] = OrderedDict()  # unpinned, oldest first
         self.version = 0  # bumped whenever the index changes (a match may be stale)
 
@@ -71,40 +76,23 @@ class CheckpointManager:
     def num_used(self) -> int:
         return len(self.index) - len(self._lru)
 
-    def get(self, key: PageKey) -> CheckpointEntry | None:
-        return self.index.get(key)
+    def get(self, key: PageKey | np.void) -> CheckpointEntry | None:
+        return self.index.get(as_key_int(key))
 
-    def deepest(self, keys: Sequence[PageKey], limit: int, page_size: int) -> int:
+    def deepest(self, keys: PageKeys, limit: int) -> int:
         """Largest i < limit with a checkpoint at keys[i] (-1 if none)."""
-        index = self.index
         limit = min(limit, len(keys))
-        if limit <= 0:
+        if limit <= 0 or not self.index:
             return -1
-        if keys[limit - 1] in index:  # the common case: the prefix ends at a checkpoint
-            return limit - 1
-        if len(index) < limit:
-            # Few checkpoints, long prefix: each entry knows its position (L / P - 1).
-            best = -1
-            for entry in index.values():
-                i = entry.num_tokens // page_size - 1
-                if best < i < limit and keys[i] == entry.key:
-                    best = i
-            return best
-        present = list(map(index.__contains__, keys[limit - 1 :: -1]))
-        return limit - 1 - present.index(True) if True in present else -1
+        found = np.flatnonzero(self._table.lookup(keys[:limit]) >= 0)
+        return int(found[-1]) if len(found) else -1
 
-    def on_path(self, keys: Sequence[PageKey], limit: int, page_size: int) -> list[int]:
+    def on_path(self, keys: PageKeys, limit: int) -> list[int]:
         """Sorted page counts n <= limit with a checkpoint at keys[n - 1]."""
-        index = self.index
         limit = min(limit, len(keys))
-        if len(index) < limit:  # walk the (few) checkpoints rather than the (long) prefix
-            found = []
-            for entry in index.values():
-                n = entry.num_tokens // page_size
-                if 0 < n <= limit and keys[n - 1] == entry.key:
-                    found.append(n)
-            return sorted(found)
-        return [i + 1 for i in range(limit) if keys[i] in index]
+        if limit <= 0 or not self.index:
+            return []
+        return (np.flatnonzero(self._table.lookup(keys[:limit]) >= 0) + 1).tolist()
 
     def add(
         self,
@@ -122,6 +110,7 @@ class CheckpointManager:
         slot = self.pool.allocate_one()
         entry = CheckpointEntry(key=key, num_tokens=num_tokens, slot=slot, kind=kind)
         self.index[key] = entry
+        self._table.setdefault(keys_from_ints([key]), np.array([slot], dtype=np.int64))
         self._lru[key] = entry
         self.version += 1
         return entry
@@ -149,6 +138,7 @@ class CheckpointManager:
             raise IntegrityError(f"remove of pinned checkpoint {entry.key!r}")
         del self._lru[entry.key]
         del self.index[entry.key]
+        self._table.delete(keys_from_ints([entry.key]))
         self.pool.free([entry.slot])
         self.version += 1
 
@@ -166,6 +156,7 @@ class CheckpointManager:
         for entry in victims:
             del self._lru[entry.key]
             del self.index[entry.key]
+        self._table.delete(keys_from_ints([e.key for e in victims]))
         self.pool.free([e.slot for e in victims])
         self.version += 1
         return len(victims)
@@ -173,6 +164,13 @@ class CheckpointManager:
     def check_integrity(self, expected_pins: Counter) -> None:
         """`expected_pins`: checkpoint key -> pins that live requests hold on it."""
         self.pool.check_integrity()
+        self._table.check_integrity()
+        keys, slots_of = self._table.items()
+        if len(keys) != len(self.index) or any(
+            self.index.get(k) is None or self.index[k].slot != s
+            for k, s in zip(keys_to_ints(keys), slots_of.tolist(), strict=True)
+        ):
+            raise IntegrityError("the checkpoint key table disagrees with the index")
         slots = [e.slot for e in self.index.values()]
         if len(set(slots)) != len(slots):
             raise IntegrityError("two checkpoints share a slot")

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..types import PageKey, RequestId, SlotId
 from .checkpoints import CheckpointEntry
+from .keys import KeyBuffer, PageKeys
 from .load import LoadHandle
 
 
@@ -93,7 +94,7 @@ class RequestCache:
         *,
         owner: object,
         request_id: RequestId,
-        keys: list[PageKey],
+        keys: KeyBuffer,
         page_ids: np.ndarray,
         num_tokens: int,
         num_cached_tokens: int,
@@ -139,9 +140,9 @@ class RequestCache:
         self._num_pages = n + k
 
     @property
-    def page_keys(self) -> list[PageKey]:
-        """Keys of this request's full pages known so far (read-only)."""
-        return self._keys
+    def page_keys(self) -> PageKeys:
+        """Keys of this request's full pages known so far ([n] `KEY_DTYPE`, read-only)."""
+        return self._keys.array
 
     def __repr__(self) -> str:
         state = "released" if self.released else "live"

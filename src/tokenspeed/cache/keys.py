@@ -1,9 +1,14 @@
 """Chained page keys: equal keys mean equal prefixes.
 
 The key of page i is a 128-bit hash of (key of page i-1, content of page i), so it names the whole
-prefix [0, (i+1)*P), not just one page. Keys are plain Python ints (`tokenspeed.types.PageKey`);
-they are identical in every process and on every machine, which lets a shared L2 find the pages and
-checkpoints another engine published.
+prefix [0, (i+1)*P), not just one page. Keys are identical in every process and on every machine,
+which lets a shared L2 find the pages and checkpoints another engine published.
+
+Representation: a sequence of keys is a `PageKeys` array, [n] of `KEY_DTYPE` (the 16 digest bytes
+as two little-endian uint64 words, "lo" then "hi"), so that a history of thousands of pages is
+compared, copied and looked up in whole-array steps and compiled loops, never one Python object at
+a time. One key on its own is a `PageKey`, the same 128 bits as a Python int (`key_int`), for
+dictionaries and messages. A growing sequence (a running request's chain) is a `KeyBuffer`.
 
 Content comes in two forms, and one page may mix them:
 
@@ -26,17 +31,153 @@ import hashlib
 import struct
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import TypeAlias
+
+import numpy as np
 
 from ..types import PageKey
 from .errors import CacheConfigError
+
+KEY_DTYPE = np.dtype([("lo", "<u8"), ("hi", "<u8")])
+"""One page key: the 16 bytes of its digest as two little-endian words."""
+
+PageKeys: TypeAlias = np.ndarray
+"""[n] `KEY_DTYPE`: the keys of n consecutive (or otherwise listed) pages."""
 
 _KEY_BYTES = 16
 _BLOCK_PIECE = struct.Struct("<qII")
 _ONE_PIECE = struct.Struct("<cqII")  # b"B" + _BLOCK_PIECE in one call
 _COUNT = struct.Struct("<I")
 _blake2b = hashlib.blake2b
+_NO_KEYS = np.zeros(0, dtype=KEY_DTYPE)
+_NO_KEYS.flags.writeable = False
 
 
+# ------------------------------------------------------------------------------ conversions
+def key_int(key: np.void) -> PageKey:
+    """One element of a `PageKeys` array as a Python int (lo + hi * 2^64)."""
+    return int.from_bytes(key.tobytes(), "little")
+
+
+def key_at(keys: PageKeys | KeyBuffer, i: int) -> PageKey:
+    """keys[i] as a Python int."""
+    if isinstance(keys, KeyBuffer):
+        return keys[i]
+    return int.from_bytes(keys[i].tobytes(), "little")
+
+
+def as_key_int(key: PageKey | np.void) -> PageKey:
+    """One key as a Python int, whether given as an int or as an element of a `PageKeys`."""
+    if isinstance(key, np.void):
+        if key.dtype != KEY_DTYPE:
+            raise CacheConfigError(f"not a page key: {key!r}")
+        return int.from_bytes(key.tobytes(), "little")
+    if not 0 <= key < 1 << 128:
+        raise CacheConfigError(f"page keys must be integers in [0, 2^128), got {key!r}")
+    return key
+
+
+def _key_bytes(key: PageKey | np.void) -> bytes:
+    if isinstance(key, np.void) and key.dtype == KEY_DTYPE:
+        return key.tobytes()
+    return as_key_int(key).to_bytes(_KEY_BYTES, "little")
+
+
+def keys_from_ints(ints: Iterable[PageKey | np.void]) -> PageKeys:
+    """[n] `KEY_DTYPE` from Python ints in [0, 2^128) (or elements of other `PageKeys`)."""
+    raw = b"".join(map(_key_bytes, ints))
+    return np.frombuffer(raw, dtype=KEY_DTYPE).copy() if raw else np.zeros(0, dtype=KEY_DTYPE)
+
+
+def keys_to_ints(keys: PageKeys | KeyBuffer) -> list[PageKey]:
+    """The keys as Python ints (tests, messages; not for hot paths)."""
+    arr = as_page_keys(keys)
+    raw = arr.tobytes()
+    return [int.from_bytes(raw[i : i + _KEY_BYTES], "little") for i in range(0, len(raw), 16)]
+
+
+def as_page_keys(keys: PageKeys | KeyBuffer | Iterable[int]) -> PageKeys:
+    """The `PageKeys` array of any key sequence: arrays pass through, a `KeyBuffer` gives a view
+    of its current keys, anything else is read as Python ints (a slow path for callers that
+    build a few keys by hand)."""
+    if isinstance(keys, np.ndarray) and keys.dtype == KEY_DTYPE:
+        return keys
+    if isinstance(keys, KeyBuffer):
+        return keys.array
+    return keys_from_ints(keys)
+
+
+def keys_equal(a: PageKeys | KeyBuffer, b: PageKeys | KeyBuffer) -> bool:
+    """Whether two key sequences are the same keys in the same order."""
+    a, b = as_page_keys(a), as_page_keys(b)
+    return len(a) == len(b) and a.tobytes() == b.tobytes()
+
+
+# ------------------------------------------------------------------------------ the buffer
+class KeyBuffer:
+    """A growable `PageKeys` array (appends amortised; `array` and slices are views).
+
+    Indexing with an int gives that key as a Python int; with a slice, a `PageKeys` view. Views
+    stay valid and unchanged after later appends (keys are never rewritten, and a grown buffer
+    is a new array).
+    """
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, keys: PageKeys | None = None, *, capacity: int = 0) -> None:
+        n = 0 if keys is None else len(keys)
+        self._buf = np.empty(max(n, capacity, 16), dtype=KEY_DTYPE)
+        if n:
+            self._buf[:n] = keys
+        self._buf.flags.writeable = False  # so that every view handed out is read-only
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def array(self) -> PageKeys:
+        """The keys so far ([n] `KEY_DTYPE`, a read-only view)."""
+        return self._buf[: self._n]
+
+    def __getitem__(self, i: int | slice) -> PageKey | PageKeys:
+        if isinstance(i, slice):
+            return self.array[i]
+        n = self._n
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"key {i} of {n}")
+        return int.from_bytes(self._buf[j].tobytes(), "little")
+
+    def __iter__(self):
+        return iter(keys_to_ints(self.array))
+
+    def extend(self, keys: PageKeys | KeyBuffer | Iterable[int]) -> None:
+        keys = as_page_keys(keys)
+        n, k = self._n, len(keys)
+        if not k:
+            return
+        buf = self._buf
+        if n + k > len(buf):
+            buf = np.empty(max(2 * len(buf), n + k), dtype=KEY_DTYPE)
+            buf[:n] = self._buf[:n]
+            self._buf = buf
+        buf.flags.writeable = True
+        buf[n : n + k] = keys
+        buf.flags.writeable = False
+        self._n = n + k
+
+    def copy(self) -> KeyBuffer:
+        return KeyBuffer(self.array, capacity=len(self._buf))
+
+    def tolist(self) -> list[PageKey]:
+        return keys_to_ints(self.array)
+
+    def __repr__(self) -> str:
+        return f"KeyBuffer({self._n} keys)"
+
+
+# ---------------------------------------------------------------------------------- hashing
 def _chain(prev: bytes, payload: bytes) -> bytes:
     return hashlib.blake2b(prev + payload, digest_size=_KEY_BYTES).digest()
 
@@ -58,11 +199,19 @@ def _encode(pieces: list[list]) -> bytes:
     )
 
 
+def _as_keys(digests: list[bytes]) -> PageKeys:
+    """The `PageKeys` of consecutive digests (their bytes are the keys' bytes)."""
+    if not digests:
+        return _NO_KEYS
+    return np.frombuffer(b"".join(digests), dtype=KEY_DTYPE)
+
+
 class KeyChain:
     """Page keys of one growing sequence.
 
-    `keys[i]` is the key of page i (tokens [i*P, (i+1)*P)); only full pages have keys. `salt` starts
-    the chain (use it to keep unrelated key spaces apart, e.g. two models or LoRA adapters).
+    `keys[i]` is the key of page i (tokens [i*P, (i+1)*P)); only full pages have keys. `keys` is
+    the chain's `KeyBuffer` (it grows with the chain). `salt` starts the chain (use it to keep
+    unrelated key spaces apart, e.g. two models or LoRA adapters).
     """
 
     __slots__ = ("_pending", "_pending_tokens", "_prev", "keys", "num_tokens", "page_size")
@@ -71,7 +220,7 @@ class KeyChain:
         if not isinstance(page_size, int) or page_size <= 0:
             raise CacheConfigError(f"page_size must be a positive integer, got {page_size!r}")
         self.page_size = page_size
-        self.keys: list[PageKey] = []
+        self.keys = KeyBuffer()
         self.num_tokens = 0
         self._prev = hashlib.blake2b(b"tokenspeed-root" + salt, digest_size=_KEY_BYTES).digest()
         # Content of the current partial page: ["t", [tokens]] or ["b", block_id, start, end].
@@ -82,16 +231,16 @@ class KeyChain:
         """An independent copy (e.g. a branch of a conversation)."""
         other = KeyChain.__new__(KeyChain)
         other.page_size = self.page_size
-        other.keys = list(self.keys)
+        other.keys = self.keys.copy()
         other.num_tokens = self.num_tokens
         other._prev = self._prev
         other._pending = [list(p) if p[0] == "b" else ["t", list(p[1])] for p in self._pending]
         other._pending_tokens = self._pending_tokens
         return other
 
-    def append_tokens(self, tokens: Sequence[int]) -> list[PageKey]:
+    def append_tokens(self, tokens: Sequence[int]) -> PageKeys:
         """Append token ids; returns the keys of the pages this completed."""
-        new: list[PageKey] = []
+        new: list[bytes] = []
         i, n, size = 0, len(tokens), self.page_size
         if self._pending_tokens and n:
             take = min(size - self._pending_tokens, n)
@@ -106,11 +255,11 @@ class KeyChain:
         if i < n:
             self._add_tokens(tokens[i:])
         self.num_tokens += n
-        return new
+        keys = _as_keys(new)
+        self.keys.extend(keys)
+        return keys
 
-    def append_blocks(
-        self, block_ids: Sequence[int], num_tokens: int, block_size: int
-    ) -> list[PageKey]:
+    def append_blocks(self, block_ids: Sequence[int], num_tokens: int, block_size: int) -> PageKeys:
         """Append `num_tokens` tokens described by consecutive trace blocks of `block_size` tokens
         (the last block may be partial); returns the keys of the pages this completed."""
         if block_size <= 0:
@@ -122,10 +271,9 @@ class KeyChain:
                 f"{block_size}"
             )
         # One pass with the chain state in locals (a long history appends thousands of pages a
-        # turn); the same pieces, merges and hashes as `_add_block` / `_close_page` / `_emit`.
-        new: list[PageKey] = []
+        # turn). Pieces of one block that meet are merged, so any split gives the same keys.
+        new: list[bytes] = []
         size = self.page_size
-        keys = self.keys
         prev = self._prev
         pending = self._pending
         pending_tokens = self._pending_tokens
@@ -140,9 +288,7 @@ class KeyChain:
                         prev + _ONE_PIECE.pack(b"B", block_id, start, start + size),
                         digest_size=_KEY_BYTES,
                     ).digest()
-                    key = int.from_bytes(prev, "little")
-                    keys.append(key)
-                    new.append(key)
+                    new.append(prev)
                     start += size
                     continue
                 end = start + min(size - pending_tokens, length - start)
@@ -155,16 +301,16 @@ class KeyChain:
                 start = end
                 if pending_tokens == size:
                     prev = _blake2b(prev + _encode(pending), digest_size=_KEY_BYTES).digest()
-                    key = int.from_bytes(prev, "little")
-                    keys.append(key)
-                    new.append(key)
+                    new.append(prev)
                     pending = []
                     pending_tokens = 0
         self._prev = prev
         self._pending = pending
         self._pending_tokens = pending_tokens
         self.num_tokens += num_tokens
-        return new
+        keys = _as_keys(new)
+        self.keys.extend(keys)
+        return keys
 
     def _add_tokens(self, tokens: Iterable[int]) -> None:
         tokens = list(tokens)
@@ -174,28 +320,18 @@ class KeyChain:
             self._pending.append(["t", tokens])
         self._pending_tokens += len(tokens)
 
-    def _add_block(self, block_id: int, start: int, end: int) -> None:
-        last = self._pending[-1] if self._pending else None
-        if last is not None and last[0] == "b" and last[1] == block_id and last[3] == start:
-            last[3] = end  # the same block continued: one piece, whatever the split
-        else:
-            self._pending.append(["b", block_id, start, end])
-        self._pending_tokens += end - start
-
-    def _close_page(self) -> PageKey:
+    def _close_page(self) -> bytes:
         payload = _encode(self._pending)
         self._pending = []
         self._pending_tokens = 0
         return self._emit(payload)
 
-    def _emit(self, payload: bytes) -> PageKey:
+    def _emit(self, payload: bytes) -> bytes:
         self._prev = _chain(self._prev, payload)
-        key = key_to_int(self._prev)
-        self.keys.append(key)
-        return key
+        return self._prev
 
 
-def page_keys_for_tokens(tokens: Sequence[int], page_size: int, *, salt: bytes = b"") -> list:
+def page_keys_for_tokens(tokens: Sequence[int], page_size: int, *, salt: bytes = b"") -> PageKeys:
     """Keys of the full pages of `tokens` (a one-shot `KeyChain`)."""
     return KeyChain(page_size, salt=salt).append_tokens(tokens)
 
@@ -207,6 +343,6 @@ def page_keys_for_blocks(
     block_size: int,
     page_size: int,
     salt: bytes = b"",
-) -> list:
+) -> PageKeys:
     """Keys of the full pages of a sequence given as trace blocks (a one-shot `KeyChain`)."""
     return KeyChain(page_size, salt=salt).append_blocks(block_ids, num_tokens, block_size)

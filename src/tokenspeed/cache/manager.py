@@ -47,6 +47,7 @@ from .errors import (
 )
 from .handles import PrefixMatch, RequestCache
 from .kda_slots import SINK_SLOT, LiveSlotManager
+from .keys import KeyBuffer, PageKeys, as_page_keys, key_at
 from .l2.base import HostCache
 from .load import LoadHandle
 from .loading import Loader
@@ -167,7 +168,9 @@ class CacheManager:
             return None
         return (self._pages.version, self._ckpts.version, l2)
 
-    def match(self, page_keys: Sequence[PageKey], prompt_tokens: int) -> PrefixMatch:
+    def match(
+        self, page_keys: PageKeys | KeyBuffer | Sequence[PageKey], prompt_tokens: int
+    ) -> PrefixMatch:
         """The longest reusable prefix of a prompt (the hybrid rule), without changing anything.
 
         page_keys: chained keys of the prompt's full pages (more may be given; they are ignored).
@@ -177,9 +180,10 @@ class CacheManager:
         if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
             raise InvalidRequestError(f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
         P = self.page_size
+        page_keys = as_page_keys(page_keys)
         limit = min(len(page_keys), (prompt_tokens - 1) // P)
-        keys = page_keys[:limit] if len(page_keys) > limit else page_keys
-        scope = (limit, keys[limit - 1] if limit else None)
+        keys = page_keys[:limit]
+        scope = (limit, key_at(keys, limit - 1) if limit else None)
         if limit <= 0:
             return PrefixMatch(
                 num_tokens=0,
@@ -212,7 +216,7 @@ class CacheManager:
 
     def can_allocate(
         self,
-        page_keys: Sequence[PageKey],
+        page_keys: PageKeys | KeyBuffer | Sequence[PageKey],
         prompt_tokens: int,
         *,
         reserve_tokens: int | None = None,
@@ -220,7 +224,7 @@ class CacheManager:
     ) -> bool:
         """Whether `allocate` with these arguments would find room now (L2 reads may still
         shrink the hit, which only needs more pages if the hit exceeded the reservation)."""
-        m = self._usable_match(match, page_keys, prompt_tokens)
+        m = self._usable_match(match, as_page_keys(page_keys), prompt_tokens)
         reserve = prompt_tokens if reserve_tokens is None else reserve_tokens
         total = max(_ceil_div(reserve, self.page_size), m.num_tokens // self.page_size)
         if total > self._pages.capacity or self._live.num_free == 0:
@@ -229,7 +233,7 @@ class CacheManager:
         return total - len(l1) <= self._pages.room_besides(l1)
 
     def _usable_match(
-        self, match: PrefixMatch | None, page_keys: Sequence[PageKey], prompt_tokens: int
+        self, match: PrefixMatch | None, page_keys: PageKeys, prompt_tokens: int
     ) -> PrefixMatch:
         if (
             match is not None
@@ -238,7 +242,7 @@ class CacheManager:
             and match.epoch == self._epoch()
         ):
             limit = min(len(page_keys), (prompt_tokens - 1) // self.page_size)
-            if match.scope == (limit, page_keys[limit - 1] if limit > 0 else None):
+            if match.scope == (limit, key_at(page_keys, limit - 1) if limit > 0 else None):
                 return match
         return self.match(page_keys, prompt_tokens)
 
@@ -246,7 +250,7 @@ class CacheManager:
     def allocate(
         self,
         request_id: RequestId,
-        page_keys: Sequence[PageKey],
+        page_keys: PageKeys | KeyBuffer | Sequence[PageKey],
         prompt_tokens: int,
         *,
         reserve_tokens: int | None = None,
@@ -283,9 +287,10 @@ class CacheManager:
             )
         if self._live.num_free == 0:
             raise CacheFullError(f"no live KDA slot free for request {request_id!r}")
-        keys = list(page_keys)
-        m = self._usable_match(match, keys, prompt_tokens)
-        plan = self._tiering.fetch(keys, m)  # L2 reads happen here; nothing changed yet
+        keys = KeyBuffer(as_page_keys(page_keys))  # the handle's own copy; it grows with extend
+        arr = keys.array
+        m = self._usable_match(match, arr, prompt_tokens)
+        plan = self._tiering.fetch(arr, m)  # L2 reads happen here; nothing changed yet
         hit = plan.hit_pages
         total = max(_ceil_div(reserve, P), hit)
         from_l2 = plan.sources < 0
@@ -322,7 +327,7 @@ class CacheManager:
             table[at] = l2_pids
             table[hit:] = fresh[len(at) :]
             # Matchable at once: their content arrives with this load.
-            self._pages.register_at(l2_pids, list(map(keys.__getitem__, at.tolist())), at)
+            self._pages.register_at(l2_pids, arr[at], at)
 
         handle = RequestCache(
             owner=self._token,
@@ -358,7 +363,10 @@ class CacheManager:
         return handle
 
     def extend(
-        self, handle: RequestCache, num_tokens: int, page_keys: Sequence[PageKey] = ()
+        self,
+        handle: RequestCache,
+        num_tokens: int,
+        page_keys: PageKeys | KeyBuffer | Sequence[PageKey] = (),
     ) -> None:
         """Grow the request to `num_tokens` tokens (allocating pages as needed) and append the
         keys of pages that became full. Raises RequestReleasedError, InvalidRequestError (a
@@ -467,7 +475,7 @@ class CacheManager:
             arriving = self._loader.arriving_checkpoint(handle._keys[n - 1])
             if arriving is not None:
                 arriving.synchronize()
-        return self._tiering.publish(handle._keys, handle.page_ids, path)
+        return self._tiering.publish(handle._keys.array, handle.page_ids, path)
 
     def release(self, handle: RequestCache, *, publish: bool = False) -> None:
         """Give the request's cache back: pages it wrote and registered stay cached (evictable),
@@ -604,11 +612,12 @@ class CacheManager:
                 raise IntegrityError(f"request {rid!r}: a page appears twice, or the sink page")
             if h._registered > min(len(h.page_ids), len(h._keys)):
                 raise IntegrityError(f"request {rid!r}: more pages registered than known")
-            key_of = self._pages.key_of
-            for i in range(h._registered):
-                key = key_of[table[i]]
-                if key is not None and key != h._keys[i]:
-                    raise IntegrityError(f"request {rid!r}: page {i} indexed under a foreign key")
+            registered = h.page_ids[: h._registered]
+            indexed = self._pages.indexed[registered]
+            if np.count_nonzero(
+                self._pages.key_of[registered][indexed] != h._keys.array[: h._registered][indexed]
+            ):
+                raise IntegrityError(f"request {rid!r}: a page is indexed under a foreign key")
             refs.update(table)
             for entry in h._held + ([h._rolling] if h._rolling is not None else []):
                 pins[entry.key] += 1

@@ -7,31 +7,31 @@ A page is in exactly one of three states:
 - cached: refcount 0 but indexed by its key, kept for reuse and evictable in LRU order.
 
 Pages get a key (become matchable) only once their content is known to be computed, which the
-facade decides (at a checkpoint or an L2 load). Bookkeeping is vectorised with numpy because a
-200k-token history holds ~3k pages and is pinned and unpinned on every turn: page ids travel as
-[n] int64 arrays end to end (page tables, the free list, eviction victims), so no call converts
-lists to arrays and back.
+facade decides (at a checkpoint or an L2 load). Bookkeeping is vectorised because a 200k-token
+history holds ~3k pages and is pinned and unpinned on every turn: page ids travel as [n] int64
+arrays and keys as `PageKeys` end to end (page tables, the free list, eviction victims, the
+`KeyTable` index), so no call walks pages one Python object at a time.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from itertools import compress, repeat
 
 import numpy as np
 
 from ..types import PageId, PageKey
-from ._exhaust import exhaust
 from .errors import BudgetTooSmallError, CacheFullError, IntegrityError
+from .key_table import KeyTable
+from .keys import KEY_DTYPE, PageKeys, as_page_keys, key_int
 from .pool import SlotPool, as_ids
 
 SINK_PAGE: PageId = 0
 """Page 0 is never handed out: padded rows of a captured graph point at it."""
 
-# Called with ([n] int64 page ids, keys, [n] int64 positions) of pages about to be evicted, before
-# they are reused.
-WritebackFn = Callable[[np.ndarray, list[PageKey], np.ndarray], None]
+# Called with ([n] int64 page ids, their keys, [n] int64 positions) of pages about to be evicted,
+# before they are reused.
+WritebackFn = Callable[[np.ndarray, PageKeys, np.ndarray], None]
 
 
 class MlaPageManager:
@@ -42,9 +42,9 @@ class MlaPageManager:
 
     def __init__(self, num_pages: int) -> None:
         self.pool = SlotPool(num_pages, reserved=(SINK_PAGE,))
-        self.index: dict[PageKey, PageId] = {}
-        # [num_pages] object: the key a page is indexed under, None when it is not indexed.
-        self.key_of = np.full(num_pages, None, dtype=object)
+        self.index = KeyTable(num_pages)  # key -> page id, for indexed pages
+        # [num_pages] the key a page is indexed under (meaningful where `indexed`; zeros elsewhere).
+        self.key_of = np.zeros(num_pages, dtype=KEY_DTYPE)
         self.position_of = np.full(num_pages, -1, dtype=np.int64)  # page index in its chain
         self.ref = np.zeros(num_pages, dtype=np.int32)
         self.indexed = np.zeros(num_pages, dtype=bool)
@@ -76,14 +76,13 @@ class MlaPageManager:
     def num_used(self) -> int:
         return self.pool.num_used - self.num_cached
 
-    def lookup(self, keys: Sequence[PageKey]) -> list[PageId | None]:
+    def lookup(self, keys: PageKeys | Sequence[PageKey]) -> list[PageId | None]:
         """Page id of each key in the L1 index (None where absent)."""
-        return list(map(self.index.get, keys))
+        return [None if p < 0 else p for p in self.lookup_ids(as_page_keys(keys)).tolist()]
 
-    def lookup_ids(self, keys: Sequence[PageKey]) -> np.ndarray:
-        """[n] int64: `lookup` with -1 where absent (filled straight from the probes, with no
-        list in between: a prefill match looks up a whole history)."""
-        return np.fromiter(map(self.index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+    def lookup_ids(self, keys: PageKeys) -> np.ndarray:
+        """[n] int64: the page indexed under each key, -1 where absent."""
+        return self.index.lookup(keys)
 
     def room_besides(self, pids: Sequence[PageId] | np.ndarray) -> int:
         """Pages an allocation could take (free + evictable) once `pids` are pinned."""
@@ -194,11 +193,11 @@ class MlaPageManager:
         if n <= 0 or self.num_cached == 0:
             return 0
         victims = self._lru_victims(n)
-        keys = self.key_of[victims].tolist()
+        keys = self.key_of[victims]
         if writeback is not None:
             writeback(victims, keys, self.position_of[victims])
-        exhaust(map(self.index.__delitem__, keys))
-        self.key_of[victims] = None
+        self.index.delete(keys)
+        self.key_of[victims] = 0
         self.indexed[victims] = False
         self.evictable[victims] = False
         self.position_of[victims] = -1
@@ -218,11 +217,7 @@ class MlaPageManager:
             return current == pid
         if self.indexed[pid]:
             raise IntegrityError(f"page {pid} is already indexed under another key")
-        self.index[key] = pid
-        self.key_of[pid] = key
-        self.position_of[pid] = position
-        self.indexed[pid] = True
-        self.version += 1
+        self.register_at(np.array([pid], dtype=np.int64), [key], [position])
         return True
 
     def register_many(
@@ -235,78 +230,74 @@ class MlaPageManager:
     def register_at(
         self,
         pids: Sequence[PageId] | np.ndarray,
-        keys: Sequence[PageKey],
+        keys: PageKeys | Sequence[PageKey],
         positions: Sequence[int] | np.ndarray,
     ) -> None:
         """`register(pid, key, position)` for each triple in order (distinct used pages): keys
-        already indexed are skipped (their pages stay private). One batch, not a loop per page."""
+        already indexed, by another page or earlier in this batch, keep their page and this one
+        stays private. One batch, not a loop per page."""
+        keys = as_page_keys(keys)
         n = len(pids)
         if n != len(keys) or n != len(positions):
             raise ValueError(f"{n} pages, {len(keys)} keys, {len(positions)} positions")
         if not n:
             return
-        index = self.index
         sel = as_ids(pids)
         if np.count_nonzero(self.ref[sel] <= 0):
             raise IntegrityError("register of unreferenced pages")
         indexed = self.indexed
-        if not np.count_nonzero(indexed[sel]):
-            before = len(index)
+        fresh_pages = not np.count_nonzero(indexed[sel])
+        if fresh_pages:
+            # Distinct pages? Flag them and count (cheaper than sorting the batch).
             indexed[sel] = True
-            if int(np.count_nonzero(indexed)) != before + n:
-                indexed[sel] = False  # a page appears twice in this batch: the slow path
-            else:
-                self._register_fresh(sel, keys, positions)
+            fresh_pages = int(np.count_nonzero(indexed)) == len(self.index) + n
+            indexed[sel] = False
+        if not fresh_pages:
+            self._check_reregistration(sel, keys)
+            # Pages already indexed under their own key stay as they are; none is under another.
+            keep = ~indexed[sel]
+            if not np.count_nonzero(keep):
                 return
-        # Pages indexed already (re-registration, or a bug): the per-page rules decide, checked
-        # first so that a refused batch changes nothing.
-        plist = sel.tolist()
-        taken_keys, taken_pids = set(), set()
-        for pid, key in zip(plist, keys, strict=True):
-            if key in index or key in taken_keys:
-                continue
-            if indexed[pid] or pid in taken_pids:
-                raise IntegrityError(f"page {pid} is already indexed under another key")
-            taken_keys.add(key)
-            taken_pids.add(pid)
-        for pid, key, position in zip(plist, keys, positions, strict=True):
-            self.register(pid, key, int(position))
-
-    def _register_fresh(
-        self, sel: np.ndarray, keys: Sequence[PageKey], positions: Sequence[int] | np.ndarray
-    ) -> None:
-        """register_at of distinct pages none of which is indexed; their `indexed` flags are
-        already set. One pass: a key already indexed (by another page, or earlier in this batch)
-        keeps its page, and this one stays private, exactly as `register` page by page."""
-        plist = sel.tolist()
-        keys = keys if isinstance(keys, list) else list(keys)
-        got = list(map(self.index.setdefault, keys, plist))
-        if got == plist:
-            self.key_of[sel] = keys
-        else:
-            # setdefault hands back the page it stored, or the page the key already names: no
-            # key names one of these pages (none is indexed, and they are distinct), so a page
-            # got back under its own id is exactly a fresh one. Compared as arrays (an int64
-            # array from the list is cheaper than a list of identity tests turned into bools).
-            fresh = np.fromiter(got, dtype=np.int64, count=len(got)) == sel
-            self.indexed[sel[~fresh]] = False
-            if not np.count_nonzero(fresh):
-                return
-            sel = sel[fresh]
-            self.key_of[sel] = list(compress(keys, fresh.tolist()))
+            sel, keys = sel[keep], keys[keep]
+            positions = np.asarray(positions, dtype=np.int64)[keep]
+        got = self.index.setdefault(keys, sel)
+        # setdefault hands back the page it stored, or the page the key already names: no key
+        # names one of these pages (none is indexed, and they are distinct), so a page got back
+        # under its own id is exactly a fresh one.
+        fresh = got == sel
+        if not np.count_nonzero(fresh):
+            return
+        if not fresh.all():
+            sel, keys = sel[fresh], keys[fresh]
             positions = np.asarray(positions, dtype=np.int64)[fresh]
+        indexed[sel] = True
+        self.key_of[sel] = keys
         self.position_of[sel] = positions
         self.version += 1
 
+    def _check_reregistration(self, sel: np.ndarray, keys: PageKeys) -> None:
+        """Refuse (before any change) a batch that would index a page under a second key: a page
+        already indexed, or listed twice, whose key is not already in the index (or taken
+        earlier in the batch)."""
+        present = self.index.lookup(keys) >= 0
+        taken_keys, taken_pids = set(), set()
+        for pid, key, there in zip(sel.tolist(), keys, present.tolist(), strict=True):
+            k = key_int(key)
+            if there or k in taken_keys:
+                continue
+            if self.indexed[pid] or pid in taken_pids:
+                raise IntegrityError(f"page {pid} is already indexed under another key")
+            taken_keys.add(k)
+            taken_pids.add(pid)
+
     def unregister(self, pid: PageId) -> None:
         """Remove a used page from the index (its content can no longer be trusted)."""
-        key = self.key_of[pid]
-        if key is None:
+        if not self.indexed[pid]:
             return
         if self.ref[pid] <= 0:
             raise IntegrityError(f"unregister of unreferenced page {pid}")
-        del self.index[key]
-        self.key_of[pid] = None
+        self.index.delete(self.key_of[pid : pid + 1])
+        self.key_of[pid] = 0
         self.indexed[pid] = False
         self.position_of[pid] = -1
         self.version += 1
@@ -333,12 +324,13 @@ class MlaPageManager:
             raise IntegrityError("the evictable set is not exactly the unreferenced indexed pages")
         if (self.evictable & (self.ref > 0)).any():
             raise IntegrityError("a page in use is marked evictable")
+        self.index.check_integrity()
         if len(self.index) != int(self.indexed.sum()):
             raise IntegrityError("index size disagrees with the indexed flags")
-        for key, pid in self.index.items():
-            if self.key_of[pid] != key or not self.indexed[pid]:
-                raise IntegrityError(f"index entry {key!r} -> {pid} is not mirrored")
-        if any(k is not None for k in self.key_of[~self.indexed].tolist()):
+        keys, pids = self.index.items()
+        if not self.indexed[pids].all() or self.key_of[pids].tobytes() != keys.tobytes():
+            raise IntegrityError("an index entry is not mirrored by its page")
+        if self.key_of[~self.indexed].view(np.uint64).any():
             raise IntegrityError("a page that is not indexed still names a key")
         qp = self._queue_pid[self._head : self._tail]
         qu = self._queue_use[self._head : self._tail]

@@ -29,7 +29,7 @@ class CheckpointPaths:
         request (lazily, over its registered pages), then maintained as it adds checkpoints."""
         index, keys = self.ckpts.index, handle._keys
         if handle._path is None:
-            handle._path = self.ckpts.on_path(keys, handle._registered, self.page_size)
+            handle._path = self.ckpts.on_path(keys.array, handle._registered)
         else:
             handle._path = [n for n in handle._path if keys[n - 1] in index]
         return handle._path

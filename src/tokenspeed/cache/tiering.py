@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Sequence
-from itertools import compress, repeat
+from itertools import repeat
 from typing import Literal
 
 import attrs
@@ -25,6 +24,7 @@ from ..types import PageKey
 from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
 from .config import CacheGeometry
 from .handles import PrefixMatch
+from .keys import PageKeys, keys_from_ints, keys_to_ints
 from .l2.base import HostCache, HostObject, ObjectKind
 from .l2.guarded import GuardedL2
 from .mla_pages import MlaPageManager
@@ -79,7 +79,7 @@ class Tiering:
         self.counters.l2_errors += 1
 
     # -------------------------------------------------------------------------- lookups
-    def coverage(self, keys: Sequence[PageKey], pids: np.ndarray) -> int:
+    def coverage(self, keys: PageKeys, pids: np.ndarray) -> int:
         """Pages [0, n) covered by L1 or L2, given the L1 lookup `pids` ([n] int64, -1: absent)
         of `keys`. Each gap in L1 is asked of L2 in order until one is not fully covered; gaps
         are found with whole-array steps, so a long history costs a step per gap, not per page."""
@@ -98,10 +98,10 @@ class Tiering:
                 return start + found
         return n
 
-    def deepest_checkpoint(self, keys: Sequence[PageKey], limit: int) -> tuple[int, Tier | None]:
+    def deepest_checkpoint(self, keys: PageKeys, limit: int) -> tuple[int, Tier | None]:
         """Largest i < limit with a checkpoint at keys[i] in L1 or L2, and its tier (L1 wins
         ties); (-1, None) if none."""
-        in_l1 = self.ckpts.deepest(keys, limit, self.geometry.page_size)
+        in_l1 = self.ckpts.deepest(keys, limit)
         if self.l2 is not None and limit - 1 > in_l1:
             j = self.l2.last_present(ObjectKind.CHECKPOINT, keys[in_l1 + 1 : limit])
             if j >= 0:
@@ -109,7 +109,7 @@ class Tiering:
         return (in_l1, "l1") if in_l1 >= 0 else (-1, None)
 
     # ---------------------------------------------------------------------------- reads
-    def fetch(self, keys: Sequence[PageKey], match: PrefixMatch) -> HitPlan:
+    def fetch(self, keys: PageKeys, match: PrefixMatch) -> HitPlan:
         """Read and verify the L2 part of a hit; shrink the hit when something is unreadable."""
         sources = match.sources
         tier = match.checkpoint_tier
@@ -134,7 +134,7 @@ class Tiering:
                 need = [i for i in need if i not in fetched]
             first_bad = None
             if need:
-                got = self.l2.get(ObjectKind.PAGE, list(map(keys.__getitem__, need)), need)
+                got = self.l2.get(ObjectKind.PAGE, keys[np.array(need, dtype=np.int64)], need)
                 bad = list(map(operator.is_, got, repeat(None)))
                 if True in bad:
                     j = bad.index(True)
@@ -147,7 +147,7 @@ class Tiering:
                     first, first_need = got, need
             checkpoint = None
             if first_bad is None and tier == "l2":
-                (checkpoint,) = self.l2.get(ObjectKind.CHECKPOINT, [keys[hit - 1]], [hit * P])
+                (checkpoint,) = self.l2.get(ObjectKind.CHECKPOINT, keys[hit - 1 : hit], [hit * P])
                 if checkpoint is not None:
                     break
             elif first_bad is None:
@@ -180,22 +180,20 @@ class Tiering:
         return entry
 
     # --------------------------------------------------------------------------- writes
-    def writeback_pages(self, pids: np.ndarray, keys: list[PageKey], positions: np.ndarray) -> None:
+    def writeback_pages(self, pids: np.ndarray, keys: PageKeys, positions: np.ndarray) -> None:
         """Eviction hook: store evicted pages that L2 lacks before their slots are reused."""
         self.counters.pages_evicted += len(pids)
         if self.l2 is None:
             return
         present = self.l2.contains(ObjectKind.PAGE, keys)
-        if all(present):
+        if present.all():
             return
-        if not any(present):
+        if not present.any():
             self.counters.pages_written_back += self._put_pages(keys, positions.tolist(), pids)
             return
-        missing = np.flatnonzero(~np.array(present, dtype=bool))
+        missing = np.flatnonzero(~present)
         self.counters.pages_written_back += self._put_pages(
-            list(map(keys.__getitem__, missing.tolist())),
-            positions[missing].tolist(),
-            pids[missing],
+            keys[missing], positions[missing].tolist(), pids[missing]
         )
 
     def writeback_checkpoints(self, entries: list[CheckpointEntry]) -> None:
@@ -203,14 +201,16 @@ class Tiering:
         self.counters.checkpoints_evicted += len(entries)
         if self.l2 is None:
             return
-        present = self.l2.contains(ObjectKind.CHECKPOINT, [e.key for e in entries])
+        present = self.l2.contains(ObjectKind.CHECKPOINT, keys_from_ints(e.key for e in entries))
         objects = [
-            self._checkpoint_object(e) for e, p in zip(entries, present, strict=True) if not p
+            self._checkpoint_object(e)
+            for e, p in zip(entries, present.tolist(), strict=True)
+            if not p
         ]
         if objects:
             self.counters.checkpoints_written_back += self.l2.put(objects)
 
-    def publish(self, keys: Sequence[PageKey], page_ids: np.ndarray, path: list[int]) -> int:
+    def publish(self, keys: PageKeys, page_ids: np.ndarray, path: list[int]) -> int:
         """Write-through of a request's prefix up to its deepest checkpoint `path[-1]` (pages)
         and of its checkpoints at `path`; returns how many objects were newly stored."""
         assert self.l2 is not None
@@ -218,39 +218,27 @@ class Tiering:
         # Earlier turns usually published the start already: skip the present prefix cheaply.
         first = self.l2.prefix_present(ObjectKind.PAGE, keys[:deepest])
         present = self.l2.contains(ObjectKind.PAGE, keys[first:deepest])
-        missing = list(compress(range(first, deepest), map(operator.not_, present)))
-        ckpt_keys = [keys[n - 1] for n in path]
+        missing = first + np.flatnonzero(~present)
+        ckpt_keys = keys[np.array(path, dtype=np.int64) - 1]
         present = self.l2.contains(ObjectKind.CHECKPOINT, ckpt_keys)
         objects = [
             self._checkpoint_object(self.ckpts.index[key])
-            for key, p in zip(ckpt_keys, present, strict=True)
+            for key, p in zip(keys_to_ints(ckpt_keys), present.tolist(), strict=True)
             if not p
         ]
         # Both lookups come before the writes (what is written does not depend on what the
         # writes evict); pages first, then checkpoints.
-        # The new pages usually continue the stored history: name the page before them, so the
-        # host tier can keep the chain's bookkeeping in one piece (a hint; results are the same).
-        after = keys[missing[0] - 1] if missing and missing[0] > 0 else None
-        stored = self._put_pages(
-            list(map(keys.__getitem__, missing)), missing, page_ids[missing], after
-        )
+        stored = self._put_pages(keys[missing], missing.tolist(), page_ids[missing])
         stored += self.l2.put(objects) if objects else 0
         self.counters.objects_published += stored
         return stored
 
-    def _put_pages(
-        self,
-        keys: list[PageKey],
-        positions: list[int],
-        pids: np.ndarray,
-        after: PageKey | None = None,
-    ) -> int:
-        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now.
-        `after`: the key of the page before keys[0] in their chain, if known (a hint)."""
-        if not keys:
+    def _put_pages(self, keys: PageKeys, positions: list[int], pids: np.ndarray) -> int:
+        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now."""
+        if not len(keys):
             return 0
         payloads = self.storage.read_pages(pids) if self.storage is not None else None
-        return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads, after=after)
+        return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads)
 
     def _checkpoint_object(self, entry: CheckpointEntry) -> HostObject:
         payload = self.storage.read_checkpoint(entry.slot) if self.storage is not None else None

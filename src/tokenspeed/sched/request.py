@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import attrs
 
@@ -49,8 +50,10 @@ class LifecycleError(RuntimeError):
 class Request:
     """Scheduling state of one request (one turn of a conversation).
 
-    `keys` are the cache keys of the request's pages, opaque here and handed to the cache port;
-    a caller that knows the output in advance (the simulator) may list the output pages too.
+    `keys` are the cache keys of the request's pages (for the real cache a `PageKeys` array or a
+    growing `KeyBuffer`), opaque here and handed to the cache port: the scheduler only takes
+    their length and slices. A caller that knows the output in advance (the simulator) may list
+    the output pages too.
     `num_computed` counts tokens whose cache exists on the rank currently holding the request
     (prefix hit plus prefilled chunks, plus decoded tokens while decoding).
     """
@@ -58,7 +61,7 @@ class Request:
     rid: Hashable
     prompt_len: int
     max_new_tokens: int
-    keys: Sequence[Hashable] = ()
+    keys: Sequence[Hashable] | Any = ()
     session: Hashable | None = None
     state: RequestState = RequestState.WAITING
     num_computed: int = 0

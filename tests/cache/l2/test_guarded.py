@@ -117,7 +117,7 @@ def test_guard_answers_safely_for_every_call():
     errors = []
     guard = GuardedL2(l2, lambda: errors.append(1))
     l2.mode = "raise"
-    assert guard.contains(ObjectKind.PAGE, [1, 2]) == [False, False]
+    assert guard.contains(ObjectKind.PAGE, [1, 2]).tolist() == [False, False]
     assert guard.prefix_present(ObjectKind.PAGE, [1]) == 0
     assert guard.last_present(ObjectKind.PAGE, [1]) == -1
     assert guard.put([HostObject(ObjectKind.PAGE, 1, 0, 1, torch.zeros(1, dtype=torch.uint8))]) == 0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenspeed.cache import CacheConfigError, HostCache, IntegrityError, LocalHostCache, ObjectKind
+from tokenspeed.cache.keys import keys_from_ints
 from tokenspeed.cache.l2.base import HostObject
 
 from ..helpers import tiny_geometry
@@ -35,8 +37,8 @@ def test_roundtrip_returns_the_stored_bytes_and_copies_on_put():
     obj.payload.fill_(0)  # the tier kept its own copy
     (got,) = l2.get(PAGE, [7], [7])
     assert torch.equal(got, torch.full((n,), 7, dtype=torch.uint8))
-    assert l2.contains(PAGE, [7, 8]) == [True, False]
-    assert l2.contains(CKPT, [7]) == [False]
+    assert l2.contains(PAGE, [7, 8]).tolist() == [True, False]
+    assert l2.contains(CKPT, [7]).tolist() == [False]
 
 
 def test_lru_eviction_within_the_byte_budget():
@@ -44,7 +46,7 @@ def test_lru_eviction_within_the_byte_budget():
     l2.put([_page(k, n) for k in (1, 2, 3)])
     l2.get(PAGE, [1], [1])  # 1 becomes most recently used
     l2.put([_page(4, n)])
-    assert l2.contains(PAGE, [1, 2, 3, 4]) == [True, False, True, True]
+    assert l2.contains(PAGE, [1, 2, 3, 4]).tolist() == [True, False, True, True]
     s = l2.stats()
     assert (s.objects, s.bytes, s.evictions) == (3, 3 * n, 1)
     l2.check_integrity()
@@ -77,13 +79,13 @@ def test_prefix_and_last_present():
     assert l2.prefix_present(PAGE, [9, 1]) == 0
     assert l2.last_present(PAGE, [1, 2, 4, 6]) == 1
     assert l2.last_present(PAGE, [6, 7]) == -1
-    assert l2.remove(PAGE, [1, 9]) == 1 and l2.contains(PAGE, [1]) == [False]
+    assert l2.remove(PAGE, [1, 9]) == 1 and l2.contains(PAGE, [1]).tolist() == [False]
 
 
 def test_metadata_only_keeps_sizes_not_bytes():
     l2, n = _bound(2, metadata_only=True)
     assert l2.put([HostObject(PAGE, k, k, n) for k in (1, 2, 3)]) == 3
-    assert l2.contains(PAGE, [1, 2, 3]) == [False, True, True]
+    assert l2.contains(PAGE, [1, 2, 3]).tolist() == [False, True, True]
     (got,) = l2.get(PAGE, [2], [2])
     assert got is not None and got.numel() == 0
     assert l2.stats().bytes == 2 * n
@@ -99,8 +101,8 @@ def test_payload_contract_is_enforced():
     assert isinstance(l2, HostCache)
 
 
-# ---- batched paths (put_many, runs behind prefix_present, the metadata-only get) against the
-# per-object semantics, written out as a plain reference model ------------------------------------
+# ---- batched paths (put_many, prefix_present, the metadata-only get) against the per-object
+# semantics, written out as a plain reference model ---------------------------------------------
 
 
 class _ReferenceL2:
@@ -182,8 +184,6 @@ _op = st.one_of(
     # Tail first (write-back order), and a write that names a key twice.
     _call("put_many_rev", 12),
     _call("get_rev", 12),
-    # A write naming the page before it (its chain predecessor, or a wrong key: a hint only).
-    _call("put_many_after", 8),
     _call("put_many_dup", 8),
 )
 
@@ -209,10 +209,6 @@ def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
             op, keys, positions = "put_many", keys + keys[:2], positions + positions[:2]
         if op == "put_many":
             assert l2.put_many(kind, keys, positions) == ref.put(kind, keys, positions)
-        elif op == "put_many_after":
-            after = chains[chain][start - 1] if 0 < start <= 11 else chains[(chain + 1) % 4][3]
-            got = l2.put_many(kind, keys, positions, after=after)
-            assert got == ref.put(kind, keys, positions)
         elif op == "put":
             nbytes = ck if kind is CKPT else n
             objs = [HostObject(kind, k, p, nbytes) for k, p in zip(keys, positions, strict=True)]
@@ -229,11 +225,11 @@ def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
             whole = chains[chain]
             assert l2.prefix_present(PAGE, whole) == ref.prefix_present(PAGE, whole)
         for k in (PAGE, CKPT):
-            assert l2.contains(k, [key for c in chains for key in c]) == [
+            assert l2.contains(k, [key for c in chains for key in c]).tolist() == [
                 key in ref.stores[k] for c in chains for key in c
             ]
-            few = keys[:7]  # a few keys (checkpoints, short writes): probed without the runs
-            assert l2.contains(k, few) == [key in ref.stores[k] for key in few]
+            few = keys[:7]  # a few keys (checkpoints, short writes)
+            assert l2.contains(k, few).tolist() == [key in ref.stores[k] for key in few]
         s = l2.stats()
         assert (s.objects, s.bytes, s.evictions, s.puts, s.hits, s.misses) == (
             len(ref.lru),
@@ -250,32 +246,16 @@ def test_contains_counts_every_key_asked_about_short_or_long():
     l2, _ = _bound(64, metadata_only=True)
     l2.put_many(PAGE, list(range(20)), list(range(20)))
     before = l2.stats().lookups
-    assert l2.contains(PAGE, [3, 99, 5]) == [True, False, True]
-    assert l2.contains(PAGE, list(range(15, 30))) == [k < 20 for k in range(15, 30)]
+    assert l2.contains(PAGE, [3, 99, 5]).tolist() == [True, False, True]
+    assert l2.contains(PAGE, list(range(15, 30))).tolist() == [k < 20 for k in range(15, 30)]
     assert l2.stats().lookups == before + 3 + 15
 
 
-def test_a_history_written_turn_by_turn_after_its_last_page_stays_one_run():
-    # Each turn's new pages name the page before them: the tier keeps the chain in one run, so
-    # a prefix check over the whole history resolves in one segment.
-    l2, _ = _bound(64, metadata_only=True)
-    chain = list(range(500, 540))
-    l2.put_many(PAGE, chain[:10], list(range(10)))
-    for start, end in ((10, 18), (18, 31), (31, 40)):
-        l2.put_many(PAGE, chain[start:end], list(range(start, end)), after=chain[start - 1])
-    assert len(l2._runs.runs) == 1
-    assert l2.prefix_present(PAGE, chain) == 40
-    assert l2.contains(PAGE, chain[::-1]) == [True] * 40
-    l2.put_many(PAGE, [900, 901], [0, 1])  # no predecessor named: a run of its own
-    assert len(l2._runs.runs) == 2
-    l2.check_integrity()
-
-
-def test_integrity_check_catches_a_run_that_vouches_for_a_missing_object():
+def test_integrity_check_catches_a_stored_object_missing_from_its_key_table():
     l2, _ = _bound(8, metadata_only=True)
     l2.put_many(PAGE, [1, 2, 3], [0, 1, 2])
     l2.check_integrity()
-    del l2._pages[2]  # bypass the bookkeeping: the run still lists 2 as stored
+    l2._pages.delete(keys_from_ints([2]))  # bypass the bookkeeping: the slot still holds 2
     l2._mutations += 1
     with pytest.raises(IntegrityError):
         l2.check_integrity()
@@ -296,22 +276,23 @@ def _loaded() -> LocalHostCache:
         "slot key",  # a slot names another key than its store entry
         "free slot",  # a slot in use is also on the free list
         "bytes",  # the byte count drifts
-        "run offset",  # a run vouches for a slot at the wrong offset
+        "table value",  # the key table names another slot than the one holding the key
     ],
 )
 def test_integrity_check_catches_broken_slot_bookkeeping(damage):
     l2 = _loaded()
-    slot = l2._pages[2]
+    slot = l2._pages.get(2)
     if damage == "stamp":
         l2._lru.stamp[slot] = -1
     elif damage == "slot key":
-        l2._keys[slot] = 99
+        l2._keys[slot] = (99, 0)
     elif damage == "free slot":
         l2._free.append(slot)
     elif damage == "bytes":
         l2._bytes += 1
     else:
-        l2._runs.off_of[slot] += 1
+        l2._pages.delete(keys_from_ints([2]))
+        l2._pages.setdefault(keys_from_ints([2]), np.array([l2._pages.get(3)]))
     l2._mutations += 1
     with pytest.raises(IntegrityError):
         l2.check_integrity()
@@ -326,4 +307,5 @@ def test_presence_version_moves_with_stores_and_evictions_not_with_reads():
     l2.put_many(PAGE, [1], [0])  # already there: a touch
     assert l2.presence_version() == v1 != v0
     l2.put_many(PAGE, [3], [2])  # evicts the least recently used: 2
-    assert l2.presence_version() != v1 and l2.contains(PAGE, [1, 2, 3]) == [True, False, True]
+    assert l2.presence_version() != v1
+    assert l2.contains(PAGE, [1, 2, 3]).tolist() == [True, False, True]

@@ -181,7 +181,7 @@ def test_backend_roundtrip_and_corruption_with_a_fake_store():
     behaviour: dict = {}
     l2 = _backend(behaviour)
     assert l2.put([_page(l2, 1), _page(l2, 2)]) == 2
-    assert l2.contains(ObjectKind.PAGE, [1, 3]) == [True, False]
+    assert l2.contains(ObjectKind.PAGE, [1, 3]).tolist() == [True, False]
     got = l2.get(ObjectKind.PAGE, [1, 3], [0, 0])
     assert got[1] is None and torch.equal(got[0], _page(l2, 1).payload)
     behaviour["get_batch"] = "flip"
@@ -196,7 +196,7 @@ def test_backend_failure_trips_it_down_without_raising(failing):
     behaviour = {"batch_is_exist": failing}
     l2 = _backend(behaviour)
     start = time.monotonic()
-    assert l2.contains(ObjectKind.PAGE, [1, 2]) == [False, False]
+    assert l2.contains(ObjectKind.PAGE, [1, 2]).tolist() == [False, False]
     assert time.monotonic() - start < 2.0  # a hung call is abandoned after op_timeout_s
     assert not l2.stats().available and l2.stats().errors == 1
     # While down, nothing touches the store: writes are dropped, reads are misses.

@@ -1,6 +1,7 @@
 import itertools
 
 from tokenspeed.cache import KeyChain
+from tokenspeed.cache.keys import keys_to_ints
 from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
 from tokenspeed.sim.workload import AgentXWorkload, Session, Turn
 
@@ -18,7 +19,7 @@ def _fresh_keys(session: Session, turns: int, page: int = 64) -> list[list[int]]
         chain.append_blocks(
             [-next(ids) for _ in range(-(-t.output_tokens // 512))], t.output_tokens, 512
         )
-        out.append(list(chain.keys))
+        out.append(chain.keys.tolist())
     return out
 
 
@@ -30,10 +31,10 @@ def test_turns_extend_the_history_and_match_fresh_hashing():
         reqs.append(conv.next_request(len(reqs), prefixes, ids))
         conv.index += 1
     expected = _fresh_keys(session, 4)
-    assert [r.keys for r in reqs] == expected
+    assert [keys_to_ints(r.keys) for r in reqs] == expected
     for prev, cur in itertools.pairwise(reqs):
         # A turn's prompt is the previous prompt + output + new tokens: keys extend, never change.
-        assert cur.keys[: len(prev.keys)] == prev.keys
+        assert keys_to_ints(cur.keys[: len(prev.keys)]) == keys_to_ints(prev.keys)
         assert (
             cur.prompt_len
             == prev.prompt_len + prev.max_new_tokens + session.turns[reqs.index(cur)].new_tokens
@@ -53,9 +54,9 @@ def test_shared_prefix_memo_gives_identical_keys_and_is_reused():
         assert a.prompt_len == b.prompt_len
         # Up to the first fresh (output / un-hashed) id the keys are the same content.
         n = (a.prompt_len // 512) * 8
-        assert a.keys[:n] == b.keys[:n]
+        assert keys_to_ints(a.keys[:n]) == keys_to_ints(b.keys[:n])
     # Every session starts with the same 63 shared blocks: same keys for those 504 pages.
-    assert len({tuple(r.keys[:504]) for r in firsts}) == 1
+    assert len({r.keys[:504].tobytes() for r in firsts}) == 1
     assert memo._chains  # shared boundaries were remembered
 
 
@@ -64,6 +65,8 @@ def test_outputs_and_unhashed_tails_are_unique_content():
     ids = itertools.count(1)
     a = Conversation(s).next_request(0, PrefixChains(64, 512), ids)
     b = Conversation(s).next_request(1, PrefixChains(64, 512), ids)
-    assert a.keys[:8] == b.keys[:8]  # block 7: 512 identical tokens
-    assert a.keys[8:] != b.keys[8:]  # the un-hashed tail and the output differ
+    assert keys_to_ints(a.keys[:8]) == keys_to_ints(b.keys[:8])  # block 7: 512 identical tokens
+    # The un-hashed tail and the output differ.
+    tails = zip(keys_to_ints(a.keys[8:]), keys_to_ints(b.keys[8:]), strict=True)
+    assert all(x != y for x, y in tails)
     assert len(a.keys) == (1000 + 600) // 64

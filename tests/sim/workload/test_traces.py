@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from tokenspeed.cache.keys import key_at, keys_equal
 from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
 from tokenspeed.sim.workload import (
     AgentXConfig,
@@ -158,8 +159,8 @@ def test_aiperf_turns_replay_as_growing_prompts_with_outputs_in_the_history(tmp_
     assert [r.max_new_tokens for r in reqs] == [40, 30, 10]
     for prev, cur in itertools.pairwise(reqs):
         # Keys of the previous prompt and output are a prefix of this turn's keys.
-        assert cur.keys[: len(prev.keys)] == prev.keys
+        assert keys_equal(cur.keys[: len(prev.keys)], prev.keys)
     first_b = Conversation(b).next_request(99, prefixes, ids)
     # Hash ids [0, 1] shared: 1024 tokens = 16 pages of 64 with identical keys; then they differ.
-    assert first_b.keys[:16] == reqs[0].keys[:16]
-    assert first_b.keys[16] != reqs[0].keys[16]
+    assert keys_equal(first_b.keys[:16], reqs[0].keys[:16])
+    assert key_at(first_b.keys, 16) != key_at(reqs[0].keys, 16)

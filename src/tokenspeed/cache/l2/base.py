@@ -13,6 +13,8 @@ Contract every backend keeps:
   does not match what the caller expects is rejected (counted in `corrupt`) and reported absent.
 - In metadata-only mode objects have sizes but no payloads; `get` returns an empty tensor for a
   present object.
+- Keys come as `PageKeys` arrays (a backend may also be handed a list of int keys: read them with
+  `as_page_keys`); one key on its own (`HostObject.key`) is an int.
 - Instances hold no process-wide state; several `CacheManager`s (ranks) may share one instance.
   An instance is driven from one thread at a time.
 """
@@ -24,11 +26,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from ...types import PageKey
 from ..config import CacheGeometry
 from ..errors import CacheConfigError
+from ..keys import PageKeys, as_key_int, as_page_keys, keys_to_ints
 
 
 class ObjectKind(enum.Enum):
@@ -42,7 +46,7 @@ class HostObject:
     position: page index in its chain (pages) or the prefix length L (checkpoints)."""
 
     kind: ObjectKind
-    key: PageKey
+    key: PageKey = attrs.field(converter=as_key_int)
     position: int
     nbytes: int
     payload: torch.Tensor | None = None
@@ -116,21 +120,18 @@ class HostCache(ABC):
         return g.mla_page_bytes if kind is ObjectKind.PAGE else g.kda_state_bytes
 
     @abstractmethod
-    def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
-        """Presence of each key (a hint: the object may vanish before it is read)."""
+    def contains(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
+        """[n] bool: presence of each key (a hint: the object may vanish before it is read)."""
 
-    def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def prefix_present(self, kind: ObjectKind, keys: PageKeys) -> int:
         """Number of leading keys present."""
-        present = self.contains(kind, keys)
-        return present.index(False) if False in present else len(present)
+        absent = np.flatnonzero(~np.asarray(self.contains(kind, keys), dtype=bool))
+        return int(absent[0]) if len(absent) else len(keys)
 
-    def last_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def last_present(self, kind: ObjectKind, keys: PageKeys) -> int:
         """Index of the last present key, -1 if none."""
-        present = self.contains(kind, keys)
-        for i in range(len(present) - 1, -1, -1):
-            if present[i]:
-                return i
-        return -1
+        present = np.flatnonzero(np.asarray(self.contains(kind, keys), dtype=bool))
+        return int(present[-1]) if len(present) else -1
 
     def presence_version(self) -> int | None:
         """A number that changes whenever an object may have been stored or may have left, so
@@ -145,36 +146,31 @@ class HostCache(ABC):
     def put_many(
         self,
         kind: ObjectKind,
-        keys: Sequence[PageKey],
+        keys: PageKeys,
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
-        *,
-        after: PageKey | None = None,
     ) -> int:
         """`put` of objects of one kind and the bound geometry's size (`object_bytes`), given as
-        parallel sequences (payloads None when metadata-only). Backends may do it in one batch.
-
-        after: the key of the page just before `keys[0]` in its chain, when the caller knows it
-            (a turn's new pages after the history already stored): a placement hint that a
-            backend may use to keep a chain's bookkeeping together; it never changes a result."""
+        parallel sequences (payloads None when metadata-only). Backends may do it in one batch."""
         nbytes = self.object_bytes(kind)
+        ints = keys_to_ints(as_page_keys(keys))
         if payloads is None:
-            payloads = [None] * len(keys)
+            payloads = [None] * len(ints)
         return self.put(
             [
                 HostObject(kind, key, position, nbytes, payload)
-                for key, position, payload in zip(keys, positions, payloads, strict=True)
+                for key, position, payload in zip(ints, positions, payloads, strict=True)
             ]
         )
 
     @abstractmethod
     def get(
-        self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
+        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
         """Verified payloads ([nbytes] uint8 CPU tensors), None where absent or rejected."""
 
     @abstractmethod
-    def remove(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def remove(self, kind: ObjectKind, keys: PageKeys) -> int:
         """Delete objects (invalidation, tests); returns how many were removed."""
 
     @abstractmethod

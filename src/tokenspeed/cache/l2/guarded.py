@@ -10,9 +10,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
 import torch
 
-from ...types import PageKey
+from ..keys import PageKeys
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 
 logger = logging.getLogger("tokenspeed.cache.l2")
@@ -37,15 +38,22 @@ class GuardedL2:
             logger.warning("L2 %s raised %r; treated as a miss / dropped write", what, exc)
             return fallback
 
-    def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
+    def contains(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
+        """[n] bool (all False when the backend failed or answered something else)."""
         out = self._guard("contains", None, lambda: self.inner.contains(kind, keys))
-        return list(out) if out is not None and len(out) == len(keys) else [False] * len(keys)
+        try:
+            present = np.asarray(out, dtype=bool) if out is not None else None
+        except (TypeError, ValueError):
+            present = None
+        if present is None or present.shape != (len(keys),):
+            return np.zeros(len(keys), dtype=bool)
+        return present
 
-    def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def prefix_present(self, kind: ObjectKind, keys: PageKeys) -> int:
         n = self._guard("prefix_present", 0, lambda: self.inner.prefix_present(kind, keys))
         return n if isinstance(n, int) and 0 <= n <= len(keys) else 0
 
-    def last_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def last_present(self, kind: ObjectKind, keys: PageKeys) -> int:
         i = self._guard("last_present", -1, lambda: self.inner.last_present(kind, keys))
         return i if isinstance(i, int) and -1 <= i < len(keys) else -1
 
@@ -60,21 +68,15 @@ class GuardedL2:
     def put_many(
         self,
         kind: ObjectKind,
-        keys: Sequence[PageKey],
+        keys: PageKeys,
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
-        *,
-        after: PageKey | None = None,
     ) -> int:
-        n = self._guard(
-            "put_many",
-            0,
-            lambda: self.inner.put_many(kind, keys, positions, payloads, after=after),
-        )
+        n = self._guard("put_many", 0, lambda: self.inner.put_many(kind, keys, positions, payloads))
         return n if isinstance(n, int) and n >= 0 else 0
 
     def get(
-        self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
+        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
         out = self._guard("get", None, lambda: self.inner.get(kind, keys, positions))
         if out is None or len(out) != len(keys):

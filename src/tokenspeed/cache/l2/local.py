@@ -7,13 +7,13 @@ Objects are immutable, so a loader that holds a payload keeps reading valid byte
 object is evicted meanwhile.
 
 Bookkeeping is sized for a shared tier of millions of objects. Each stored object has a slot, an
-index into numpy columns (position, size) and the LRU stamps (`SlotLru`); a dictionary per kind
-maps keys to slots. Batched calls on chain slices (a prefix check, a fetched hit, a published turn,
-pages written back together) resolve their keys through the runs of earlier batched writes
-(`RunIndex`: one probe per run, not per key) and touch, check and evict with whole-array
-operations. Every batch gives exactly the answers, counters and LRU order of the same objects
-handled one at a time; where a batch cannot guarantee that (a write that would evict one of its
-own objects, a key repeated in one write), it takes the per-object path.
+index into numpy columns (key, position, size, kind) and the LRU stamps (`SlotLru`); a `KeyTable`
+per kind maps keys to slots. Batched calls on chain slices (a prefix check, a fetched hit, a
+published turn, pages written back together) resolve all their keys in one table call and touch,
+check and evict with whole-array operations. Every batch gives exactly the answers, counters and
+LRU order of the same objects handled one at a time; where a batch cannot guarantee that (a write
+that would evict one of its own objects, a key repeated in one write), it takes the per-object
+path.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from ...types import PageKey
 from .._exhaust import exhaust
 from ..errors import CacheConfigError, IntegrityError
-from ..runs import RunIndex
+from ..key_table import KeyTable
+from ..keys import KEY_DTYPE, PageKeys, as_page_keys, keys_from_ints, keys_to_ints
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 from .slot_lru import FREE, SlotLru
 
@@ -64,19 +65,18 @@ class LocalHostCache(HostCache):
         self.capacity_bytes = capacity_bytes
         self.checksum = checksum and not metadata_only
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        # key -> slot, one dictionary per kind.
-        self._pages: dict[PageKey, int] = {}
-        self._checkpoints: dict[PageKey, int] = {}
-        # Per slot: numpy columns for what batches compare and sum, lists for the rest.
+        # key -> slot, one table per kind.
+        self._pages = KeyTable()
+        self._checkpoints = KeyTable()
+        # Per slot: numpy columns for what batches compare and sum, lists for payloads.
         self._pos = np.zeros(0, dtype=np.int64)  # page index, or the checkpoint's length
         self._nbytes = np.zeros(0, dtype=np.int64)
-        self._keys: list[PageKey | None] = []
-        self._is_checkpoint: list[bool] = []
+        self._keys = np.zeros(0, dtype=KEY_DTYPE)  # zeros where the slot holds nothing
+        self._is_checkpoint = np.zeros(0, dtype=bool)
         self._payload: list[torch.Tensor | None] = []
         self._crc: list[int | None] = []
         self._free: list[int] = []  # slots holding no object
         self._lru = SlotLru()
-        self._runs = RunIndex()
         self._bytes = 0
         self._presence = 0  # bumped whenever an object is stored or leaves
         # Mutating calls so far, and the count at the last successful check_integrity().
@@ -87,7 +87,7 @@ class LocalHostCache(HostCache):
     def presence_version(self) -> int:
         return self._presence
 
-    def _store(self, kind: ObjectKind) -> dict[PageKey, int]:
+    def _store(self, kind: ObjectKind) -> KeyTable:
         return self._checkpoints if kind is ObjectKind.CHECKPOINT else self._pages
 
     # ------------------------------------------------------------------------------ slots
@@ -97,7 +97,7 @@ class LocalHostCache(HostCache):
         got = free[len(free) - min(n, len(free)) :]
         del free[len(free) - len(got) :]
         if len(got) < n:
-            size = len(self._keys)
+            size = len(self._pos)
             extra = n - len(got)
             grown = max(2 * size, size + extra, 1024)
             self._grow(grown)
@@ -106,26 +106,23 @@ class LocalHostCache(HostCache):
         return np.array(got, dtype=np.int64)
 
     def _grow(self, size: int) -> None:
-        old = len(self._keys)
-        for name in ("_pos", "_nbytes"):
-            col = np.zeros(size, dtype=np.int64)
-            col[:old] = getattr(self, name)
-            setattr(self, name, col)
+        old = len(self._pos)
+        for name in ("_pos", "_nbytes", "_keys", "_is_checkpoint"):
+            col = getattr(self, name)
+            grown = np.zeros(size, dtype=col.dtype)
+            grown[:old] = col
+            setattr(self, name, grown)
         extra = size - old
-        self._keys.extend(repeat(None, extra))
-        self._is_checkpoint.extend(repeat(False, extra))
         self._payload.extend(repeat(None, extra))
         self._crc.extend(repeat(None, extra))
         self._lru.grow(size)
-        self._runs.grow(size)
 
     def _release(self, slots: np.ndarray) -> None:
         """Slots whose objects left their store: clear them and return them to the free list."""
         self._presence += 1
         listed = slots.tolist()
         self._lru.forget(slots)
-        self._runs.forget(slots)
-        exhaust(map(self._keys.__setitem__, listed, repeat(None)))
+        self._keys[slots] = 0
         if not self.metadata_only:
             exhaust(map(self._payload.__setitem__, listed, repeat(None)))
             exhaust(map(self._crc.__setitem__, listed, repeat(None)))
@@ -139,44 +136,44 @@ class LocalHostCache(HostCache):
         self.counters.evictions += len(victims)
 
     def _drop_slots(self, slots: np.ndarray) -> None:
-        keys, is_ckpt = self._keys, self._is_checkpoint
-        pages, checkpoints = self._pages, self._checkpoints
-        listed = slots.tolist()
-        if True in map(is_ckpt.__getitem__, listed):
-            for s in listed:
-                del (checkpoints if is_ckpt[s] else pages)[keys[s]]
-        else:  # only pages (the common case): C-level deletes
-            exhaust(map(pages.__delitem__, map(keys.__getitem__, listed)))
+        ckpt = self._is_checkpoint[slots]
+        if np.count_nonzero(ckpt):
+            self._checkpoints.delete(self._keys[slots[ckpt]])
+            self._pages.delete(self._keys[slots[~ckpt]])
+        else:  # only pages (the common case)
+            self._pages.delete(self._keys[slots])
         self._bytes -= int(self._nbytes[slots].sum())
         self._release(slots)
 
     # ---------------------------------------------------------------------------- lookups
-    def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
+    def contains(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> np.ndarray:
+        keys = as_page_keys(keys)
         self.counters.lookups += len(keys)
-        store = self._store(kind)
-        if len(keys) < 8:  # a few keys (checkpoints): the walk would probe each one anyway
-            return list(map(store.__contains__, keys))
-        return (self._runs.slots(store, keys) >= 0).tolist()
+        return self._store(kind).lookup(keys) >= 0
 
-    def prefix_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def prefix_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
+        keys = as_page_keys(keys)
         store = self._store(kind)
         n = len(keys)
-        if not n or keys[0] not in store:
+        if not n or store.lookup(keys[:1])[0] < 0:
             self.counters.lookups += min(1, n)
             return 0
         self.counters.lookups += n
-        return self._runs.prefix(store, keys)
+        absent = np.flatnonzero(store.lookup(keys) < 0)
+        return int(absent[0]) if len(absent) else n
 
-    def last_present(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def last_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
+        keys = as_page_keys(keys)
         store = self._store(kind)
-        if not keys:
+        n = len(keys)
+        if not n:
             return -1
-        if keys[-1] in store:
+        if store.lookup(keys[n - 1 :])[0] >= 0:
             self.counters.lookups += 1
-            return len(keys) - 1
-        self.counters.lookups += len(keys)
-        present = list(map(store.__contains__, reversed(keys)))
-        return len(keys) - 1 - present.index(True) if True in present else -1
+            return n - 1
+        self.counters.lookups += n
+        present = np.flatnonzero(store.lookup(keys) >= 0)
+        return int(present[-1]) if len(present) else -1
 
     # ----------------------------------------------------------------------------- writes
     def put(self, objects: Sequence[HostObject]) -> int:
@@ -184,7 +181,7 @@ class LocalHostCache(HostCache):
         stored = 0
         for obj in objects:
             payload, crc = None, None
-            if not self.metadata_only and obj.key not in self._store(obj.kind):
+            if not self.metadata_only and self._store(obj.kind).get(obj.key) is None:
                 if obj.payload is None or obj.payload.dtype != torch.uint8:
                     raise IntegrityError(f"{obj.kind} {obj.key!r}: a uint8 payload is required")
                 if obj.payload.numel() != obj.nbytes:
@@ -218,14 +215,15 @@ class LocalHostCache(HostCache):
             return 0
         if self._bytes + nbytes > self.capacity_bytes:
             self._evict(self._bytes + nbytes - self.capacity_bytes)
-        s = int(self._take_slots(1)[0])
+        taken = self._take_slots(1)
+        s = int(taken[0])
         self._pos[s] = position
         self._nbytes[s] = nbytes
-        self._keys[s] = key
+        self._keys[s] = (key & 0xFFFF_FFFF_FFFF_FFFF, key >> 64)
         self._is_checkpoint[s] = kind is ObjectKind.CHECKPOINT
         self._payload[s] = payload
         self._crc[s] = crc
-        store[key] = s
+        store.setdefault(self._keys[s : s + 1], taken)
         self._presence += 1
         self._lru.touch_one(s)
         self._bytes += nbytes
@@ -236,43 +234,36 @@ class LocalHostCache(HostCache):
     def put_many(
         self,
         kind: ObjectKind,
-        keys: Sequence[PageKey],
+        keys: PageKeys | Sequence[PageKey],
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
-        *,
-        after: PageKey | None = None,
     ) -> int:
         self._mutations += 1
+        keys = as_page_keys(keys)
         if payloads is not None or not self.metadata_only:
-            return super().put_many(kind, keys, positions, payloads)  # no runs: `after` unused
+            return super().put_many(kind, keys, positions, payloads)
         nbytes = self.object_bytes(kind)
         if nbytes > self.capacity_bytes:
             self.counters.dropped_writes += len(keys)
             return 0
         if len(keys) != len(positions):
             raise ValueError(f"{len(keys)} keys, {len(positions)} positions")
-        if not self._put_batch(kind, list(keys), positions, nbytes, after):
-            for key, position in zip(keys, positions, strict=True):
+        if not self._put_batch(kind, keys, positions, nbytes):
+            for key, position in zip(keys_to_ints(keys), positions, strict=True):
                 self._put_one(kind, key, position, nbytes, None, None)
         return len(keys)
 
     def _put_batch(
-        self,
-        kind: ObjectKind,
-        keys: list[PageKey],
-        positions: Sequence[int],
-        nbytes: int,
-        after: PageKey | None = None,
+        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int], nbytes: int
     ) -> bool:
         """Metadata-only `put_many` in whole-array steps. Returns False, having changed nothing,
         where the result could differ from storing the objects one by one: the eviction it
-        needs would reach one of the batch's own objects, or a new key repeats. `keys` is owned
-        (it becomes the batch's run, or extends the run that holds `after`)."""
+        needs would reach one of the batch's own objects, or a new key repeats."""
         n = len(keys)
         if not n:
             return True
         store = self._store(kind)
-        slots = self._runs.slots(store, keys)
+        slots = store.lookup(keys)
         new = np.flatnonzero(slots < 0)
         k = len(new)
         need = self._bytes + k * nbytes - self.capacity_bytes
@@ -285,17 +276,13 @@ class LocalHostCache(HostCache):
             stamp = self._lru.stamp
             if len(present) and stamp[present].min() <= stamp[victims[-1]]:
                 return False  # one by one, this batch would evict one of its own objects
-        run_slots = np.full(n, -1, dtype=np.int64)
         if k:
-            new_keys = list(map(keys.__getitem__, new.tolist())) if k < n else keys
+            new_keys = keys[new] if k < n else keys
             taken = self._take_slots(k)
-            listed = taken.tolist()
-            before = len(store)
-            store.update(zip(new_keys, listed, strict=True))
-            if len(store) != before + k:  # a key repeats within the batch
-                for key in new_keys:
-                    store.pop(key, None)
-                self._free.extend(listed)
+            got = store.setdefault(new_keys, taken)
+            if not np.array_equal(got, taken):  # a key repeats within the batch
+                store.delete(new_keys[got == taken])
+                self._free.extend(taken.tolist())
                 return False
             if victims is not None:
                 self._lru.consume(position)
@@ -303,34 +290,29 @@ class LocalHostCache(HostCache):
                 self.counters.evictions += len(victims)
             self._pos[taken] = np.asarray(positions, dtype=np.int64)[new]
             self._nbytes[taken] = nbytes
-            exhaust(map(self._keys.__setitem__, listed, new_keys))
-            if kind is ObjectKind.CHECKPOINT:
-                exhaust(map(self._is_checkpoint.__setitem__, listed, repeat(True)))
-            else:
-                exhaust(map(self._is_checkpoint.__setitem__, listed, repeat(False)))
+            self._keys[taken] = new_keys
+            self._is_checkpoint[taken] = kind is ObjectKind.CHECKPOINT
             slots[new] = taken
-            run_slots[new] = taken
             self._presence += 1
             self._bytes += k * nbytes
             self.counters.puts += k
             self.counters.put_bytes += k * nbytes
         self._lru.touch(slots)
-        prev = store.get(after, -1) if after is not None else -1
-        self._runs.add(keys, run_slots, prev)
         return True
 
     # ------------------------------------------------------------------------------ reads
     def get(
-        self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
+        self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey], positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
         self._mutations += 1  # LRU touches, and rejected objects are dropped
+        keys = as_page_keys(keys)
         store = self._store(kind)
         expected = self.object_bytes(kind)
         c = self.counters
         if self.metadata_only and len(keys):
             # Batched read of a run in which every object is present and as expected (the
             # common case): the same LRU touches and counts as the loop below.
-            slots = self._runs.slots(store, keys)
+            slots = store.lookup(keys)
             if (
                 (slots >= 0).all()
                 and np.array_equal(self._pos[slots], np.asarray(positions, dtype=np.int64))
@@ -341,7 +323,7 @@ class LocalHostCache(HostCache):
                 c.get_bytes += len(keys) * expected
                 return [self._empty] * len(keys)
         out: list[torch.Tensor | None] = []
-        for key, position in zip(keys, positions, strict=True):
+        for key, position in zip(keys_to_ints(keys), positions, strict=True):
             s = store.get(key)
             if s is None:
                 c.misses += 1
@@ -372,24 +354,24 @@ class LocalHostCache(HostCache):
 
     # ---------------------------------------------------------------------------- removal
     def _drop(self, kind: ObjectKind, key: PageKey) -> None:
-        s = self._store(kind).pop(key)
+        s = int(self._store(kind).delete(keys_from_ints([key]))[0])
         self._bytes -= int(self._nbytes[s])
         self._release(np.array([s], dtype=np.int64))
 
-    def remove(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
+    def remove(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
         self._mutations += 1
         store = self._store(kind)
         removed = 0
-        for key in keys:
+        for key in keys_to_ints(as_page_keys(keys)):
             if key in store:
                 self._drop(kind, key)
                 removed += 1
         return removed
 
-    def corrupt_for_test(self, kind: ObjectKind, key: PageKey) -> None:
+    def corrupt_for_test(self, kind: ObjectKind, key: PageKey | np.void) -> None:
         """Flip one payload byte in place (fault-injection hook for tests)."""
         self._mutations += 1
-        payload = self._payload[self._store(kind)[key]]
+        payload = self._payload[self._store(kind).get(key)]
         if payload is not None and payload.numel():
             payload[0] ^= 0xFF
 
@@ -411,32 +393,34 @@ class LocalHostCache(HostCache):
         not walked again."""
         if self._checked == self._mutations:
             return
-        size = len(self._keys)
+        size = len(self._pos)
         used = self._lru.stamp[:size] != FREE
-        held: list[int] = []
+        held: list[np.ndarray] = []
         for store, is_ckpt in ((self._pages, False), (self._checkpoints, True)):
-            slots = list(store.values())
-            keys, flags = self._keys, self._is_checkpoint
-            if any(keys[s] != k or flags[s] != is_ckpt for k, s in store.items()):
+            store.check_integrity()
+            keys, slots = store.items()
+            if self._keys[slots].tobytes() != keys.tobytes() or (
+                self._is_checkpoint[slots] != is_ckpt
+            ).any():
                 raise IntegrityError("L2 store entry does not match its slot")
-            held += slots
-        if len(set(held)) != len(held) or int(used.sum()) != len(held):
+            held.append(slots)
+        held_slots = np.concatenate(held)
+        if len(np.unique(held_slots)) != len(held_slots) or int(used.sum()) != len(held_slots):
             raise IntegrityError("L2 slots in use disagree with the stored objects")
-        if len(held) and not used[np.asarray(held, dtype=np.int64)].all():
+        if len(held_slots) and not used[held_slots].all():
             raise IntegrityError("L2 stored object has no LRU stamp")
         free = self._free
-        if len(set(free)) != len(free) or len(free) + len(held) != size or used[free].any():
+        if len(set(free)) != len(free) or len(free) + len(held_slots) != size or used[free].any():
             raise IntegrityError("L2 free slots disagree with the slots in use")
-        if any(self._keys[s] is not None for s in free):
+        if self._keys[np.asarray(free, dtype=np.int64)].view(np.uint64).any():
             raise IntegrityError("L2 free slot still names a key")
         total = int(self._nbytes[:size][used].sum())
         if total != self._bytes or self._bytes > self.capacity_bytes:
             raise IntegrityError(
                 f"L2 holds {total} bytes, accounts {self._bytes}, capacity {self.capacity_bytes}"
             )
-        without_payload = sum(self._payload[s] is None for s in held)
-        if without_payload != (len(held) if self.metadata_only else 0):
+        without_payload = sum(self._payload[s] is None for s in held_slots.tolist())
+        if without_payload != (len(held_slots) if self.metadata_only else 0):
             raise IntegrityError("L2 payload presence disagrees with metadata_only")
         self._lru.check_integrity()
-        self._runs.check_integrity(self._keys, used)
         self._checked = self._mutations

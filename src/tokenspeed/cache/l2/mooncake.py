@@ -31,6 +31,7 @@ import torch
 from ...types import PageKey
 from ..config import CacheGeometry
 from ..errors import CacheConfigError
+from ..keys import PageKeys, as_page_keys, keys_to_ints
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 from .codec import HEADER_BYTES, decode, encode_header, object_name
 
@@ -226,23 +227,24 @@ class MooncakeHostCache(HostCache):
         return object_name(self.config.namespace, self._fingerprint, kind, key)
 
     # --------------------------------------------------------------------- interface
-    def contains(self, kind: ObjectKind, keys: Sequence[PageKey]) -> list[bool]:
-        if not keys:
-            return []
-        self.counters.lookups += len(keys)
+    def contains(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
+        ints = keys_to_ints(as_page_keys(keys))
+        if not ints:
+            return np.zeros(0, dtype=bool)
+        self.counters.lookups += len(ints)
         try:
-            codes = self._call("batch_is_exist", [self._name(kind, k) for k in keys])
+            codes = self._call("batch_is_exist", [self._name(kind, k) for k in ints])
         except _Unavailable:
-            return [False] * len(keys)
-        if len(codes) != len(keys):
+            return np.zeros(len(ints), dtype=bool)
+        if len(codes) != len(ints):
             self.counters.errors += 1
-            return [False] * len(keys)
+            return np.zeros(len(ints), dtype=bool)
         failed = sum(1 for code in codes if code < 0)
         if failed == len(codes):
             self._trip("batch_is_exist failed for every key")
         elif failed:
             self.counters.errors += 1
-        return [code == 1 for code in codes]
+        return np.array([code == 1 for code in codes], dtype=bool)
 
     def put(self, objects: Sequence[HostObject]) -> int:
         stored = 0
@@ -289,8 +291,9 @@ class MooncakeHostCache(HostCache):
         return len(batch)
 
     def get(
-        self, kind: ObjectKind, keys: Sequence[PageKey], positions: Sequence[int]
+        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
+        keys = keys_to_ints(as_page_keys(keys))
         out: list[torch.Tensor | None] = []
         per_object = self.object_bytes(kind)
         step = max(1, self.config.batch_bytes // max(per_object, 1))
@@ -338,11 +341,12 @@ class MooncakeHostCache(HostCache):
             out.append(torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()))
         return out
 
-    def remove(self, kind: ObjectKind, keys: Sequence[PageKey]) -> int:
-        if not keys:
+    def remove(self, kind: ObjectKind, keys: PageKeys) -> int:
+        ints = keys_to_ints(as_page_keys(keys))
+        if not ints:
             return 0
         try:
-            codes = self._call("batch_remove", [self._name(kind, k) for k in keys], True)
+            codes = self._call("batch_remove", [self._name(kind, k) for k in ints], True)
         except _Unavailable:
             return 0
         return sum(1 for code in codes if code == 0)

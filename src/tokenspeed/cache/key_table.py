@@ -1,0 +1,284 @@
+"""`KeyTable`: a hash map from 128-bit page keys to non-negative ints, called on whole arrays.
+
+The cache asks about whole histories at once (a prefill's match looks up thousands of page keys;
+eviction drops thousands), so the map is built for batches: keys come in as `PageKeys` arrays and
+answers go out as int64 arrays. Open addressing with linear probing over one [capacity, 3] uint64
+table (key lo, key hi, value: one cache line per probe), kept at most half full (doubled when an
+insertion would pass that). Deletion shifts the entries after the hole back instead of leaving
+tombstones, so a table that churns (an index under eviction) never needs rebuilding and a probe
+stops at the first empty slot. The probe loops are compiled with numba when it is installed;
+without numba the same functions run in the interpreter (correct, much slower).
+
+A batch gives exactly the answers of the same calls made one key at a time, in order: a key that
+appears twice in one `setdefault` keeps the first value.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..types import PageKey
+from .errors import IntegrityError
+from .keys import KEY_DTYPE, PageKeys, as_key_int
+
+logger = logging.getLogger("tokenspeed.cache")
+
+try:  # compiled probe loops; the interpreter runs the same code without numba
+    import numba
+
+    _jit = numba.njit(cache=True, nogil=True)
+except ImportError:  # pragma: no cover - depends on the environment
+    numba = None
+    logger.warning("numba is not installed: the cache's key tables run interpreted (slow)")
+
+EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+_MASK64 = (1 << 64) - 1
+_NO_VALUES = np.zeros(0, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------------- kernels
+# tab: [capacity, 3] uint64 (lo, hi, value or EMPTY); mask = capacity - 1 (capacity a power of
+# two); keys: [2n] uint64, the `PageKeys` viewed as words (lo, hi, lo, hi, ...). Keys are digests,
+# so their low word is already uniform: its low bits are the home slot. Every live entry sits at
+# or after its home with no empty slot in between (what a lookup relies on to stop).
+def _lookup(tab, mask, keys, out):
+    m = np.uint64(mask)
+    for i in range(out.shape[0]):
+        lo = keys[2 * i]
+        hi = keys[2 * i + 1]
+        p = np.int64(lo & m)
+        r = -1
+        while True:
+            v = tab[p, 2]
+            if v == EMPTY:
+                break
+            if tab[p, 0] == lo and tab[p, 1] == hi:
+                r = np.int64(v)
+                break
+            p = (p + 1) & mask
+        out[i] = r
+
+
+def _setdefault(tab, mask, keys, values, out):
+    """out[i]: the value under keys[i] after inserting each absent key with values[i], in order.
+    Needs more EMPTY slots than keys. Returns the number of keys inserted."""
+    m = np.uint64(mask)
+    inserted = 0
+    for i in range(out.shape[0]):
+        lo = keys[2 * i]
+        hi = keys[2 * i + 1]
+        p = np.int64(lo & m)
+        while True:
+            v = tab[p, 2]
+            if v == EMPTY:
+                tab[p, 0] = lo
+                tab[p, 1] = hi
+                tab[p, 2] = np.uint64(values[i])
+                out[i] = values[i]
+                inserted += 1
+                break
+            if tab[p, 0] == lo and tab[p, 1] == hi:
+                out[i] = np.int64(v)
+                break
+            p = (p + 1) & mask
+    return inserted
+
+
+def _delete(tab, mask, keys, out):
+    """Remove each key present; out[i] = the value it had, or -1. Returns the number removed.
+    The entries after a hole that would no longer be reached from their home move back into
+    it (backward-shift deletion), so no tombstone is left."""
+    m = np.uint64(mask)
+    removed = 0
+    for i in range(out.shape[0]):
+        lo = keys[2 * i]
+        hi = keys[2 * i + 1]
+        p = np.int64(lo & m)
+        r = -1
+        while True:
+            v = tab[p, 2]
+            if v == EMPTY:
+                break
+            if tab[p, 0] == lo and tab[p, 1] == hi:
+                r = np.int64(v)
+                break
+            p = (p + 1) & mask
+        out[i] = r
+        if r < 0:
+            continue
+        removed += 1
+        hole = p
+        q = (p + 1) & mask
+        while tab[q, 2] != EMPTY:
+            home = np.int64(tab[q, 0] & m)
+            # The entry at q may fill the hole if the hole lies between its home and q.
+            if ((q - home) & mask) >= ((q - hole) & mask):
+                tab[hole, 0] = tab[q, 0]
+                tab[hole, 1] = tab[q, 1]
+                tab[hole, 2] = tab[q, 2]
+                hole = q
+            q = (q + 1) & mask
+        tab[hole, 2] = EMPTY
+    return removed
+
+
+def _rehash(old, new, mask):
+    """Insert every live entry of `old` into the empty table `new`."""
+    m = np.uint64(mask)
+    for q in range(old.shape[0]):
+        v = old[q, 2]
+        if v != EMPTY:
+            p = np.int64(old[q, 0] & m)
+            while new[p, 2] != EMPTY:
+                p = (p + 1) & mask
+            new[p, 0] = old[q, 0]
+            new[p, 1] = old[q, 1]
+            new[p, 2] = v
+
+
+def _misplaced(tab, mask):
+    """The first live entry a lookup would not reach (an EMPTY slot between its home and it),
+    or -1."""
+    m = np.uint64(mask)
+    for q in range(tab.shape[0]):
+        if tab[q, 2] != EMPTY:
+            p = np.int64(tab[q, 0] & m)
+            while p != q:
+                if tab[p, 2] == EMPTY:
+                    return q
+                p = (p + 1) & mask
+    return -1
+
+
+class _Kernels:
+    def __init__(self, compile_: bool) -> None:
+        wrap = _jit if compile_ else (lambda f: f)
+        self.compiled = compile_
+        self.lookup = wrap(_lookup)
+        self.setdefault = wrap(_setdefault)
+        self.delete = wrap(_delete)
+        self.rehash = wrap(_rehash)
+        self.misplaced = wrap(_misplaced)
+
+
+INTERPRETED = _Kernels(False)
+COMPILED = _Kernels(True) if numba is not None else INTERPRETED
+
+
+def _words(keys: PageKeys) -> np.ndarray:
+    """[2n] uint64 view of the keys (lo, hi, ...), copied only if not contiguous."""
+    if keys.dtype != KEY_DTYPE:
+        raise TypeError(f"page keys must be a KEY_DTYPE array, got {keys.dtype}")
+    if not keys.flags.c_contiguous:
+        keys = np.ascontiguousarray(keys)
+    return keys.view(np.uint64)
+
+
+def _one(key: PageKey | np.void) -> np.ndarray:
+    key = as_key_int(key)
+    return np.array([key & _MASK64, key >> 64], dtype=np.uint64)
+
+
+class KeyTable:
+    """key -> value (an int in [0, 2^63 - 1)), for batches of `PageKeys`.
+
+    kernels: `COMPILED` (default; numba when installed) or `INTERPRETED` (the same loops in the
+        interpreter: a reference for tests).
+    """
+
+    __slots__ = ("_k", "_live", "_mask", "_tab")
+
+    def __init__(self, capacity: int = 0, *, kernels: _Kernels | None = None) -> None:
+        self._k = kernels or COMPILED
+        self._live = 0
+        self._alloc(self._size_for(capacity))
+
+    @staticmethod
+    def _size_for(n: int) -> int:
+        """Table slots for n live keys at a load of at most a quarter (a power of two)."""
+        return max(64, 1 << (max(4 * n, 1) - 1).bit_length())
+
+    def _alloc(self, size: int) -> None:
+        self._tab = np.empty((size, 3), dtype=np.uint64)
+        self._tab[:, 2] = EMPTY
+        self._mask = size - 1
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def capacity(self) -> int:
+        return len(self._tab)
+
+    def _make_room(self, n: int) -> None:
+        """Keep live + n at most half the slots (probes stay short and always end)."""
+        if 2 * (self._live + n) <= len(self._tab):
+            return
+        old = self._tab
+        self._alloc(self._size_for(self._live + n))
+        self._k.rehash(old, self._tab, self._mask)
+
+    # ---------------------------------------------------------------------------- batches
+    def lookup(self, keys: PageKeys) -> np.ndarray:
+        """[n] int64: the value of each key, -1 where absent."""
+        out = np.empty(len(keys), dtype=np.int64)
+        if len(out):
+            self._k.lookup(self._tab, self._mask, _words(keys), out)
+        return out
+
+    def setdefault(self, keys: PageKeys, values: np.ndarray) -> np.ndarray:
+        """Insert each absent key with its value, in order (a key repeated in the batch keeps
+        the first value); returns [n] int64, the value under each key afterwards. Values must
+        be non-negative."""
+        n = len(keys)
+        if n != len(values):
+            raise ValueError(f"{n} keys, {len(values)} values")
+        if not n:
+            return _NO_VALUES.copy()
+        vals = np.ascontiguousarray(values, dtype=np.int64)
+        if np.count_nonzero(vals < 0):
+            raise ValueError("KeyTable values must be non-negative")
+        self._make_room(n)
+        out = np.empty(n, dtype=np.int64)
+        self._live += self._k.setdefault(self._tab, self._mask, _words(keys), vals, out)
+        return out
+
+    def delete(self, keys: PageKeys) -> np.ndarray:
+        """Remove each key that is present; returns [n] int64, the value each had (-1: absent)."""
+        out = np.empty(len(keys), dtype=np.int64)
+        if len(out):
+            self._live -= self._k.delete(self._tab, self._mask, _words(keys), out)
+        return out
+
+    # ------------------------------------------------------------------------ single keys
+    def get(self, key: PageKey | np.void) -> int | None:
+        out = np.empty(1, dtype=np.int64)
+        self._k.lookup(self._tab, self._mask, _one(key), out)
+        v = int(out[0])
+        return None if v < 0 else v
+
+    def __contains__(self, key: PageKey | np.void) -> bool:
+        return self.get(key) is not None
+
+    # ------------------------------------------------------------------------- inspection
+    def items(self) -> tuple[PageKeys, np.ndarray]:
+        """(keys, values) of every entry, in table order."""
+        rows = self._tab[self._tab[:, 2] != EMPTY]
+        keys = np.ascontiguousarray(rows[:, :2]).view(KEY_DTYPE).ravel()
+        return keys, rows[:, 2].astype(np.int64)
+
+    def check_integrity(self) -> None:
+        """The entry count and the load agree; no key twice; every entry is reachable."""
+        live = int(np.count_nonzero(self._tab[:, 2] != EMPTY))
+        if live != self._live:
+            raise IntegrityError(f"key table holds {live} entries, counts {self._live}")
+        if 2 * live > len(self._tab):
+            raise IntegrityError("key table is more than half full")
+        keys, _ = self.items()
+        if len(np.unique(keys)) != len(keys):
+            raise IntegrityError("a key is in the key table twice")
+        bad = self._k.misplaced(self._tab, self._mask)
+        if bad >= 0:
+            raise IntegrityError(f"key table slot {bad} is unreachable from its key's home")
