@@ -49,6 +49,7 @@ def make_manager(
     async_loads: bool = False,
     policy: CheckpointPolicy | None = None,
     device: str = "cpu",
+    prefix_caching: bool = True,
 ) -> CacheManager:
     geometry = geometry or tiny_geometry()
     config = CacheConfig(
@@ -61,6 +62,7 @@ def make_manager(
         async_loads=async_loads,
         device=device,
         checkpoint_policy=policy or CheckpointPolicy(interval_pages=2, max_per_path=4),
+        prefix_caching=prefix_caching,
     )
     return CacheManager(geometry, config, l2=l2)
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenspeed.cache import CheckpointKind, KeyChain, LocalHostCache, ObjectKind
+from tokenspeed.cache import CacheConfigError, CheckpointKind, KeyChain, LocalHostCache, ObjectKind
 from tokenspeed.cache.tiering import Tiering
 
 from .helpers import make_manager, tiny_geometry, token_stream
@@ -182,3 +182,27 @@ def test_l1_checkpoint_wins_ties_and_l2_extends_deeper():
     m = cache.match(keys, 33)
     assert (m.num_tokens, m.checkpoint_tier, m.l1_tokens) == (32, "l2", 32)
     assert cache.match(keys, 17).checkpoint_tier == "l1"
+
+
+def test_a_rank_without_prefix_caching_publishes_its_turns_but_keeps_nothing():
+    # A P/D decode rank: its requests arrive with their whole cache and never look a prefix up.
+    g = tiny_geometry()
+    shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    decode = make_manager(g, l2=shared, metadata_only=True, pages=16, prefix_caching=False)
+    prefill = make_manager(g, l2=shared, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(6, 33))
+    _turn(decode, "t1", keys, 33, checkpoints=[32])
+    assert decode.match(keys, 33).num_tokens == 0  # nothing is matched on this rank
+    s = decode.stats()
+    assert s.pages.cached == 0 and s.pages.free == s.pages.total  # freed, not cached
+    assert decode._pages.index.lookup(keys).max() == -1  # no page was ever indexed
+    assert shared.prefix_present(ObjectKind.PAGE, keys) == 8  # the turn reached the host tier
+    m = prefill.match(keys, 33)  # another rank resumes it from there
+    assert (m.num_tokens, m.l2_tokens, m.checkpoint_tier) == (32, 32, "l2")
+    # Page pressure on the rank evicts nothing and writes nothing back: its pages are free.
+    h = decode.allocate("t2", keys, 33)
+    assert h.num_cached_tokens == 0 and decode.stats().counters.pages_evicted == 0
+    decode.release(h)
+    decode.check_integrity()
+    with pytest.raises(CacheConfigError):
+        make_manager(g, prefix_caching="no")

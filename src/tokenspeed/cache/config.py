@@ -253,6 +253,10 @@ class CacheConfig:
     device: where the device tier's tensors live ("cuda:0"; "cpu" in tests).
     async_loads: copy L2 hits into the device tier in the background, layer by layer, signalling
         one event per layer (a copy stream on CUDA, a worker thread on CPU); otherwise copy inline.
+    prefix_caching: index computed pages so that later requests on this rank reuse them (the
+        default). Off for a rank that never looks a prefix up (a P/D decode rank, whose requests
+        arrive with their whole cache): nothing is matched, pages are freed at release instead of
+        cached, and turns are still checkpointed and published to the host tier.
     """
 
     device_budget_bytes: int = attrs.field(validator=_positive_int)
@@ -265,6 +269,12 @@ class CacheConfig:
     metadata_only: bool = attrs.field(default=False)
     device: str = attrs.field(default="cpu")
     async_loads: bool = attrs.field(default=True)
+    prefix_caching: bool = attrs.field(default=True)
+
+    @prefix_caching.validator
+    def _check_prefix_caching(self, attribute: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, bool):
+            raise CacheConfigError(f"prefix_caching must be a bool, got {value!r}")
 
     @checkpoint_fraction.validator
     def _check_fraction(self, attribute: attrs.Attribute, value: object) -> None:

@@ -15,23 +15,12 @@ appears twice in one `setdefault` keeps the first value.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from ..types import PageKey
+from .compiled import AVAILABLE, jit
 from .errors import IntegrityError
 from .keys import KEY_DTYPE, PageKeys, as_key_int
-
-logger = logging.getLogger("tokenspeed.cache")
-
-try:  # compiled probe loops; the interpreter runs the same code without numba
-    import numba
-
-    _jit = numba.njit(cache=True, nogil=True)
-except ImportError:  # pragma: no cover - depends on the environment
-    numba = None
-    logger.warning("numba is not installed: the cache's key tables run interpreted (slow)")
 
 EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _MASK64 = (1 << 64) - 1
@@ -154,8 +143,8 @@ def _misplaced(tab, mask):
 
 class _Kernels:
     def __init__(self, compile_: bool) -> None:
-        wrap = _jit if compile_ else (lambda f: f)
-        self.compiled = compile_
+        wrap = jit if compile_ else (lambda f: f)
+        self.compiled = compile_ and AVAILABLE
         self.lookup = wrap(_lookup)
         self.setdefault = wrap(_setdefault)
         self.delete = wrap(_delete)
@@ -164,7 +153,7 @@ class _Kernels:
 
 
 INTERPRETED = _Kernels(False)
-COMPILED = _Kernels(True) if numba is not None else INTERPRETED
+COMPILED = _Kernels(True)
 
 
 def _words(keys: PageKeys) -> np.ndarray:

@@ -184,7 +184,7 @@ class CacheManager:
         limit = min(len(page_keys), (prompt_tokens - 1) // P)
         keys = page_keys[:limit]
         scope = (limit, key_at(keys, limit - 1) if limit else None)
-        if limit <= 0:
+        if limit <= 0 or not self.config.prefix_caching:
             return PrefixMatch(
                 num_tokens=0,
                 l1_tokens=0,
@@ -400,10 +400,11 @@ class CacheManager:
         """Record that tokens [0, num_tokens) are computed and that the KDA state at exactly
         num_tokens (a page boundary) is available, making that prefix reusable.
 
-        The pages of [0, num_tokens) become matchable. With `from_live` (default) the live slot is
-        snapshotted into a new checkpoint slot now, so call this when the live state is at
-        num_tokens; otherwise the caller must write the state into the returned slot before the
-        next cache call (e.g. from a chunked kernel's intermediate states).
+        The pages of [0, num_tokens) become matchable (with prefix caching on). With `from_live`
+        (default) the live slot is snapshotted into a new checkpoint slot now, so call this when
+        the live state is at num_tokens; otherwise the caller must write the state into the
+        returned slot before the next cache call (e.g. from a chunked kernel's intermediate
+        states).
         Returns the new checkpoint slot, or None if none was stored (one already exists for this
         prefix, or every checkpoint slot is pinned: a dropped checkpoint is not an error).
         """
@@ -423,7 +424,7 @@ class CacheManager:
                 handle.load.wait_kda(layer)  # the live state must have arrived before a snapshot
         keys = handle._keys
         start = handle._registered
-        if n > start:
+        if n > start and self.config.prefix_caching:
             self._pages.register_many(handle._table[start:n], keys[start:n], start)
             handle._registered = n
         self._paths.path(handle)  # find the path's checkpoints before adding one

@@ -24,6 +24,16 @@ from ..types import PageId, PageKey
 from .errors import BudgetTooSmallError, CacheFullError, IntegrityError
 from .key_table import KeyTable
 from .keys import KEY_DTYPE, PageKeys, as_page_keys, key_int
+from .page_kernels import (
+    OK,
+    as_int64,
+    distinct_and_unindexed,
+    forget_pages,
+    mark_registered,
+    pin_pages,
+    take_lru,
+    unpin_pages,
+)
 from .pool import SlotPool, as_ids
 
 SINK_PAGE: PageId = 0
@@ -91,43 +101,38 @@ class MlaPageManager:
 
     def pin(self, pids: Sequence[PageId] | np.ndarray) -> None:
         """Add one reference to each page (the pages must be distinct and allocated)."""
-        if not len(pids):
-            return
-        arr = as_ids(pids)
-        was_cached = self.evictable[arr]
-        n = int(np.count_nonzero(was_cached))
-        if n:
-            self.evictable[arr[was_cached]] = False
-            self.num_cached -= n
-        self.ref[arr] += 1
+        if len(pids):
+            self.num_cached -= pin_pages(self.ref, self.evictable, as_int64(as_ids(pids)))
 
     def unpin(self, pids: Sequence[PageId] | np.ndarray) -> None:
-        """Drop one reference from each page. Pages left unreferenced become cached if indexed
-        (the table's tail first in LRU order, so a long history loses its end before its start)
-        and free otherwise."""
-        if not len(pids):
+        """Drop one reference from each page (distinct pages). Pages left unreferenced become
+        cached if indexed (the table's tail first in LRU order, so a long history loses its end
+        before its start) and free otherwise."""
+        n = len(pids)
+        if not n:
             return
-        arr = as_ids(pids)
-        refs = self.ref[arr]
-        if np.count_nonzero(refs <= 0):  # count_nonzero: cheaper than .any() per call
-            raise IntegrityError(f"unpin of unreferenced pages {arr[refs <= 0].tolist()}")
-        refs -= 1
-        self.ref[arr] = refs
-        zero = arr[refs == 0]
-        if not len(zero):
-            return
-        keep = self.indexed[zero]
-        cached = zero[keep]
-        if len(cached):
-            # Later positions get older timestamps: evicted first.
-            stamps = self._clock + np.arange(len(cached) - 1, -1, -1)
-            self.last_use[cached] = stamps
-            self._clock += len(cached)
-            self.evictable[cached] = True
-            self.num_cached += len(cached)
-            self._enqueue(cached[::-1], stamps[::-1])
-        if len(cached) < len(zero):
-            self.pool.free(zero[~keep])
+        arr = as_int64(as_ids(pids))
+        self._queue_room(n)
+        freed = np.empty(n, dtype=np.int64)
+        code, bad, cached, nfree = unpin_pages(
+            self.ref,
+            self.indexed,
+            self.evictable,
+            self.last_use,
+            arr,
+            self._clock,
+            self._queue_pid,
+            self._queue_use,
+            self._tail,
+            freed,
+        )
+        if code != OK:
+            raise IntegrityError(f"unpin of unreferenced pages, e.g. page {bad}")
+        self._clock += cached
+        self._tail += cached
+        self.num_cached += cached
+        if nfree:
+            self.pool.free(freed[:nfree])
 
     def allocate(self, n: int, writeback: WritebackFn | None) -> np.ndarray:
         """[n] int64 fresh pages with refcount 1, evicting cached pages (LRU) if the free list is
@@ -148,45 +153,37 @@ class MlaPageManager:
         self.ref[ids] = 1
         return ids
 
-    def _enqueue(self, pids: np.ndarray, stamps: np.ndarray) -> None:
-        """Append LRU queue entries (stamps increasing, above every queued one)."""
-        n = len(pids)
-        if self._tail + n > len(self._queue_pid):
-            # Drop the consumed head and the stale entries; grow if that is not enough.
-            qp = self._queue_pid[self._head : self._tail]
-            qu = self._queue_use[self._head : self._tail]
-            live = self.evictable[qp] & (self.last_use[qp] == qu)
-            qp, qu = qp[live], qu[live]
-            size = max(len(self._queue_pid), 2 * (len(qp) + n))
-            self._queue_pid = np.zeros(size, dtype=np.int64)
-            self._queue_use = np.zeros(size, dtype=np.int64)
-            self._queue_pid[: len(qp)] = qp
-            self._queue_use[: len(qp)] = qu
-            self._head, self._tail = 0, len(qp)
-        self._queue_pid[self._tail : self._tail + n] = pids
-        self._queue_use[self._tail : self._tail + n] = stamps
-        self._tail += n
+    def _queue_room(self, n: int) -> None:
+        """Make room for n more LRU queue entries (stamps increasing, above every queued one)."""
+        if self._tail + n <= len(self._queue_pid):
+            return
+        # Drop the consumed head and the stale entries; grow if that is not enough.
+        qp = self._queue_pid[self._head : self._tail]
+        qu = self._queue_use[self._head : self._tail]
+        live = self.evictable[qp] & (self.last_use[qp] == qu)
+        qp, qu = qp[live], qu[live]
+        size = max(len(self._queue_pid), 2 * (len(qp) + n))
+        self._queue_pid = np.zeros(size, dtype=np.int64)
+        self._queue_use = np.zeros(size, dtype=np.int64)
+        self._queue_pid[: len(qp)] = qp
+        self._queue_use[: len(qp)] = qu
+        self._head, self._tail = 0, len(qp)
 
     def _lru_victims(self, n: int) -> np.ndarray:
         """The n least recently used cached pages (all of them if fewer), oldest first; their
         queue entries are consumed."""
-        found = []
-        need = n
-        while need > 0 and self._head < self._tail:
-            end = min(self._tail, self._head + max(2 * need, 256))
-            qp = self._queue_pid[self._head : end]
-            live = np.flatnonzero(
-                self.evictable[qp] & (self.last_use[qp] == self._queue_use[self._head : end])
-            )
-            if len(live) >= need:
-                live = live[:need]
-                found.append(qp[live])
-                self._head += int(live[-1]) + 1
-                break
-            found.append(qp[live])
-            need -= len(live)
-            self._head = end
-        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        out = np.empty(min(n, self.num_cached), dtype=np.int64)
+        found, self._head = take_lru(
+            self._queue_pid,
+            self._queue_use,
+            self._head,
+            self._tail,
+            self.evictable,
+            self.last_use,
+            len(out),
+            out,
+        )
+        return out[:found]
 
     def evict(self, n: int, writeback: WritebackFn | None) -> int:
         """Evict up to n cached pages, least recently used first; returns how many."""
@@ -197,10 +194,9 @@ class MlaPageManager:
         if writeback is not None:
             writeback(victims, keys, self.position_of[victims])
         self.index.delete(keys)
-        self.key_of[victims] = 0
-        self.indexed[victims] = False
-        self.evictable[victims] = False
-        self.position_of[victims] = -1
+        forget_pages(
+            victims, self.key_of.view(np.uint64), self.indexed, self.evictable, self.position_of
+        )
         self.num_cached -= len(victims)
         self.pool.free(victims)
         self.version += 1
@@ -242,20 +238,13 @@ class MlaPageManager:
             raise ValueError(f"{n} pages, {len(keys)} keys, {len(positions)} positions")
         if not n:
             return
-        sel = as_ids(pids)
+        sel = as_int64(as_ids(pids))
         if np.count_nonzero(self.ref[sel] <= 0):
             raise IntegrityError("register of unreferenced pages")
-        indexed = self.indexed
-        fresh_pages = not np.count_nonzero(indexed[sel])
-        if fresh_pages:
-            # Distinct pages? Flag them and count (cheaper than sorting the batch).
-            indexed[sel] = True
-            fresh_pages = int(np.count_nonzero(indexed)) == len(self.index) + n
-            indexed[sel] = False
-        if not fresh_pages:
+        if not distinct_and_unindexed(sel, self.indexed):
             self._check_reregistration(sel, keys)
             # Pages already indexed under their own key stay as they are; none is under another.
-            keep = ~indexed[sel]
+            keep = ~self.indexed[sel]
             if not np.count_nonzero(keep):
                 return
             sel, keys = sel[keep], keys[keep]
@@ -264,16 +253,16 @@ class MlaPageManager:
         # setdefault hands back the page it stored, or the page the key already names: no key
         # names one of these pages (none is indexed, and they are distinct), so a page got back
         # under its own id is exactly a fresh one.
-        fresh = got == sel
-        if not np.count_nonzero(fresh):
-            return
-        if not fresh.all():
-            sel, keys = sel[fresh], keys[fresh]
-            positions = np.asarray(positions, dtype=np.int64)[fresh]
-        indexed[sel] = True
-        self.key_of[sel] = keys
-        self.position_of[sel] = positions
-        self.version += 1
+        if mark_registered(
+            sel,
+            got,
+            np.ascontiguousarray(keys).view(np.uint64),
+            as_int64(positions),
+            self.indexed,
+            self.key_of.view(np.uint64),
+            self.position_of,
+        ):
+            self.version += 1
 
     def _check_reregistration(self, sel: np.ndarray, keys: PageKeys) -> None:
         """Refuse (before any change) a batch that would index a page under a second key: a page

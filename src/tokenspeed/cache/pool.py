@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .errors import CacheFullError, IntegrityError
+from .page_kernels import NOT_HELD, OK, OUT_OF_RANGE, as_int64, pool_pop, pool_push
 
 
 def as_ids(ids: Iterable[int] | np.ndarray) -> np.ndarray:
@@ -24,11 +25,11 @@ class SlotPool:
     entries are reused first.
 
     The free list is a numpy stack (`_stack[:_top]`, top = next handed out) and the flags a
-    numpy bool array: a 200k-token history takes and returns ~3k pages at once, and whole-array
-    operations keep that at a few microseconds instead of a Python step per id.
+    numpy bool array: a 200k-token history takes and returns ~3k pages at once, in one compiled
+    loop (`page_kernels`) instead of a Python step per id.
     """
 
-    __slots__ = ("_is_free", "_stack", "_top", "reserved", "size")
+    __slots__ = ("_is_free", "_reserved", "_stack", "_top", "reserved", "size")
 
     def __init__(self, size: int, reserved: Iterable[int] = ()) -> None:
         self.size = size
@@ -42,6 +43,8 @@ class SlotPool:
         self._top = len(free)
         self._is_free = np.zeros(size, dtype=bool)
         self._is_free[free] = True
+        self._reserved = np.zeros(size, dtype=bool)
+        self._reserved[list(self.reserved)] = True
 
     @property
     def capacity(self) -> int:
@@ -67,10 +70,8 @@ class SlotPool:
         """[n] int64 ids, or CacheFullError with nothing taken."""
         if n > self._top:
             raise CacheFullError(f"asked for {n} entries, {self._top} free")
-        top = self._top
-        ids = self._stack[top - n : top][::-1].copy()
-        self._top = top - n
-        self._is_free[ids] = False
+        ids = np.empty(n, dtype=np.int64)
+        self._top = pool_pop(self._stack, self._top, n, self._is_free, ids)
         return ids
 
     def allocate_one(self) -> int:
@@ -83,42 +84,34 @@ class SlotPool:
         return i
 
     def free(self, ids: Iterable[int] | np.ndarray) -> None:
+        """Return ids (the first given is the first handed out again). A bad call (an id out of
+        range, free already, reserved, or listed twice) raises IntegrityError with the pool as
+        it was."""
         arr = as_ids(ids)
         n = len(arr)
         if not n:
             return
-        # Checked before anything changes, so a bad call leaves the pool as it was. The checks
-        # use `np.count_nonzero` rather than `.any()` (microseconds less per call: the pools
-        # free about a million times per simulated hour), and one id (a KDA slot, a checkpoint)
-        # skips numpy altogether.
-        flags = self._is_free
-        top = self._top
-        if n == 1:
+        if n == 1:  # one id (a KDA slot, a checkpoint): no compiled call needed
             i = int(arr[0])
             if not 0 <= i < self.size:
                 raise IntegrityError(f"ids outside [0, {self.size}) freed: [{i}]")
-            if flags[i] or i in self.reserved:
+            if self._is_free[i] or self._reserved[i]:
                 raise IntegrityError(f"id {i} freed twice or reserved")
-            flags[i] = True
-            self._stack[top] = i
-            self._top = top + 1
+            self._is_free[i] = True
+            self._stack[self._top] = i
+            self._top += 1
             return
-        if np.count_nonzero(arr.view(np.uint64) >= self.size):  # a negative id wraps to >= 2^63
+        code, bad, top = pool_push(
+            self._stack, self._top, self._is_free, self._reserved, as_int64(arr)
+        )
+        if code == OK:
+            self._top = top
+        elif code == OUT_OF_RANGE:
             raise IntegrityError(f"ids outside [0, {self.size}) freed: {arr.tolist()[:8]}")
-        if np.count_nonzero(flags[arr]) or self._reserved_hits(arr):
-            bad = next(int(i) for i in arr if int(i) in self.reserved or flags[i])
+        elif code == NOT_HELD:
             raise IntegrityError(f"id {bad} freed twice or reserved")
-        flags[arr] = True
-        if int(np.count_nonzero(flags)) != top + n:
-            flags[arr] = False  # some id appears twice in this call: undo
+        else:
             raise IntegrityError(f"ids freed twice in one call: {arr.tolist()[:16]}")
-        # Pushed so that the first id given is the first handed out again.
-        self._stack[top : top + n] = arr[::-1]
-        self._top = top + n
-
-    def _reserved_hits(self, arr: np.ndarray) -> list[int]:
-        """The reserved ids among `arr` (few reserved ids: one vector test each)."""
-        return [r for r in self.reserved if np.count_nonzero(arr == r)]
 
     def check_integrity(self) -> None:
         free = self._stack[: self._top]

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import bisect
 import operator
 from itertools import repeat
 from typing import Literal
@@ -39,7 +38,7 @@ class HitPlan:
     """A hit whose L2 part has been read and verified.
 
     sources: [hit pages] int64: per hit page, its L1 page id or -1 (to be filled from
-        `page_payloads`, in order).
+        `page_payloads`, in order; a metadata-only cache reads no payloads: empty).
     checkpoint_payload: the checkpoint's bytes when it comes from L2 (an empty tensor in
         metadata-only mode), else None.
     """
@@ -70,6 +69,7 @@ class Tiering:
         self.storage = storage
         self.counters = counters
         self.l2 = GuardedL2(l2, self._count_error) if l2 is not None else None
+        self._no_payload = torch.empty(0, dtype=torch.uint8)  # metadata-only checkpoint reads
 
     def l2_version(self) -> int | None:
         """The host tier's `presence_version` (None without a host tier)."""
@@ -118,56 +118,52 @@ class Tiering:
         if self.l2 is None or hit == 0 or (tier == "l1" and not np.count_nonzero(from_l2_mask)):
             return HitPlan(sources, tier, [], None)
         P = self.geometry.page_size
-        fetched: dict[int, torch.Tensor] = {}
-        # The first read while nothing in it failed: in the common case (one pass) it is the
-        # payloads, in order, and no per-page dictionary is built.
-        first: list[torch.Tensor] | None = None
-        first_need: list[int] = []
-        # Hit pages that come from L2, ascending.
-        from_l2 = np.flatnonzero(from_l2_mask).tolist()
+        from_l2 = np.flatnonzero(from_l2_mask)  # hit pages that come from L2, ascending
+        kept = np.zeros(hit, dtype=bool)  # L2 pages read and verified in an earlier pass
+        payloads: dict[int, torch.Tensor] | None = {} if self.storage is not None else None
+        checkpoint = None
         while hit > 0:
-            need = from_l2[: bisect.bisect_left(from_l2, hit)]
-            if first is not None:  # a later pass: keep the first read's pages by index
-                fetched.update(zip(first_need, first, strict=True))
-                first = None
-            if fetched:
-                need = [i for i in need if i not in fetched]
-            first_bad = None
-            if need:
-                got = self.l2.get(ObjectKind.PAGE, keys[np.array(need, dtype=np.int64)], need)
-                bad = list(map(operator.is_, got, repeat(None)))
-                if True in bad:
-                    j = bad.index(True)
-                    first_bad = need[j]
-                    need, got = need[:j], got[:j]
-                    fetched.update(zip(need, got, strict=True))
-                elif fetched:
-                    fetched.update(zip(need, got, strict=True))
-                else:
-                    first, first_need = got, need
-            checkpoint = None
-            if first_bad is None and tier == "l2":
-                (checkpoint,) = self.l2.get(ObjectKind.CHECKPOINT, keys[hit - 1 : hit], [hit * P])
-                if checkpoint is not None:
+            need = from_l2[: np.searchsorted(from_l2, hit)]
+            need = need[~kept[need]]
+            first_bad = -1
+            if len(need):
+                ok, got = self._read(ObjectKind.PAGE, keys[need], need)
+                bad = np.flatnonzero(~ok)
+                good = need if not len(bad) else need[: bad[0]]
+                if len(bad):
+                    first_bad = int(need[bad[0]])
+                kept[good] = True
+                if payloads is not None:
+                    payloads.update(zip(good.tolist(), got, strict=False))
+            if first_bad < 0 and tier == "l2":
+                ok, got = self._read(ObjectKind.CHECKPOINT, keys[hit - 1 : hit], [hit * P])
+                if ok[0]:
+                    checkpoint = got[0] if got is not None else self._no_payload
                     break
-            elif first_bad is None:
+            elif first_bad < 0:
                 break
             # Something vanished or failed verification: fall back to a shallower checkpoint
             # that the remaining readable pages still cover.
             self.counters.l2_fetch_failures += 1
-            limit = first_bad if first_bad is not None else hit - 1
+            limit = first_bad if first_bad >= 0 else hit - 1
             best, tier = self.deepest_checkpoint(keys, limit)
             hit = best + 1
         else:
             return HitPlan(sources[:0], None, [], None)
         sources = sources[:hit]
-        if first is not None:
-            # Set in the pass that ended the loop, before `hit` could shrink: `first_need` is
-            # exactly the L2 pages of this hit.
-            payloads = first
-        else:
-            payloads = list(map(fetched.__getitem__, from_l2[: bisect.bisect_left(from_l2, hit)]))
-        return HitPlan(sources, tier, payloads, checkpoint)
+        if payloads is None:
+            return HitPlan(sources, tier, [], checkpoint)
+        hit_l2 = from_l2[: np.searchsorted(from_l2, hit)].tolist()
+        return HitPlan(sources, tier, list(map(payloads.__getitem__, hit_l2)), checkpoint)
+
+    def _read(
+        self, kind: ObjectKind, keys: PageKeys, positions: np.ndarray | list[int]
+    ) -> tuple[np.ndarray, list[torch.Tensor | None] | None]:
+        """([n] bool: read and verified, the payloads or None for a metadata-only cache)."""
+        if self.storage is None:
+            return self.l2.get_present(kind, keys, positions), None
+        got = self.l2.get(kind, keys, positions)
+        return np.array(list(map(operator.is_not, got, repeat(None))), dtype=bool), got
 
     def promote_checkpoint(self, key: PageKey, num_tokens: int) -> CheckpointEntry | None:
         """An L1 slot for a checkpoint being loaded from L2 (filled by the same load), so later

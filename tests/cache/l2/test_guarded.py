@@ -55,6 +55,10 @@ class FlakyL2(LocalHostCache):
         self._maybe_fail()
         return super().stats()
 
+    def get_present(self, kind, keys, positions):
+        self._maybe_fail()
+        return super().get_present(kind, keys, positions)
+
     def get(self, kind, keys, positions):
         self._maybe_fail()
         out = super().get(kind, keys, positions)
@@ -122,7 +126,11 @@ def test_guard_answers_safely_for_every_call():
     assert guard.last_present(ObjectKind.PAGE, [1]) == -1
     assert guard.put([HostObject(ObjectKind.PAGE, 1, 0, 1, torch.zeros(1, dtype=torch.uint8))]) == 0
     assert guard.get(ObjectKind.PAGE, [1], [0]) == [None]
-    assert len(errors) == 5
+    assert guard.get_present(ObjectKind.PAGE, [1, 2], [0, 1]).tolist() == [False, False]
+    assert len(errors) == 6
+    l2.mode = "ok"  # a backend answering the wrong number of flags is also a miss
+    l2.get_present = lambda kind, keys, positions: [True]
+    assert guard.get_present(ObjectKind.PAGE, [1, 2], [0, 1]).tolist() == [False, False]
 
 
 class _Repeating(LocalHostCache):

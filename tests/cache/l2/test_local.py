@@ -179,6 +179,7 @@ _op = st.one_of(
     _call("put_many", 8),
     _call("put", 4),
     _call("get", 8),
+    _call("present", 8),  # get_present: the same read without payloads
     _call("remove", 3),
     _call("prefix", 12),
     # Tail first (write-back order), and a write that names a key twice.
@@ -213,11 +214,14 @@ def test_batched_paths_match_the_per_object_model(ops, capacity_pages):
             nbytes = ck if kind is CKPT else n
             objs = [HostObject(kind, k, p, nbytes) for k, p in zip(keys, positions, strict=True)]
             assert l2.put(objs) == ref.put(kind, keys, positions)
-        elif op == "get":
+        elif op in ("get", "present"):
             if chain == 3:
                 positions = [p + 1 for p in positions]  # stored elsewhere: rejected
-            got = l2.get(kind, keys, positions)
-            assert [g is not None for g in got] == ref.get(kind, keys, positions)
+            if op == "get":
+                got = [g is not None for g in l2.get(kind, keys, positions)]
+            else:
+                got = l2.get_present(kind, keys, positions).tolist()
+            assert got == ref.get(kind, keys, positions)
         elif op == "remove":
             assert l2.remove(kind, keys) == ref.remove(kind, keys)
         else:

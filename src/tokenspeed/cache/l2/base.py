@@ -169,6 +169,13 @@ class HostCache(ABC):
     ) -> list[torch.Tensor | None]:
         """Verified payloads ([nbytes] uint8 CPU tensors), None where absent or rejected."""
 
+    def get_present(
+        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
+    ) -> np.ndarray:
+        """[n] bool: which of the objects `get` would return, with the same touches, counts and
+        drops, for a caller that keeps no payloads (a metadata-only cache)."""
+        return np.array([p is not None for p in self.get(kind, keys, positions)], dtype=bool)
+
     @abstractmethod
     def remove(self, kind: ObjectKind, keys: PageKeys) -> int:
         """Delete objects (invalidation, tests); returns how many were removed."""

@@ -95,6 +95,21 @@ class GuardedL2:
             checked.append(payload if ok else None)
         return checked
 
+    def get_present(
+        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
+    ) -> np.ndarray:
+        """[n] bool (all False when the backend failed or answered something else)."""
+        out = self._guard(
+            "get_present", None, lambda: self.inner.get_present(kind, keys, positions)
+        )
+        try:
+            present = np.asarray(out, dtype=bool) if out is not None else None
+        except (TypeError, ValueError):
+            present = None
+        if present is None or present.shape != (len(keys),):
+            return np.zeros(len(keys), dtype=bool)
+        return present
+
     def stats(self) -> L2Stats | None:
         """The backend's stats; None when asking raised (a stats call must not fail a caller)."""
         return self._guard("stats", None, self.inner.stats)

@@ -28,11 +28,22 @@ import torch
 
 from ...types import PageKey
 from .._exhaust import exhaust
+from ..compiled import jit
 from ..errors import CacheConfigError, IntegrityError
 from ..key_table import KeyTable
 from ..keys import KEY_DTYPE, PageKeys, as_page_keys, keys_from_ints, keys_to_ints
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 from .slot_lru import FREE, SlotLru
+
+
+@jit
+def _all_readable(slots, pos, nbytes, positions, expected):
+    """Every slot holds an object (>= 0) stored at its expected position and size."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s < 0 or pos[s] != positions[i] or nbytes[s] != expected:
+            return False
+    return True
 
 
 def crc32(payload: torch.Tensor) -> int:
@@ -304,24 +315,45 @@ class LocalHostCache(HostCache):
     def get(
         self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey], positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
-        self._mutations += 1  # LRU touches, and rejected objects are dropped
         keys = as_page_keys(keys)
+        if self.metadata_only and self._read_all(kind, keys, positions):
+            return [self._empty] * len(keys)
+        return self._get_each(kind, keys, positions)
+
+    def get_present(
+        self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey], positions: Sequence[int]
+    ) -> np.ndarray:
+        keys = as_page_keys(keys)
+        if self.metadata_only and self._read_all(kind, keys, positions):
+            return np.ones(len(keys), dtype=bool)
+        return np.array([p is not None for p in self._get_each(kind, keys, positions)], dtype=bool)
+
+    def _read_all(self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]) -> bool:
+        """Metadata-only read of objects that are all present and as expected (the common
+        case), with the touches and counts of `_get_each`; False, changing nothing, otherwise."""
+        n = len(keys)
+        if not n:
+            return False
+        slots = self._store(kind).lookup(keys)
+        expected = self.object_bytes(kind)
+        if not _all_readable(
+            slots, self._pos, self._nbytes, np.asarray(positions, dtype=np.int64), expected
+        ):
+            return False
+        self._mutations += 1
+        self._lru.touch(slots)
+        self.counters.hits += n
+        self.counters.get_bytes += n * expected
+        return True
+
+    def _get_each(
+        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
+    ) -> list[torch.Tensor | None]:
+        """`get` one object at a time: LRU touches, counts, and rejected objects dropped."""
+        self._mutations += 1
         store = self._store(kind)
         expected = self.object_bytes(kind)
         c = self.counters
-        if self.metadata_only and len(keys):
-            # Batched read of a run in which every object is present and as expected (the
-            # common case): the same LRU touches and counts as the loop below.
-            slots = store.lookup(keys)
-            if (
-                (slots >= 0).all()
-                and np.array_equal(self._pos[slots], np.asarray(positions, dtype=np.int64))
-                and (self._nbytes[slots] == expected).all()
-            ):
-                self._lru.touch(slots)
-                c.hits += len(keys)
-                c.get_bytes += len(keys) * expected
-                return [self._empty] * len(keys)
         out: list[torch.Tensor | None] = []
         for key, position in zip(keys_to_ints(keys), positions, strict=True):
             s = store.get(key)

@@ -12,9 +12,40 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..compiled import jit
 from ..errors import IntegrityError
 
 FREE = -1  # the stamp of a slot that holds no object
+
+
+@jit
+def _touch(stamp, log_slot, log_stamp, tail, clock, slots):
+    """Stamp slots clock, clock + 1, ... in order (a repeated slot keeps its last stamp) and log
+    each (slot, stamp) at `tail`."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        stamp[s] = clock + i
+        log_slot[tail + i] = s
+        log_stamp[tail + i] = clock + i
+
+
+@jit
+def _oldest(stamp, log_slot, log_stamp, head, tail, nbytes, need, out):
+    """Live log entries from `head` until their bytes reach `need` (or the log ends). With `out`
+    of length 0, only counts. Returns (entries, bytes, the position after the last)."""
+    freed = 0
+    found = 0
+    h = head
+    fill = out.shape[0] > 0
+    while freed < need and h < tail:
+        s = log_slot[h]
+        if stamp[s] == log_stamp[h]:
+            if fill:
+                out[found] = s
+            found += 1
+            freed += nbytes[s]
+        h += 1
+    return found, freed, h
 
 
 class SlotLru:
@@ -39,12 +70,17 @@ class SlotLru:
         n = len(slots)
         if not n:
             return
-        stamps = np.arange(self._clock, self._clock + n, dtype=np.int64)
+        self._room(n)
+        _touch(
+            self.stamp,
+            self._log_slot,
+            self._log_stamp,
+            self._tail,
+            self._clock,
+            np.ascontiguousarray(slots, dtype=np.int64),
+        )
         self._clock += n
-        self.stamp[slots] = stamps
-        if n > 1 and not np.array_equal(self.stamp[slots], stamps):
-            np.maximum.at(self.stamp, slots, stamps)  # repeated slots keep their last stamp
-        self._append(slots, stamps)
+        self._tail += n
 
     def touch_one(self, slot: int) -> None:
         self.touch(np.array([slot], dtype=np.int64))
@@ -57,53 +93,31 @@ class SlotLru:
         """The least recently used slots, oldest first, whose `nbytes` add up to at least
         `need` (all live ones if they do not). Returns (slots, bytes they hold, log position
         after the last of them); nothing is consumed until `consume(position)`."""
-        found: list[np.ndarray] = []
-        freed = 0
-        head, tail = self._head, self._tail
-        chunk = 256
-        while freed < need and head < tail:
-            end = min(tail, head + chunk)
-            chunk = min(4 * chunk, 1 << 16)
-            ls = self._log_slot[head:end]
-            live = np.flatnonzero(self.stamp[ls] == self._log_stamp[head:end])
-            if not len(live):
-                head = end
-                continue
-            cand = ls[live]
-            cum = np.cumsum(nbytes[cand])
-            if freed + int(cum[-1]) >= need:
-                k = int(np.searchsorted(cum, need - freed))  # first with cum >= need - freed
-                found.append(cand[: k + 1])
-                freed += int(cum[k])
-                head += int(live[k]) + 1
-                break
-            found.append(cand)
-            freed += int(cum[-1])
-            head = end
-        slots = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        return slots, freed, head
+        args = (self.stamp, self._log_slot, self._log_stamp, self._head, self._tail, nbytes, need)
+        count, _, _ = _oldest(*args, np.zeros(0, dtype=np.int64))
+        slots = np.empty(count, dtype=np.int64)
+        _, freed, position = _oldest(*args, slots)
+        return slots, int(freed), int(position)
 
     def consume(self, position: int) -> None:
         """Drop the log entries before `position` (from `oldest`; their slots are evicted)."""
         self._head = position
 
-    def _append(self, slots: np.ndarray, stamps: np.ndarray) -> None:
-        n = len(slots)
-        if self._tail + n > len(self._log_slot):
-            # Drop the consumed head and the stale entries; grow if that is not enough.
-            ls = self._log_slot[self._head : self._tail]
-            lt = self._log_stamp[self._head : self._tail]
-            live = self.stamp[ls] == lt
-            ls, lt = ls[live], lt[live]
-            size = max(len(self._log_slot), 2 * (len(ls) + n))
-            self._log_slot = np.zeros(size, dtype=np.int64)
-            self._log_stamp = np.zeros(size, dtype=np.int64)
-            self._log_slot[: len(ls)] = ls
-            self._log_stamp[: len(ls)] = lt
-            self._head, self._tail = 0, len(ls)
-        self._log_slot[self._tail : self._tail + n] = slots
-        self._log_stamp[self._tail : self._tail + n] = stamps
-        self._tail += n
+    def _room(self, n: int) -> None:
+        """Room for n more log entries: drop the consumed head and the stale entries; grow if
+        that is not enough."""
+        if self._tail + n <= len(self._log_slot):
+            return
+        ls = self._log_slot[self._head : self._tail]
+        lt = self._log_stamp[self._head : self._tail]
+        live = self.stamp[ls] == lt
+        ls, lt = ls[live], lt[live]
+        size = max(len(self._log_slot), 2 * (len(ls) + n))
+        self._log_slot = np.zeros(size, dtype=np.int64)
+        self._log_stamp = np.zeros(size, dtype=np.int64)
+        self._log_slot[: len(ls)] = ls
+        self._log_stamp[: len(ls)] = lt
+        self._head, self._tail = 0, len(ls)
 
     def check_integrity(self) -> None:
         """Log stamps strictly increase; every stamped slot has exactly one live log entry."""

@@ -39,6 +39,10 @@ def build_cache(
         checkpoint_fraction=config.device_checkpoint_fraction,
         checkpoint_policy=config.checkpoints,
         metadata_only=True,
+        # A decode rank never looks a prefix up (its requests arrive with their whole cache,
+        # `DecodeScheduler` admits them with no prefix): indexing its pages would only cost
+        # bookkeeping. Its turns are still checkpointed and published to the host tier.
+        prefix_caching=not decode,
     )
     return CacheManager(config.geometry, cache_config, l2=l2)
 
