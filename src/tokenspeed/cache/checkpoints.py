@@ -19,7 +19,7 @@ import numpy as np
 from ..types import PageKey, SlotId
 from .errors import IntegrityError
 from .key_table import KeyTable
-from .keys import PageKeys, as_key_int, keys_from_ints, keys_to_ints
+from .keys import PageKeys, as_key_int, key_array, keys_from_ints, keys_to_ints
 from .pool import SlotPool
 
 
@@ -110,7 +110,7 @@ class CheckpointManager:
         slot = self.pool.allocate_one()
         entry = CheckpointEntry(key=key, num_tokens=num_tokens, slot=slot, kind=kind)
         self.index[key] = entry
-        self._table.setdefault(keys_from_ints([key]), np.array([slot], dtype=np.int64))
+        self._table.setdefault(key_array(key), np.array([slot], dtype=np.int64))
         self._lru[key] = entry
         self.version += 1
         return entry
@@ -138,7 +138,7 @@ class CheckpointManager:
             raise IntegrityError(f"remove of pinned checkpoint {entry.key!r}")
         del self._lru[entry.key]
         del self.index[entry.key]
-        self._table.delete(keys_from_ints([entry.key]))
+        self._table.delete(key_array(entry.key))
         self.pool.free([entry.slot])
         self.version += 1
 

@@ -116,8 +116,9 @@ class RequestCache:
         self.released = False
         # Leading pages whose keys are in the L1 index (registered or shared at allocate).
         self._registered = num_cached_tokens
-        # Page counts n at which this request's prefix has an L1 checkpoint (scanned lazily).
-        self._path: list[int] | None = None
+        # (n, key of page n - 1) where this request's prefix has an L1 checkpoint, sorted by n
+        # (scanned lazily; `CheckpointPaths` keeps it).
+        self._path: list[tuple[int, PageKey]] | None = None
         self._rolling: CheckpointEntry | None = None
         # Checkpoint entries this request pins while it runs (rolling, or filled by its load).
         self._held: list[CheckpointEntry] = []

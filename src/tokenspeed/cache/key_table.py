@@ -20,23 +20,22 @@ import numpy as np
 from ..types import PageKey
 from .compiled import AVAILABLE, jit
 from .errors import IntegrityError
-from .keys import KEY_DTYPE, PageKeys, as_key_int
+from .keys import KEY_DTYPE, PageKeys, key_array
 
 EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
-_MASK64 = (1 << 64) - 1
 _NO_VALUES = np.zeros(0, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------- kernels
 # tab: [capacity, 3] uint64 (lo, hi, value or EMPTY); mask = capacity - 1 (capacity a power of
-# two); keys: [2n] uint64, the `PageKeys` viewed as words (lo, hi, lo, hi, ...). Keys are digests,
-# so their low word is already uniform: its low bits are the home slot. Every live entry sits at
-# or after its home with no empty slot in between (what a lookup relies on to stop).
+# two); keys: a `PageKeys` array. Keys are digests, so their low word is already uniform: its low
+# bits are the home slot. Every live entry sits at or after its home with no empty slot in
+# between (what a lookup relies on to stop).
 def _lookup(tab, mask, keys, out):
     m = np.uint64(mask)
     for i in range(out.shape[0]):
-        lo = keys[2 * i]
-        hi = keys[2 * i + 1]
+        lo = keys[i]["lo"]
+        hi = keys[i]["hi"]
         p = np.int64(lo & m)
         r = -1
         while True:
@@ -56,8 +55,8 @@ def _setdefault(tab, mask, keys, values, out):
     m = np.uint64(mask)
     inserted = 0
     for i in range(out.shape[0]):
-        lo = keys[2 * i]
-        hi = keys[2 * i + 1]
+        lo = keys[i]["lo"]
+        hi = keys[i]["hi"]
         p = np.int64(lo & m)
         while True:
             v = tab[p, 2]
@@ -82,8 +81,8 @@ def _delete(tab, mask, keys, out):
     m = np.uint64(mask)
     removed = 0
     for i in range(out.shape[0]):
-        lo = keys[2 * i]
-        hi = keys[2 * i + 1]
+        lo = keys[i]["lo"]
+        hi = keys[i]["hi"]
         p = np.int64(lo & m)
         r = -1
         while True:
@@ -156,18 +155,10 @@ INTERPRETED = _Kernels(False)
 COMPILED = _Kernels(True)
 
 
-def _words(keys: PageKeys) -> np.ndarray:
-    """[2n] uint64 view of the keys (lo, hi, ...), copied only if not contiguous."""
-    if keys.dtype != KEY_DTYPE:
+def _checked(keys: PageKeys) -> PageKeys:
+    if keys.dtype is not KEY_DTYPE and keys.dtype != KEY_DTYPE:
         raise TypeError(f"page keys must be a KEY_DTYPE array, got {keys.dtype}")
-    if not keys.flags.c_contiguous:
-        keys = np.ascontiguousarray(keys)
-    return keys.view(np.uint64)
-
-
-def _one(key: PageKey | np.void) -> np.ndarray:
-    key = as_key_int(key)
-    return np.array([key & _MASK64, key >> 64], dtype=np.uint64)
+    return keys
 
 
 class KeyTable:
@@ -214,7 +205,7 @@ class KeyTable:
         """[n] int64: the value of each key, -1 where absent."""
         out = np.empty(len(keys), dtype=np.int64)
         if len(out):
-            self._k.lookup(self._tab, self._mask, _words(keys), out)
+            self._k.lookup(self._tab, self._mask, _checked(keys), out)
         return out
 
     def setdefault(self, keys: PageKeys, values: np.ndarray) -> np.ndarray:
@@ -231,20 +222,20 @@ class KeyTable:
             raise ValueError("KeyTable values must be non-negative")
         self._make_room(n)
         out = np.empty(n, dtype=np.int64)
-        self._live += self._k.setdefault(self._tab, self._mask, _words(keys), vals, out)
+        self._live += self._k.setdefault(self._tab, self._mask, _checked(keys), vals, out)
         return out
 
     def delete(self, keys: PageKeys) -> np.ndarray:
         """Remove each key that is present; returns [n] int64, the value each had (-1: absent)."""
         out = np.empty(len(keys), dtype=np.int64)
         if len(out):
-            self._live -= self._k.delete(self._tab, self._mask, _words(keys), out)
+            self._live -= self._k.delete(self._tab, self._mask, _checked(keys), out)
         return out
 
     # ------------------------------------------------------------------------ single keys
     def get(self, key: PageKey | np.void) -> int | None:
         out = np.empty(1, dtype=np.int64)
-        self._k.lookup(self._tab, self._mask, _one(key), out)
+        self._k.lookup(self._tab, self._mask, key_array(key), out)
         v = int(out[0])
         return None if v < 0 else v
 

@@ -83,6 +83,14 @@ def _key_bytes(key: PageKey | np.void) -> bytes:
     return as_key_int(key).to_bytes(_KEY_BYTES, "little")
 
 
+def key_array(key: PageKey | np.void) -> PageKeys:
+    """[1] `KEY_DTYPE`: one key as a `PageKeys` array."""
+    key = as_key_int(key)
+    out = np.empty(1, dtype=KEY_DTYPE)
+    out[0] = (key & 0xFFFF_FFFF_FFFF_FFFF, key >> 64)
+    return out
+
+
 def keys_from_ints(ints: Iterable[PageKey | np.void]) -> PageKeys:
     """[n] `KEY_DTYPE` from Python ints in [0, 2^128) (or elements of other `PageKeys`)."""
     raw = b"".join(map(_key_bytes, ints))
@@ -100,7 +108,7 @@ def as_page_keys(keys: PageKeys | KeyBuffer | Iterable[int]) -> PageKeys:
     """The `PageKeys` array of any key sequence: arrays pass through, a `KeyBuffer` gives a view
     of its current keys, anything else is read as Python ints (a slow path for callers that
     build a few keys by hand)."""
-    if isinstance(keys, np.ndarray) and keys.dtype == KEY_DTYPE:
+    if type(keys) is np.ndarray and (keys.dtype is KEY_DTYPE or keys.dtype == KEY_DTYPE):
         return keys
     if isinstance(keys, KeyBuffer):
         return keys.array

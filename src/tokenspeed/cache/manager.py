@@ -468,14 +468,15 @@ class CacheManager:
             handle._rolling.kind = CheckpointKind.TURN_END
         if self._l2 is None:
             return 0
-        path = self._paths.path(handle)
-        if not path:
+        entries = self._paths.entries(handle)
+        if not entries:
             return 0
         handle.load.synchronize()  # the pages must have arrived before they are read back
-        for n in path:
-            arriving = self._loader.arriving_checkpoint(handle._keys[n - 1])
+        for _, key in entries:
+            arriving = self._loader.arriving_checkpoint(key)
             if arriving is not None:
                 arriving.synchronize()
+        path = [n for n, _ in entries]
         return self._tiering.publish(handle._keys.array, handle.page_ids, path)
 
     def release(self, handle: RequestCache, *, publish: bool = False) -> None:

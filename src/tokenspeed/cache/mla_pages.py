@@ -194,9 +194,7 @@ class MlaPageManager:
         if writeback is not None:
             writeback(victims, keys, self.position_of[victims])
         self.index.delete(keys)
-        forget_pages(
-            victims, self.key_of.view(np.uint64), self.indexed, self.evictable, self.position_of
-        )
+        forget_pages(victims, self.key_of, self.indexed, self.evictable, self.position_of)
         self.num_cached -= len(victims)
         self.pool.free(victims)
         self.version += 1
@@ -254,13 +252,7 @@ class MlaPageManager:
         # names one of these pages (none is indexed, and they are distinct), so a page got back
         # under its own id is exactly a fresh one.
         if mark_registered(
-            sel,
-            got,
-            np.ascontiguousarray(keys).view(np.uint64),
-            as_int64(positions),
-            self.indexed,
-            self.key_of.view(np.uint64),
-            self.position_of,
+            sel, got, keys, as_int64(positions), self.indexed, self.key_of, self.position_of
         ):
             self.version += 1
 

@@ -119,12 +119,12 @@ def take_lru(qpid, quse, head, tail, evictable, last_use, n, out):
 
 
 @jit
-def forget_pages(pids, key_words, indexed, evictable, position_of):
+def forget_pages(pids, key_of, indexed, evictable, position_of):
     """Evicted pages: no key, not indexed, not evictable, no position."""
     for i in range(pids.shape[0]):
         p = pids[i]
-        key_words[2 * p] = 0
-        key_words[2 * p + 1] = 0
+        key_of[p]["lo"] = 0
+        key_of[p]["hi"] = 0
         indexed[p] = False
         evictable[p] = False
         position_of[p] = -1
@@ -149,7 +149,7 @@ def distinct_and_unindexed(pids, indexed):
 
 
 @jit
-def mark_registered(pids, got, key_words, positions, indexed, page_key_words, position_of):
+def mark_registered(pids, got, keys, positions, indexed, key_of, position_of):
     """After the index's setdefault: a page got back under its own id is newly indexed under
     its key (the others stay private). Returns how many."""
     fresh = 0
@@ -158,8 +158,8 @@ def mark_registered(pids, got, key_words, positions, indexed, page_key_words, po
         if got[i] != p:
             continue
         indexed[p] = True
-        page_key_words[2 * p] = key_words[2 * i]
-        page_key_words[2 * p + 1] = key_words[2 * i + 1]
+        key_of[p]["lo"] = keys[i]["lo"]
+        key_of[p]["hi"] = keys[i]["hi"]
         position_of[p] = positions[i]
         fresh += 1
     return fresh

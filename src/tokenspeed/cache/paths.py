@@ -27,36 +27,42 @@ class CheckpointPaths:
     def path(self, handle: RequestCache) -> list[int]:
         """Sorted page counts n where the request's prefix has an L1 checkpoint. Found once per
         request (lazily, over its registered pages), then maintained as it adds checkpoints."""
-        index, keys = self.ckpts.index, handle._keys
+        return [n for n, _ in self.entries(handle)]
+
+    def entries(self, handle: RequestCache) -> list[tuple[int, int]]:
+        """The path as sorted (n, key of page n - 1) pairs, dropping checkpoints evicted since."""
+        index = self.ckpts.index
         if handle._path is None:
-            handle._path = self.ckpts.on_path(keys.array, handle._registered)
+            keys = handle._keys
+            found = self.ckpts.on_path(keys.array, handle._registered)
+            handle._path = [(n, keys[n - 1]) for n in found]
         else:
-            handle._path = [n for n in handle._path if keys[n - 1] in index]
+            handle._path = [entry for entry in handle._path if entry[1] in index]
         return handle._path
 
     def note(self, handle: RequestCache, n: int) -> None:
-        path = self.path(handle)
-        if n not in path:
-            path.append(n)
+        path = self.entries(handle)
+        if all(m != n for m, _ in path):
+            path.append((n, handle._keys[n - 1]))
             path.sort()
 
     def enforce_cap(self, handle: RequestCache, *, newest: int) -> None:
-        path = self.path(handle)
-        index, keys = self.ckpts.index, handle._keys
+        path = self.entries(handle)
+        index = self.ckpts.index
         while len(path) > self.max_per_path:
             best = None
             prev = 0
-            for n in path:
-                entry = index[keys[n - 1]]
+            for i, (n, key) in enumerate(path):
+                entry = index[key]
                 if n != newest and entry.refcount == 0:
                     rank = (entry.kind is not CheckpointKind.INTERVAL, n - prev, n)
                     if best is None or rank < best[0]:
-                        best = (rank, n, entry)
+                        best = (rank, i, entry)
                 prev = n
             if best is None:
                 return  # everything else is pinned
             self.ckpts.remove(best[2])
-            path.remove(best[1])
+            del path[best[1]]
             self.counters.checkpoints_thinned += 1
 
     def set_rolling(self, handle: RequestCache, entry: CheckpointEntry) -> None:

@@ -198,13 +198,9 @@ class Tiering:
         if self.l2 is None:
             return
         present = self.l2.contains(ObjectKind.CHECKPOINT, keys_from_ints(e.key for e in entries))
-        objects = [
-            self._checkpoint_object(e)
-            for e, p in zip(entries, present.tolist(), strict=True)
-            if not p
-        ]
-        if objects:
-            self.counters.checkpoints_written_back += self.l2.put(objects)
+        missing = [e for e, p in zip(entries, present.tolist(), strict=True) if not p]
+        if missing:
+            self.counters.checkpoints_written_back += self._put_checkpoints(missing)
 
     def publish(self, keys: PageKeys, page_ids: np.ndarray, path: list[int]) -> int:
         """Write-through of a request's prefix up to its deepest checkpoint `path[-1]` (pages)
@@ -217,15 +213,15 @@ class Tiering:
         missing = first + np.flatnonzero(~present)
         ckpt_keys = keys[np.array(path, dtype=np.int64) - 1]
         present = self.l2.contains(ObjectKind.CHECKPOINT, ckpt_keys)
-        objects = [
-            self._checkpoint_object(self.ckpts.index[key])
+        entries = [
+            self.ckpts.index[key]
             for key, p in zip(keys_to_ints(ckpt_keys), present.tolist(), strict=True)
             if not p
         ]
         # Both lookups come before the writes (what is written does not depend on what the
         # writes evict); pages first, then checkpoints.
         stored = self._put_pages(keys[missing], missing.tolist(), page_ids[missing])
-        stored += self.l2.put(objects) if objects else 0
+        stored += self._put_checkpoints(entries) if entries else 0
         self.counters.objects_published += stored
         return stored
 
@@ -235,6 +231,15 @@ class Tiering:
             return 0
         payloads = self.storage.read_pages(pids) if self.storage is not None else None
         return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads)
+
+    def _put_checkpoints(self, entries: list[CheckpointEntry]) -> int:
+        """Store checkpoints in L2 (metadata-only: one batched write); returns how many are
+        stored now."""
+        if self.storage is None:
+            keys = keys_from_ints(e.key for e in entries)
+            positions = [e.num_tokens for e in entries]
+            return self.l2.put_many(ObjectKind.CHECKPOINT, keys, positions)
+        return self.l2.put([self._checkpoint_object(e) for e in entries])
 
     def _checkpoint_object(self, entry: CheckpointEntry) -> HostObject:
         payload = self.storage.read_checkpoint(entry.slot) if self.storage is not None else None

@@ -31,7 +31,7 @@ from .._exhaust import exhaust
 from ..compiled import jit
 from ..errors import CacheConfigError, IntegrityError
 from ..key_table import KeyTable
-from ..keys import KEY_DTYPE, PageKeys, as_page_keys, keys_from_ints, keys_to_ints
+from ..keys import KEY_DTYPE, PageKeys, as_page_keys, key_array, keys_to_ints
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 from .slot_lru import FREE, SlotLru
 
@@ -386,7 +386,7 @@ class LocalHostCache(HostCache):
 
     # ---------------------------------------------------------------------------- removal
     def _drop(self, kind: ObjectKind, key: PageKey) -> None:
-        s = int(self._store(kind).delete(keys_from_ints([key]))[0])
+        s = int(self._store(kind).delete(key_array(key))[0])
         self._bytes -= int(self._nbytes[s])
         self._release(np.array([s], dtype=np.int64))
 
