@@ -386,7 +386,8 @@ class CacheManager:
                     f"holds {self._pages.capacity}"
                 )
             handle._append_pages(self._pages.allocate(need, self._tiering.writeback_pages))
-        handle._keys.extend(page_keys)
+        if len(page_keys):
+            handle._keys.extend(page_keys)
         handle.num_tokens = num_tokens
 
     def checkpoint(
