@@ -107,3 +107,35 @@ def test_integrity_check_catches_each_kind_of_damage():
     t._live += 1
     with pytest.raises(IntegrityError):
         t.check_integrity()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    owners=st.lists(st.integers(-1, 1), min_size=1, max_size=40),
+    queries=st.lists(
+        st.tuples(st.integers(0, 39), st.integers(0, 12), st.booleans()), max_size=6
+    ),
+)
+def test_lookup_near_a_key_column_gives_the_plain_answers(owners, queries):
+    """Values index a column of keys; slots owned by other kinds hold decoys with the same
+    keys (a neighbour is taken only when it is this table's): runs forwards, backwards, absent
+    keys and arbitrary slots all answer as a plain lookup does."""
+    n = len(owners)
+    ints = [1000 + v % 17 for v in range(n)]  # keys repeat across slots of different owners
+    column = keys_from_ints(ints)
+    owner = np.array(owners, dtype=np.int8)
+    for kernels in (COMPILED, INTERPRETED):
+        table = KeyTable(kernels=kernels)
+        members = [v for v in range(n) if owners[v] == 1]
+        keys = keys_from_ints([ints[v] for v in members])
+        got = table.setdefault(keys, np.array(members, dtype=np.int64))
+        # A key owned twice keeps its first slot: make the column say so for the others.
+        owner_now = owner.copy()
+        owner_now[[v for v, g in zip(members, got.tolist(), strict=True) if g != v]] = 0
+        for start, length, backwards in queries:
+            picked = list(range(start, min(start + length, n)))
+            if backwards:
+                picked = picked[::-1]
+            query = keys_from_ints([ints[v] for v in picked] + [5])  # and one absent key
+            plain = table.lookup(query)
+            assert table.lookup(query, (column, owner_now, 1)).tolist() == plain.tolist()

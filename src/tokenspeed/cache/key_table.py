@@ -49,6 +49,43 @@ def _lookup(tab, mask, keys, out):
         out[i] = r
 
 
+def _lookup_near(tab, mask, keys, out, column, owner, want):
+    """`_lookup` for values that index a key column (`column[v]` is the key stored under v
+    wherever `owner[v] == want`): before probing, try the slots next to the previous answer.
+    A history stored or indexed in one go usually sits in consecutive slots, so a long chain
+    is then read in order instead of probing a large table once per key; a neighbour is taken
+    only when it holds exactly this key, which the table then maps to it."""
+    m = np.uint64(mask)
+    size = column.shape[0]
+    prev = -1
+    for i in range(out.shape[0]):
+        lo = keys[i]["lo"]
+        hi = keys[i]["hi"]
+        if prev >= 0:
+            c = prev + 1
+            if c < size and owner[c] == want and column[c]["lo"] == lo and column[c]["hi"] == hi:
+                out[i] = c
+                prev = c
+                continue
+            c = prev - 1
+            if c >= 0 and owner[c] == want and column[c]["lo"] == lo and column[c]["hi"] == hi:
+                out[i] = c
+                prev = c
+                continue
+        p = np.int64(lo & m)
+        r = -1
+        while True:
+            v = tab[p, 2]
+            if v == EMPTY:
+                break
+            if tab[p, 0] == lo and tab[p, 1] == hi:
+                r = np.int64(v)
+                break
+            p = (p + 1) & mask
+        out[i] = r
+        prev = r
+
+
 def _setdefault(tab, mask, keys, values, out):
     """out[i]: the value under keys[i] after inserting each absent key with values[i], in order.
     Needs more EMPTY slots than keys. Returns the number of keys inserted."""
@@ -145,6 +182,7 @@ class _Kernels:
         wrap = jit if compile_ else (lambda f: f)
         self.compiled = compile_ and AVAILABLE
         self.lookup = wrap(_lookup)
+        self.lookup_near = wrap(_lookup_near)
         self.setdefault = wrap(_setdefault)
         self.delete = wrap(_delete)
         self.rehash = wrap(_rehash)
@@ -201,11 +239,21 @@ class KeyTable:
         self._k.rehash(old, self._tab, self._mask)
 
     # ---------------------------------------------------------------------------- batches
-    def lookup(self, keys: PageKeys) -> np.ndarray:
-        """[n] int64: the value of each key, -1 where absent."""
+    def lookup(
+        self, keys: PageKeys, near: tuple[PageKeys, np.ndarray, int] | None = None
+    ) -> np.ndarray:
+        """[n] int64: the value of each key, -1 where absent.
+
+        near: (column, owner, want) when values index a column of keys: `column[v]` is the key
+            stored under v for every v with `owner[v] == want` ([size] int8). Only a hint (the
+            answers are the same): a key found at the slot next to the previous answer skips
+            the table."""
         out = np.empty(len(keys), dtype=np.int64)
         if len(out):
-            self._k.lookup(self._tab, self._mask, _checked(keys), out)
+            if near is None:
+                self._k.lookup(self._tab, self._mask, _checked(keys), out)
+            else:
+                self._k.lookup_near(self._tab, self._mask, _checked(keys), out, *near)
         return out
 
     def setdefault(self, keys: PageKeys, values: np.ndarray) -> np.ndarray:

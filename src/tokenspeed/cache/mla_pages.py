@@ -58,6 +58,8 @@ class MlaPageManager:
         self.position_of = np.full(num_pages, -1, dtype=np.int64)  # page index in its chain
         self.ref = np.zeros(num_pages, dtype=np.int32)
         self.indexed = np.zeros(num_pages, dtype=bool)
+        # Where the index may look for a key before probing: next to the previous page found.
+        self._near = (self.key_of, self.indexed.view(np.int8), 1)
         self.evictable = np.zeros(num_pages, dtype=bool)  # cached: indexed and refcount 0
         self.last_use = np.zeros(num_pages, dtype=np.int64)
         self.num_cached = 0
@@ -92,7 +94,7 @@ class MlaPageManager:
 
     def lookup_ids(self, keys: PageKeys) -> np.ndarray:
         """[n] int64: the page indexed under each key, -1 where absent."""
-        return self.index.lookup(keys)
+        return self.index.lookup(keys, self._near)
 
     def room_besides(self, pids: Sequence[PageId] | np.ndarray) -> int:
         """Pages an allocation could take (free + evictable) once `pids` are pinned."""

@@ -35,6 +35,9 @@ from ..keys import KEY_DTYPE, PageKeys, as_page_keys, key_array, keys_to_ints
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 from .slot_lru import FREE, SlotLru
 
+_NONE, _PAGE, _CHECKPOINT = -1, 0, 1  # what a slot holds
+_KIND = {ObjectKind.PAGE: _PAGE, ObjectKind.CHECKPOINT: _CHECKPOINT}
+
 
 @jit
 def _all_readable(slots, pos, nbytes, positions, expected):
@@ -83,7 +86,7 @@ class LocalHostCache(HostCache):
         self._pos = np.zeros(0, dtype=np.int64)  # page index, or the checkpoint's length
         self._nbytes = np.zeros(0, dtype=np.int64)
         self._keys = np.zeros(0, dtype=KEY_DTYPE)  # zeros where the slot holds nothing
-        self._is_checkpoint = np.zeros(0, dtype=bool)
+        self._kind_of = np.zeros(0, dtype=np.int8)  # per slot: _PAGE, _CHECKPOINT or _NONE
         self._payload: list[torch.Tensor | None] = []
         self._crc: list[int | None] = []
         self._free: list[int] = []  # slots holding no object
@@ -97,6 +100,11 @@ class LocalHostCache(HostCache):
 
     def presence_version(self) -> int:
         return self._presence
+
+    def _slots(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
+        """[n] int64: the slot holding each key's object of this kind, -1 where absent (a
+        chain stored in one go usually sits in consecutive slots: the lookup follows them)."""
+        return self._store(kind).lookup(keys, (self._keys, self._kind_of, _KIND[kind]))
 
     def _store(self, kind: ObjectKind) -> KeyTable:
         return self._checkpoints if kind is ObjectKind.CHECKPOINT else self._pages
@@ -118,11 +126,12 @@ class LocalHostCache(HostCache):
 
     def _grow(self, size: int) -> None:
         old = len(self._pos)
-        for name in ("_pos", "_nbytes", "_keys", "_is_checkpoint"):
+        for name in ("_pos", "_nbytes", "_keys", "_kind_of"):
             col = getattr(self, name)
             grown = np.zeros(size, dtype=col.dtype)
             grown[:old] = col
             setattr(self, name, grown)
+        self._kind_of[old:] = _NONE
         extra = size - old
         self._payload.extend(repeat(None, extra))
         self._crc.extend(repeat(None, extra))
@@ -134,6 +143,7 @@ class LocalHostCache(HostCache):
         listed = slots.tolist()
         self._lru.forget(slots)
         self._keys[slots] = 0
+        self._kind_of[slots] = _NONE
         if not self.metadata_only:
             exhaust(map(self._payload.__setitem__, listed, repeat(None)))
             exhaust(map(self._crc.__setitem__, listed, repeat(None)))
@@ -147,7 +157,7 @@ class LocalHostCache(HostCache):
         self.counters.evictions += len(victims)
 
     def _drop_slots(self, slots: np.ndarray) -> None:
-        ckpt = self._is_checkpoint[slots]
+        ckpt = self._kind_of[slots] == _CHECKPOINT
         if np.count_nonzero(ckpt):
             self._checkpoints.delete(self._keys[slots[ckpt]])
             self._pages.delete(self._keys[slots[~ckpt]])
@@ -160,7 +170,7 @@ class LocalHostCache(HostCache):
     def contains(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> np.ndarray:
         keys = as_page_keys(keys)
         self.counters.lookups += len(keys)
-        return self._store(kind).lookup(keys) >= 0
+        return self._slots(kind, keys) >= 0
 
     def prefix_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
         keys = as_page_keys(keys)
@@ -170,7 +180,7 @@ class LocalHostCache(HostCache):
             self.counters.lookups += min(1, n)
             return 0
         self.counters.lookups += n
-        absent = np.flatnonzero(store.lookup(keys) < 0)
+        absent = np.flatnonzero(self._slots(kind, keys) < 0)
         return int(absent[0]) if len(absent) else n
 
     def last_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
@@ -183,7 +193,7 @@ class LocalHostCache(HostCache):
             self.counters.lookups += 1
             return n - 1
         self.counters.lookups += n
-        present = np.flatnonzero(store.lookup(keys) >= 0)
+        present = np.flatnonzero(self._slots(kind, keys) >= 0)
         return int(present[-1]) if len(present) else -1
 
     # ----------------------------------------------------------------------------- writes
@@ -231,7 +241,7 @@ class LocalHostCache(HostCache):
         self._pos[s] = position
         self._nbytes[s] = nbytes
         self._keys[s] = (key & 0xFFFF_FFFF_FFFF_FFFF, key >> 64)
-        self._is_checkpoint[s] = kind is ObjectKind.CHECKPOINT
+        self._kind_of[s] = _KIND[kind]
         self._payload[s] = payload
         self._crc[s] = crc
         store.setdefault(self._keys[s : s + 1], taken)
@@ -274,7 +284,7 @@ class LocalHostCache(HostCache):
         if not n:
             return True
         store = self._store(kind)
-        slots = store.lookup(keys)
+        slots = self._slots(kind, keys)
         new = np.flatnonzero(slots < 0)
         k = len(new)
         need = self._bytes + k * nbytes - self.capacity_bytes
@@ -302,7 +312,7 @@ class LocalHostCache(HostCache):
             self._pos[taken] = np.asarray(positions, dtype=np.int64)[new]
             self._nbytes[taken] = nbytes
             self._keys[taken] = new_keys
-            self._is_checkpoint[taken] = kind is ObjectKind.CHECKPOINT
+            self._kind_of[taken] = _KIND[kind]
             slots[new] = taken
             self._presence += 1
             self._bytes += k * nbytes
@@ -334,7 +344,7 @@ class LocalHostCache(HostCache):
         n = len(keys)
         if not n:
             return False
-        slots = self._store(kind).lookup(keys)
+        slots = self._slots(kind, keys)
         expected = self.object_bytes(kind)
         if not _all_readable(
             slots, self._pos, self._nbytes, np.asarray(positions, dtype=np.int64), expected
@@ -432,7 +442,7 @@ class LocalHostCache(HostCache):
             store.check_integrity()
             keys, slots = store.items()
             if self._keys[slots].tobytes() != keys.tobytes() or (
-                self._is_checkpoint[slots] != is_ckpt
+                self._kind_of[slots] != (_CHECKPOINT if is_ckpt else _PAGE)
             ).any():
                 raise IntegrityError("L2 store entry does not match its slot")
             held.append(slots)
