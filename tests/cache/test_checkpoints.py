@@ -14,7 +14,7 @@ INTERVAL = CheckpointKind.INTERVAL
 
 
 def test_add_evicts_lru_unpinned_with_writeback():
-    ckpts = CheckpointManager(2)
+    ckpts = CheckpointManager(2, 4)
     a = ckpts.add(1, 4, INTERVAL, None)
     b = ckpts.add(2, 8, INTERVAL, None)
     ckpts.touch(a)  # b is now the least recently used
@@ -25,7 +25,7 @@ def test_add_evicts_lru_unpinned_with_writeback():
 
 
 def test_pinned_entries_are_never_evicted():
-    ckpts = CheckpointManager(1)
+    ckpts = CheckpointManager(1, 4)
     a = ckpts.add(1, 4, INTERVAL, None)
     ckpts.pin(a)
     assert ckpts.add(2, 8, INTERVAL, None) is None  # no slot: dropped, not an error
@@ -42,7 +42,7 @@ def test_pinned_entries_are_never_evicted():
 
 
 def test_deepest_within_a_limit():
-    ckpts = CheckpointManager(8)
+    ckpts = CheckpointManager(8, 4)
     ints = list(range(100, 120))
     keys = keys_from_ints(ints)
     for n in (3, 7, 12):  # checkpoints after pages 3, 7 and 12
@@ -58,3 +58,18 @@ def test_deepest_within_a_limit():
     ckpts.check_integrity(Counter())
     with pytest.raises(IntegrityError):
         ckpts.add(ints[6], 28, INTERVAL, None)
+
+
+def test_integrity_check_catches_a_slot_record_out_of_step():
+    ckpts = CheckpointManager(4, 4)
+    a = ckpts.add(11, 8, INTERVAL, None)
+    ckpts.check_integrity(Counter())
+    ckpts._slot_page[a.slot] = 5  # says page 5, the entry says page 1
+    with pytest.raises(IntegrityError):
+        ckpts.check_integrity(Counter())
+    ckpts._slot_page[a.slot] = 1
+    ckpts.remove(a)
+    ckpts.check_integrity(Counter())
+    ckpts._slot_page[a.slot] = 1  # a freed slot that still names a page
+    with pytest.raises(IntegrityError):
+        ckpts.check_integrity(Counter())

@@ -139,3 +139,28 @@ def test_lookup_near_a_key_column_gives_the_plain_answers(owners, queries):
             query = keys_from_ints([ints[v] for v in picked] + [5])  # and one absent key
             plain = table.lookup(query)
             assert table.lookup(query, (column, owner_now, 1)).tolist() == plain.tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    present=st.lists(st.booleans(), max_size=30),
+    order=st.sampled_from(["forward", "backward", "shuffled"]),
+)
+def test_prefix_and_last_present_stop_early_with_the_plain_answers(present, order):
+    n = len(present)
+    ints = [7000 + i for i in range(n)]
+    column = keys_from_ints(ints)
+    stored = [i for i in range(n) if present[i]]
+    slots = {"forward": stored, "backward": stored[::-1], "shuffled": sorted(stored, key=hash)}
+    for kernels in (COMPILED, INTERPRETED):
+        table = KeyTable(kernels=kernels)
+        table.setdefault(keys_from_ints([ints[i] for i in stored]), np.array(stored))
+        owner = np.array([1 if p else 0 for p in present], dtype=np.int8)
+        query = keys_from_ints([ints[i] for i in slots[order]] + ints)  # then every key
+        plain = table.lookup(query)
+        absent = np.flatnonzero(plain < 0)
+        want_prefix = int(absent[0]) if len(absent) else len(plain)
+        assert table.prefix(query, (column, owner, 1)) == want_prefix
+        found = np.flatnonzero(plain >= 0)
+        assert table.last_present(query) == (int(found[-1]) if len(found) else -1)
+    assert table.prefix(query[:0], (column, owner, 1)) == 0 and table.last_present(query[:0]) == -1

@@ -18,8 +18,7 @@ import numpy as np
 
 from ..types import PageKey, SlotId
 from .errors import IntegrityError
-from .key_table import KeyTable
-from .keys import PageKeys, as_key_int, key_array, keys_from_ints, keys_to_ints
+from .keys import KEY_DTYPE, PageKeys, as_key_int
 from .pool import SlotPool
 
 
@@ -50,13 +49,17 @@ CheckpointWritebackFn = Callable[[list[CheckpointEntry]], None]
 
 
 class CheckpointManager:
-    """Checkpoint slots [0, num_slots) and their index."""
+    """Checkpoint slots [0, num_slots) and their index (page_size: of the keys' pages)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, page_size: int) -> None:
         self.pool = SlotPool(num_slots)
+        self.page_size = page_size
         self.index: dict[PageKey, CheckpointEntry] = {}
-        # The same keys for whole-history questions (which pages of a prefix have one): key -> slot.
-        self._table = KeyTable(num_slots)
+        # Per slot, for whole-history questions (which pages of a prefix have a checkpoint): the
+        # key and the index of its page in the chain (-1: free slot). A pool holds a few dozen
+        # checkpoints, so asking each one is cheaper than looking a history up.
+        self._slot_key = np.zeros(num_slots, dtype=KEY_DTYPE)
+        self._slot_page = np.full(num_slots, -1, dtype=np.int64)
         self._lru: OrderedDict[PageKey, CheckpointEntry] = OrderedDict()  # unpinned, oldest first
         self.version = 0  # bumped whenever the index changes (a match may be stale)
 
@@ -79,20 +82,24 @@ class CheckpointManager:
     def get(self, key: PageKey | np.void) -> CheckpointEntry | None:
         return self.index.get(as_key_int(key))
 
+    def _pages_with_checkpoint(self, keys: PageKeys, limit: int) -> np.ndarray:
+        """Indices i < limit with a checkpoint at keys[i] (unsorted)."""
+        limit = min(limit, len(keys))
+        pages = self._slot_page
+        slots = np.flatnonzero((pages >= 0) & (pages < limit))
+        if not len(slots):
+            return slots
+        at = pages[slots]
+        return at[keys[at] == self._slot_key[slots]]
+
     def deepest(self, keys: PageKeys, limit: int) -> int:
         """Largest i < limit with a checkpoint at keys[i] (-1 if none)."""
-        limit = min(limit, len(keys))
-        if limit <= 0 or not self.index:
-            return -1
-        found = np.flatnonzero(self._table.lookup(keys[:limit]) >= 0)
-        return int(found[-1]) if len(found) else -1
+        found = self._pages_with_checkpoint(keys, limit)
+        return int(found.max()) if len(found) else -1
 
     def on_path(self, keys: PageKeys, limit: int) -> list[int]:
         """Sorted page counts n <= limit with a checkpoint at keys[n - 1]."""
-        limit = min(limit, len(keys))
-        if limit <= 0 or not self.index:
-            return []
-        return (np.flatnonzero(self._table.lookup(keys[:limit]) >= 0) + 1).tolist()
+        return np.sort(self._pages_with_checkpoint(keys, limit) + 1).tolist()
 
     def add(
         self,
@@ -110,7 +117,8 @@ class CheckpointManager:
         slot = self.pool.allocate_one()
         entry = CheckpointEntry(key=key, num_tokens=num_tokens, slot=slot, kind=kind)
         self.index[key] = entry
-        self._table.setdefault(key_array(key), np.array([slot], dtype=np.int64))
+        self._slot_key[slot] = (key & 0xFFFF_FFFF_FFFF_FFFF, key >> 64)
+        self._slot_page[slot] = num_tokens // self.page_size - 1
         self._lru[key] = entry
         self.version += 1
         return entry
@@ -138,8 +146,7 @@ class CheckpointManager:
             raise IntegrityError(f"remove of pinned checkpoint {entry.key!r}")
         del self._lru[entry.key]
         del self.index[entry.key]
-        self._table.delete(key_array(entry.key))
-        self.pool.free([entry.slot])
+        self._forget_slot(entry.slot)
         self.version += 1
 
     def evict(self, n: int, writeback: CheckpointWritebackFn | None) -> int:
@@ -156,22 +163,28 @@ class CheckpointManager:
         for entry in victims:
             del self._lru[entry.key]
             del self.index[entry.key]
-        self._table.delete(keys_from_ints([e.key for e in victims]))
-        self.pool.free([e.slot for e in victims])
+            self._forget_slot(entry.slot)
         self.version += 1
         return len(victims)
+
+    def _forget_slot(self, slot: SlotId) -> None:
+        self._slot_key[slot] = 0
+        self._slot_page[slot] = -1
+        self.pool.free_one(slot)
 
     def check_integrity(self, expected_pins: Counter) -> None:
         """`expected_pins`: checkpoint key -> pins that live requests hold on it."""
         self.pool.check_integrity()
-        self._table.check_integrity()
-        keys, slots_of = self._table.items()
-        if len(keys) != len(self.index) or any(
-            self.index.get(k) is None or self.index[k].slot != s
-            for k, s in zip(keys_to_ints(keys), slots_of.tolist(), strict=True)
-        ):
-            raise IntegrityError("the checkpoint key table disagrees with the index")
         slots = [e.slot for e in self.index.values()]
+        held = np.zeros(len(self._slot_page), dtype=bool)
+        held[slots] = True
+        if (self._slot_page[~held] != -1).any() or self._slot_key[~held].view(np.uint64).any():
+            raise IntegrityError("a free checkpoint slot still names a key")
+        for e in self.index.values():
+            if as_key_int(self._slot_key[e.slot]) != e.key or self._slot_page[e.slot] != (
+                e.num_tokens // self.page_size - 1
+            ):
+                raise IntegrityError(f"checkpoint slot {e.slot} disagrees with its entry")
         if len(set(slots)) != len(slots):
             raise IntegrityError("two checkpoints share a slot")
         if any(self.pool.is_free(s) for s in slots):

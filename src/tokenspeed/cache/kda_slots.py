@@ -38,7 +38,7 @@ class LiveSlotManager:
         if slot not in self.owner:
             raise IntegrityError(f"release of unowned live slot {slot}")
         del self.owner[slot]
-        self.pool.free([slot])
+        self.pool.free_one(slot)
 
     def check_integrity(self, expected_owner: dict[SlotId, RequestId]) -> None:
         """`expected_owner`: slot -> request, from the live requests."""

@@ -49,29 +49,44 @@ def _lookup(tab, mask, keys, out):
         out[i] = r
 
 
-def _lookup_near(tab, mask, keys, out, column, owner, want):
+def _lookup_near(tab, mask, keys, out, column, owner, want, stop):
     """`_lookup` for values that index a key column (`column[v]` is the key stored under v
-    wherever `owner[v] == want`): before probing, try the slots next to the previous answer.
-    A history stored or indexed in one go usually sits in consecutive slots, so a long chain
-    is then read in order instead of probing a large table once per key; a neighbour is taken
-    only when it holds exactly this key, which the table then maps to it."""
+    wherever `owner[v] == want`). After each answer the keys that follow are first checked
+    against the slots that follow it (or precede it: a chain stored tail first): a history
+    stored or indexed in one go usually sits in consecutive slots, so a long chain is read in
+    order, its loads independent of each other, instead of probing a large table once per key.
+    A slot is taken only when it holds exactly this key, which the table then maps to it.
+    With `stop`, ends at the first absent key; returns how many keys were answered."""
     m = np.uint64(mask)
     size = column.shape[0]
+    n = out.shape[0]
     prev = -1
-    for i in range(out.shape[0]):
+    i = 0
+    while i < n:
+        if prev >= 0:
+            extended = False
+            for step in (1, -1):
+                j = i
+                c = prev + step
+                while (
+                    j < n
+                    and 0 <= c < size
+                    and owner[c] == want
+                    and column[c]["lo"] == keys[j]["lo"]
+                    and column[c]["hi"] == keys[j]["hi"]
+                ):
+                    out[j] = c
+                    j += 1
+                    c += step
+                if j > i:
+                    prev = c - step
+                    i = j
+                    extended = True
+                    break
+            if extended:
+                continue
         lo = keys[i]["lo"]
         hi = keys[i]["hi"]
-        if prev >= 0:
-            c = prev + 1
-            if c < size and owner[c] == want and column[c]["lo"] == lo and column[c]["hi"] == hi:
-                out[i] = c
-                prev = c
-                continue
-            c = prev - 1
-            if c >= 0 and owner[c] == want and column[c]["lo"] == lo and column[c]["hi"] == hi:
-                out[i] = c
-                prev = c
-                continue
         p = np.int64(lo & m)
         r = -1
         while True:
@@ -84,6 +99,27 @@ def _lookup_near(tab, mask, keys, out, column, owner, want):
             p = (p + 1) & mask
         out[i] = r
         prev = r
+        i += 1
+        if stop and r < 0:
+            break
+    return i
+
+
+def _last_present(tab, mask, keys):
+    """The index of the last key present (-1 if none), probing from the end."""
+    m = np.uint64(mask)
+    for i in range(keys.shape[0] - 1, -1, -1):
+        lo = keys[i]["lo"]
+        hi = keys[i]["hi"]
+        p = np.int64(lo & m)
+        while True:
+            v = tab[p, 2]
+            if v == EMPTY:
+                break
+            if tab[p, 0] == lo and tab[p, 1] == hi:
+                return i
+            p = (p + 1) & mask
+    return -1
 
 
 def _setdefault(tab, mask, keys, values, out):
@@ -183,6 +219,7 @@ class _Kernels:
         self.compiled = compile_ and AVAILABLE
         self.lookup = wrap(_lookup)
         self.lookup_near = wrap(_lookup_near)
+        self.last_present = wrap(_last_present)
         self.setdefault = wrap(_setdefault)
         self.delete = wrap(_delete)
         self.rehash = wrap(_rehash)
@@ -253,8 +290,21 @@ class KeyTable:
             if near is None:
                 self._k.lookup(self._tab, self._mask, _checked(keys), out)
             else:
-                self._k.lookup_near(self._tab, self._mask, _checked(keys), out, *near)
+                self._k.lookup_near(self._tab, self._mask, _checked(keys), out, *near, False)
         return out
+
+    def prefix(self, keys: PageKeys, near: tuple[PageKeys, np.ndarray, int]) -> int:
+        """How many leading keys are present (probing stops at the first absent one); `near`
+        as for `lookup`."""
+        if not len(keys):
+            return 0
+        out = np.empty(len(keys), dtype=np.int64)
+        done = self._k.lookup_near(self._tab, self._mask, _checked(keys), out, *near, True)
+        return done if out[done - 1] >= 0 else done - 1
+
+    def last_present(self, keys: PageKeys) -> int:
+        """The index of the last key present, -1 if none (probing from the end)."""
+        return self._k.last_present(self._tab, self._mask, _checked(keys)) if len(keys) else -1
 
     def setdefault(self, keys: PageKeys, values: np.ndarray) -> np.ndarray:
         """Insert each absent key with its value, in order (a key repeated in the batch keeps

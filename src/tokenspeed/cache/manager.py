@@ -102,7 +102,7 @@ class CacheManager:
         self.sizes = config.pool_sizes(geometry)
         self._pages = MlaPageManager(self.sizes.num_pages)
         self._live = LiveSlotManager(self.sizes.num_live_slots)
-        self._ckpts = CheckpointManager(self.sizes.num_checkpoint_slots)
+        self._ckpts = CheckpointManager(self.sizes.num_checkpoint_slots, self.page_size)
         device = torch.device(config.device)
         self._storage = (
             None if config.metadata_only else DeviceStorage(geometry, self.sizes, device)

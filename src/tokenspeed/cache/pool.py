@@ -83,6 +83,16 @@ class SlotPool:
         self._is_free[i] = False
         return i
 
+    def free_one(self, i: int) -> None:
+        """Return one id (a KDA slot, a checkpoint slot); IntegrityError for a bad one."""
+        if not 0 <= i < self.size:
+            raise IntegrityError(f"ids outside [0, {self.size}) freed: [{i}]")
+        if self._is_free[i] or self._reserved[i]:
+            raise IntegrityError(f"id {i} freed twice or reserved")
+        self._is_free[i] = True
+        self._stack[self._top] = i
+        self._top += 1
+
     def free(self, ids: Iterable[int] | np.ndarray) -> None:
         """Return ids (the first given is the first handed out again). A bad call (an id out of
         range, free already, reserved, or listed twice) raises IntegrityError with the pool as
@@ -91,15 +101,8 @@ class SlotPool:
         n = len(arr)
         if not n:
             return
-        if n == 1:  # one id (a KDA slot, a checkpoint): no compiled call needed
-            i = int(arr[0])
-            if not 0 <= i < self.size:
-                raise IntegrityError(f"ids outside [0, {self.size}) freed: [{i}]")
-            if self._is_free[i] or self._reserved[i]:
-                raise IntegrityError(f"id {i} freed twice or reserved")
-            self._is_free[i] = True
-            self._stack[self._top] = i
-            self._top += 1
+        if n == 1:  # one id: no compiled call needed
+            self.free_one(int(arr[0]))
             return
         code, bad, top = pool_push(
             self._stack, self._top, self._is_free, self._reserved, as_int64(arr)

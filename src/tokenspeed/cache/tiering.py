@@ -23,7 +23,7 @@ from ..types import PageKey
 from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
 from .config import CacheGeometry
 from .handles import PrefixMatch
-from .keys import PageKeys, keys_from_ints, keys_to_ints
+from .keys import PageKeys, key_array, keys_from_ints, keys_to_ints
 from .l2.base import HostCache, HostObject, ObjectKind
 from .l2.guarded import GuardedL2
 from .mla_pages import MlaPageManager
@@ -197,7 +197,10 @@ class Tiering:
         self.counters.checkpoints_evicted += len(entries)
         if self.l2 is None:
             return
-        present = self.l2.contains(ObjectKind.CHECKPOINT, keys_from_ints(e.key for e in entries))
+        keys = key_array(entries[0].key) if len(entries) == 1 else keys_from_ints(
+            e.key for e in entries
+        )
+        present = self.l2.contains(ObjectKind.CHECKPOINT, keys)
         missing = [e for e, p in zip(entries, present.tolist(), strict=True) if not p]
         if missing:
             self.counters.checkpoints_written_back += self._put_checkpoints(missing)
@@ -236,7 +239,9 @@ class Tiering:
         """Store checkpoints in L2 (metadata-only: one batched write); returns how many are
         stored now."""
         if self.storage is None:
-            keys = keys_from_ints(e.key for e in entries)
+            keys = key_array(entries[0].key) if len(entries) == 1 else keys_from_ints(
+                e.key for e in entries
+            )
             positions = [e.num_tokens for e in entries]
             return self.l2.put_many(ObjectKind.CHECKPOINT, keys, positions)
         return self.l2.put([self._checkpoint_object(e) for e in entries])

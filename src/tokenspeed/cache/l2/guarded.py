@@ -34,27 +34,51 @@ class GuardedL2:
         try:
             return fn()
         except Exception as exc:  # the contract says backends do not raise; survive if they do
-            self._on_error()
-            logger.warning("L2 %s raised %r; treated as a miss / dropped write", what, exc)
+            self._failed(what, exc)
             return fallback
 
-    def contains(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
-        """[n] bool (all False when the backend failed or answered something else)."""
-        out = self._guard("contains", None, lambda: self.inner.contains(kind, keys))
+    def _failed(self, what: str, exc: Exception) -> None:
+        self._on_error()
+        logger.warning("L2 %s raised %r; treated as a miss / dropped write", what, exc)
+
+    @staticmethod
+    def _flags(out: object, n: int) -> np.ndarray:
+        """`out` as [n] bool, or all False when it is not n flags."""
+        if type(out) is np.ndarray and out.dtype == np.bool_ and out.shape == (n,):
+            return out  # what the backends return: no conversion
         try:
             present = np.asarray(out, dtype=bool) if out is not None else None
         except (TypeError, ValueError):
             present = None
-        if present is None or present.shape != (len(keys),):
-            return np.zeros(len(keys), dtype=bool)
+        if present is None or present.shape != (n,):
+            return np.zeros(n, dtype=bool)
         return present
 
+    # The calls below are made per request on long histories: each guards its backend call
+    # inline (a try block costs nothing when nothing is raised).
+    def contains(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
+        """[n] bool (all False when the backend failed or answered something else)."""
+        try:
+            out = self.inner.contains(kind, keys)
+        except Exception as exc:  # the contract says backends do not raise; survive if they do
+            self._failed("contains", exc)
+            out = None
+        return self._flags(out, len(keys))
+
     def prefix_present(self, kind: ObjectKind, keys: PageKeys) -> int:
-        n = self._guard("prefix_present", 0, lambda: self.inner.prefix_present(kind, keys))
+        try:
+            n = self.inner.prefix_present(kind, keys)
+        except Exception as exc:
+            self._failed("prefix_present", exc)
+            return 0
         return n if isinstance(n, int) and 0 <= n <= len(keys) else 0
 
     def last_present(self, kind: ObjectKind, keys: PageKeys) -> int:
-        i = self._guard("last_present", -1, lambda: self.inner.last_present(kind, keys))
+        try:
+            i = self.inner.last_present(kind, keys)
+        except Exception as exc:
+            self._failed("last_present", exc)
+            return -1
         return i if isinstance(i, int) and -1 <= i < len(keys) else -1
 
     def presence_version(self) -> int | None:
@@ -72,7 +96,11 @@ class GuardedL2:
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
     ) -> int:
-        n = self._guard("put_many", 0, lambda: self.inner.put_many(kind, keys, positions, payloads))
+        try:
+            n = self.inner.put_many(kind, keys, positions, payloads)
+        except Exception as exc:
+            self._failed("put_many", exc)
+            return 0
         return n if isinstance(n, int) and n >= 0 else 0
 
     def get(
@@ -99,16 +127,12 @@ class GuardedL2:
         self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
     ) -> np.ndarray:
         """[n] bool (all False when the backend failed or answered something else)."""
-        out = self._guard(
-            "get_present", None, lambda: self.inner.get_present(kind, keys, positions)
-        )
         try:
-            present = np.asarray(out, dtype=bool) if out is not None else None
-        except (TypeError, ValueError):
-            present = None
-        if present is None or present.shape != (len(keys),):
-            return np.zeros(len(keys), dtype=bool)
-        return present
+            out = self.inner.get_present(kind, keys, positions)
+        except Exception as exc:
+            self._failed("get_present", exc)
+            out = None
+        return self._flags(out, len(keys))
 
     def stats(self) -> L2Stats | None:
         """The backend's stats; None when asking raised (a stats call must not fail a caller)."""

@@ -174,27 +174,20 @@ class LocalHostCache(HostCache):
 
     def prefix_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
         keys = as_page_keys(keys)
-        store = self._store(kind)
         n = len(keys)
-        if not n or store.lookup(keys[:1])[0] < 0:
-            self.counters.lookups += min(1, n)
-            return 0
-        self.counters.lookups += n
-        absent = np.flatnonzero(self._slots(kind, keys) < 0)
-        return int(absent[0]) if len(absent) else n
+        found = self._store(kind).prefix(keys, (self._keys, self._kind_of, _KIND[kind]))
+        # Counted as keys asked about: the first one when it is absent, else all of them.
+        self.counters.lookups += min(1, n) if found == 0 else n
+        return found
 
     def last_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
         keys = as_page_keys(keys)
-        store = self._store(kind)
         n = len(keys)
         if not n:
             return -1
-        if store.lookup(keys[n - 1 :])[0] >= 0:
-            self.counters.lookups += 1
-            return n - 1
-        self.counters.lookups += n
-        present = np.flatnonzero(self._slots(kind, keys) >= 0)
-        return int(present[-1]) if len(present) else -1
+        found = self._store(kind).last_present(keys)
+        self.counters.lookups += 1 if found == n - 1 else n
+        return found
 
     # ----------------------------------------------------------------------------- writes
     def put(self, objects: Sequence[HostObject]) -> int:
