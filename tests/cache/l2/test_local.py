@@ -291,7 +291,7 @@ def test_integrity_check_catches_broken_slot_bookkeeping(damage):
     elif damage == "slot key":
         l2._keys[slot] = (99, 0)
     elif damage == "free slot":
-        l2._free.append(slot)
+        l2._push_free(np.array([slot]))
     elif damage == "bytes":
         l2._bytes += 1
     else:

@@ -89,7 +89,9 @@ class LocalHostCache(HostCache):
         self._kind_of = np.zeros(0, dtype=np.int8)  # per slot: _PAGE, _CHECKPOINT or _NONE
         self._payload: list[torch.Tensor | None] = []
         self._crc: list[int | None] = []
-        self._free: list[int] = []  # slots holding no object
+        # Slots holding no object: a stack (`_free_stack[:_free_top]`, the top handed out first).
+        self._free_stack = np.zeros(0, dtype=np.int64)
+        self._free_top = 0
         self._lru = SlotLru()
         self._bytes = 0
         self._presence = 0  # bumped whenever an object is stored or leaves
@@ -111,18 +113,25 @@ class LocalHostCache(HostCache):
 
     # ------------------------------------------------------------------------------ slots
     def _take_slots(self, n: int) -> np.ndarray:
-        """[n] int64 unused slots (the columns grow when the free slots run out)."""
-        free = self._free
-        got = free[len(free) - min(n, len(free)) :]
-        del free[len(free) - len(got) :]
-        if len(got) < n:
+        """[n] int64 unused slots, the top of the free stack in stack order (the columns grow
+        when the free slots run out)."""
+        top = self._free_top
+        k = min(n, top)
+        got = self._free_stack[top - k : top].copy()
+        self._free_top = top - k
+        if k < n:
             size = len(self._pos)
-            extra = n - len(got)
+            extra = n - k
             grown = max(2 * size, size + extra, 1024)
             self._grow(grown)
-            got.extend(range(size, size + extra))
-            free.extend(range(grown - 1, size + extra - 1, -1))
-        return np.array(got, dtype=np.int64)
+            got = np.concatenate((got, np.arange(size, size + extra, dtype=np.int64)))
+            self._push_free(np.arange(grown - 1, size + extra - 1, -1, dtype=np.int64))
+        return got
+
+    def _push_free(self, slots: np.ndarray) -> None:
+        top = self._free_top
+        self._free_stack[top : top + len(slots)] = slots
+        self._free_top = top + len(slots)
 
     def _grow(self, size: int) -> None:
         old = len(self._pos)
@@ -132,6 +141,9 @@ class LocalHostCache(HostCache):
             grown[:old] = col
             setattr(self, name, grown)
         self._kind_of[old:] = _NONE
+        stack = np.zeros(size, dtype=np.int64)
+        stack[: self._free_top] = self._free_stack[: self._free_top]
+        self._free_stack = stack
         extra = size - old
         self._payload.extend(repeat(None, extra))
         self._crc.extend(repeat(None, extra))
@@ -140,14 +152,14 @@ class LocalHostCache(HostCache):
     def _release(self, slots: np.ndarray) -> None:
         """Slots whose objects left their store: clear them and return them to the free list."""
         self._presence += 1
-        listed = slots.tolist()
         self._lru.forget(slots)
         self._keys[slots] = 0
         self._kind_of[slots] = _NONE
         if not self.metadata_only:
+            listed = slots.tolist()
             exhaust(map(self._payload.__setitem__, listed, repeat(None)))
             exhaust(map(self._crc.__setitem__, listed, repeat(None)))
-        self._free.extend(listed)
+        self._push_free(slots)
 
     def _evict(self, need: int) -> None:
         """Evict least recently used objects until `need` more bytes are free."""
@@ -278,7 +290,7 @@ class LocalHostCache(HostCache):
             return True
         store = self._store(kind)
         slots = self._slots(kind, keys)
-        new = np.flatnonzero(slots < 0)
+        new = (slots < 0).nonzero()[0]
         k = len(new)
         need = self._bytes + k * nbytes - self.capacity_bytes
         victims, position = None, 0
@@ -294,9 +306,9 @@ class LocalHostCache(HostCache):
             new_keys = keys[new] if k < n else keys
             taken = self._take_slots(k)
             got = store.setdefault(new_keys, taken)
-            if not np.array_equal(got, taken):  # a key repeats within the batch
+            if np.count_nonzero(got != taken):  # a key repeats within the batch
                 store.delete(new_keys[got == taken])
-                self._free.extend(taken.tolist())
+                self._push_free(taken)
                 return False
             if victims is not None:
                 self._lru.consume(position)
@@ -444,7 +456,7 @@ class LocalHostCache(HostCache):
             raise IntegrityError("L2 slots in use disagree with the stored objects")
         if len(held_slots) and not used[held_slots].all():
             raise IntegrityError("L2 stored object has no LRU stamp")
-        free = self._free
+        free = self._free_stack[: self._free_top].tolist()
         if len(set(free)) != len(free) or len(free) + len(held_slots) != size or used[free].any():
             raise IntegrityError("L2 free slots disagree with the slots in use")
         if self._keys[np.asarray(free, dtype=np.int64)].view(np.uint64).any():
