@@ -36,6 +36,8 @@ class LoadHandle:
         self.l2_checkpoint = l2_checkpoint
         # Host staging buffers the copies read from; dropped once everything has completed.
         self._keepalive = list(keepalive)
+        # Most handles wait for nothing (a hit in L1, a miss, a metadata-only cache).
+        self._nothing = not any(mla) and not any(kda)
 
     @property
     def num_mla_layers(self) -> int:
@@ -59,12 +61,20 @@ class LoadHandle:
         for event in self._kda[layer]:
             event.wait()
 
+    def wait_all_kda(self) -> None:
+        """`wait_kda` for every layer (before the live state is read as a whole)."""
+        if not self._nothing:
+            for layer in self._kda:
+                for event in layer:
+                    event.wait()
+
     def done(self) -> bool:
         """True once every copy has finished (never blocks)."""
         return all(e.query() for layer in (*self._mla, *self._kda) for e in layer)
 
     def synchronize(self) -> None:
-        for layer in (*self._mla, *self._kda):
-            for event in layer:
-                event.synchronize()
+        if not self._nothing:
+            for layer in (*self._mla, *self._kda):
+                for event in layer:
+                    event.synchronize()
         self._keepalive.clear()

@@ -421,8 +421,7 @@ class CacheManager:
         if not isinstance(kind, CheckpointKind):
             raise InvalidRequestError(f"kind must be a CheckpointKind, got {kind!r}")
         if from_live:
-            for layer in range(self.geometry.num_kda_layers):
-                handle.load.wait_kda(layer)  # the live state must have arrived before a snapshot
+            handle.load.wait_all_kda()  # the live state must have arrived before a snapshot
         keys = handle._keys
         start = handle._registered
         if n > start and self.config.prefix_caching:
