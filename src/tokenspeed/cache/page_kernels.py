@@ -74,20 +74,21 @@ def unpin_pages(ref, indexed, evictable, last_use, pids, clock, qpid, quse, tail
     tail), queued in increasing stamp order at `tail`; the others go to `freed`.
     Returns (code, offending page, pages cached, pages freed)."""
     n = pids.shape[0]
-    for i in range(n):
-        if ref[pids[i]] <= 0:
-            return NOT_HELD, pids[i], 0, 0
-    cached = 0
+    cached = 0  # pages that will be cached: checked and counted before anything changes
     for i in range(n):
         p = pids[i]
-        ref[p] -= 1
-        if ref[p] == 0 and indexed[p]:
+        r = ref[p]
+        if r <= 0:
+            return NOT_HELD, p, 0, 0
+        if r == 1 and indexed[p]:
             cached += 1
     j = 0
     nfree = 0
     for i in range(n):
         p = pids[i]
-        if ref[p] != 0:
+        r = ref[p] - 1
+        ref[p] = r
+        if r != 0:
             continue
         if indexed[p]:
             stamp = clock + cached - 1 - j  # the j-th cached page in table order
