@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from ..types import PageKey, SlotId
+from .compiled import jit
 from .errors import IntegrityError
 from .keys import KEY_DTYPE, PageKeys, as_key_int
 from .pool import SlotPool
@@ -42,6 +43,20 @@ class CheckpointEntry:
     slot: SlotId
     kind: CheckpointKind
     refcount: int = 0
+
+
+@jit
+def _on_chain(slot_page, slot_key, keys, limit, out):
+    """The pages i < limit with keys[i] equal to the key of a slot stored for page i."""
+    found = 0
+    for s in range(slot_page.shape[0]):
+        i = slot_page[s]
+        if 0 <= i < limit and keys[i]["lo"] == slot_key[s]["lo"] and keys[i]["hi"] == (
+            slot_key[s]["hi"]
+        ):
+            out[found] = i
+            found += 1
+    return found
 
 
 # Called with the entries about to be evicted, before their slots are reused.
@@ -84,13 +99,9 @@ class CheckpointManager:
 
     def _pages_with_checkpoint(self, keys: PageKeys, limit: int) -> np.ndarray:
         """Indices i < limit with a checkpoint at keys[i] (unsorted)."""
-        limit = min(limit, len(keys))
-        pages = self._slot_page
-        slots = np.flatnonzero((pages >= 0) & (pages < limit))
-        if not len(slots):
-            return slots
-        at = pages[slots]
-        return at[keys[at] == self._slot_key[slots]]
+        out = np.empty(len(self._slot_page), dtype=np.int64)
+        found = _on_chain(self._slot_page, self._slot_key, keys, min(limit, len(keys)), out)
+        return out[:found]
 
     def deepest(self, keys: PageKeys, limit: int) -> int:
         """Largest i < limit with a checkpoint at keys[i] (-1 if none)."""
