@@ -185,11 +185,11 @@ class Tiering:
         if present.all():
             return
         if not present.any():
-            self.counters.pages_written_back += self._put_pages(keys, positions.tolist(), pids)
+            self.counters.pages_written_back += self._put_pages(keys, positions, pids)
             return
         missing = np.flatnonzero(~present)
         self.counters.pages_written_back += self._put_pages(
-            keys[missing], positions[missing].tolist(), pids[missing]
+            keys[missing], positions[missing], pids[missing]
         )
 
     def writeback_checkpoints(self, entries: list[CheckpointEntry]) -> None:
@@ -223,17 +223,27 @@ class Tiering:
         ]
         # Both lookups come before the writes (what is written does not depend on what the
         # writes evict); pages first, then checkpoints.
-        stored = self._put_pages(keys[missing], missing.tolist(), page_ids[missing])
+        # The missing pages are usually one stretch of the chain: a run for the host tier.
+        chain = len(missing) > 1 and int(missing[-1] - missing[0]) == len(missing) - 1
+        stored = self._put_pages(keys[missing], missing, page_ids[missing], chain=chain)
         stored += self._put_checkpoints(entries) if entries else 0
         self.counters.objects_published += stored
         return stored
 
-    def _put_pages(self, keys: PageKeys, positions: list[int], pids: np.ndarray) -> int:
-        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now."""
+    def _put_pages(
+        self,
+        keys: PageKeys,
+        positions: np.ndarray,
+        pids: np.ndarray,
+        *,
+        chain: bool = False,
+    ) -> int:
+        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now.
+        chain: they are consecutive pages of one chain (a hint for the host tier)."""
         if not len(keys):
             return 0
         payloads = self.storage.read_pages(pids) if self.storage is not None else None
-        return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads)
+        return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads, chain=chain)
 
     def _put_checkpoints(self, entries: list[CheckpointEntry]) -> int:
         """Store checkpoints in L2 (metadata-only: one batched write); returns how many are

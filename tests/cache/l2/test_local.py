@@ -313,3 +313,53 @@ def test_presence_version_moves_with_stores_and_evictions_not_with_reads():
     l2.put_many(PAGE, [3], [2])  # evicts the least recently used: 2
     assert l2.presence_version() != v1
     assert l2.contains(PAGE, [1, 2, 3]).tolist() == [True, False, True]
+
+
+# ---- runs: pages written as consecutive pages of one chain answer prefix checks as a whole ------
+def _chains(n_chains: int, length: int, shared: int) -> list[list[int]]:
+    """Real chained keys: every chain starts with the same `shared` pages, then its own."""
+    from tokenspeed.cache import KeyChain
+
+    out = []
+    for c in range(n_chains):
+        chain = KeyChain(4)
+        chain.append_tokens([1] * (4 * shared) + [c + 2] * (4 * (length - shared)))
+        out.append(chain.keys.tolist())
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    writes=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 15), st.integers(1, 10), st.booleans()),
+        max_size=14,
+    ),
+    queries=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 15)), min_size=1, max_size=6),
+    capacity_pages=st.integers(4, 40),
+)
+def test_prefix_checks_over_chain_runs_equal_the_key_by_key_answer(writes, queries, capacity_pages):
+    """Chains sharing their first pages; stretches written as runs (or not), evictions that
+    break runs, queries starting anywhere: prefix_present answers as the plain per-key check."""
+    l2, _ = _bound(capacity_pages, metadata_only=True)
+    chains = _chains(3, 16, shared=5)
+    for c, start, length, as_chain in writes:
+        keys = chains[c][start : start + length]
+        l2.put_many(PAGE, keys, list(range(start, start + len(keys))), chain=as_chain)
+        l2.check_integrity()
+    for c, start in queries:
+        keys = chains[c][start:]
+        present = l2.contains(PAGE, keys).tolist()
+        expect = present.index(False) if False in present else len(keys)
+        assert l2.prefix_present(PAGE, keys) == expect
+
+
+def test_a_run_vouches_for_its_pages_only_while_all_are_there():
+    l2, _ = _bound(64, metadata_only=True)
+    (chain,) = _chains(1, 20, shared=0)
+    l2.put_many(PAGE, chain, list(range(20)), chain=True)
+    assert len(np.flatnonzero(l2._runs.run_of >= 0)) == 20  # one run holds them all
+    assert l2.prefix_present(PAGE, chain) == 20
+    l2.remove(PAGE, [chain[7]])  # the run is dropped as a whole; its other pages stay
+    assert len(np.flatnonzero(l2._runs.run_of >= 0)) == 0
+    assert l2.prefix_present(PAGE, chain) == 7
+    l2.check_integrity()

@@ -124,7 +124,7 @@ class HostCache(ABC):
         """[n] bool: presence of each key (a hint: the object may vanish before it is read)."""
 
     def prefix_present(self, kind: ObjectKind, keys: PageKeys) -> int:
-        """Number of leading keys present."""
+        """Number of leading keys present (keys: consecutive pages of one chain, in order)."""
         absent = np.flatnonzero(~np.asarray(self.contains(kind, keys), dtype=bool))
         return int(absent[0]) if len(absent) else len(keys)
 
@@ -149,9 +149,15 @@ class HostCache(ABC):
         keys: PageKeys,
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
+        *,
+        chain: bool = False,
     ) -> int:
         """`put` of objects of one kind and the bound geometry's size (`object_bytes`), given as
-        parallel sequences (payloads None when metadata-only). Backends may do it in one batch."""
+        parallel sequences (payloads None when metadata-only). Backends may do it in one batch.
+
+        chain: the keys are consecutive pages of one chain (a turn's pages), positions rising by
+            one: a hint a backend may keep to answer later prefix checks over them faster; it
+            never changes a result."""
         nbytes = self.object_bytes(kind)
         ints = keys_to_ints(as_page_keys(keys))
         if payloads is None:

@@ -95,9 +95,11 @@ class GuardedL2:
         keys: PageKeys,
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
+        *,
+        chain: bool = False,
     ) -> int:
         try:
-            n = self.inner.put_many(kind, keys, positions, payloads)
+            n = self.inner.put_many(kind, keys, positions, payloads, chain=chain)
         except Exception as exc:
             self._failed("put_many", exc)
             return 0

@@ -33,6 +33,7 @@ from ..errors import CacheConfigError, IntegrityError
 from ..key_table import KeyTable
 from ..keys import KEY_DTYPE, PageKeys, as_page_keys, key_array, keys_to_ints
 from .base import HostCache, HostObject, L2Stats, ObjectKind
+from .chain_runs import ChainRuns
 from .slot_lru import FREE, SlotLru
 
 _NONE, _PAGE, _CHECKPOINT = -1, 0, 1  # what a slot holds
@@ -93,6 +94,7 @@ class LocalHostCache(HostCache):
         self._free_stack = np.zeros(0, dtype=np.int64)
         self._free_top = 0
         self._lru = SlotLru()
+        self._runs = ChainRuns()  # pages written in one batch as consecutive pages of a chain
         self._bytes = 0
         self._presence = 0  # bumped whenever an object is stored or leaves
         # Mutating calls so far, and the count at the last successful check_integrity().
@@ -148,11 +150,13 @@ class LocalHostCache(HostCache):
         self._payload.extend(repeat(None, extra))
         self._crc.extend(repeat(None, extra))
         self._lru.grow(size)
+        self._runs.grow(size)
 
     def _release(self, slots: np.ndarray) -> None:
         """Slots whose objects left their store: clear them and return them to the free list."""
         self._presence += 1
         self._lru.forget(slots)
+        self._runs.forget(slots)
         self._keys[slots] = 0
         self._kind_of[slots] = _NONE
         if not self.metadata_only:
@@ -187,7 +191,11 @@ class LocalHostCache(HostCache):
     def prefix_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
         keys = as_page_keys(keys)
         n = len(keys)
-        found = self._store(kind).prefix(keys, (self._keys, self._kind_of, _KIND[kind]))
+        near = (self._keys, self._kind_of, _KIND[kind])
+        if kind is ObjectKind.PAGE:
+            found = self._pages.prefix_chain(keys, near, self._runs.arrays)
+        else:
+            found = self._checkpoints.prefix(keys, near)
         # Counted as keys asked about: the first one when it is absent, else all of them.
         self.counters.lookups += min(1, n) if found == 0 else n
         return found
@@ -263,6 +271,8 @@ class LocalHostCache(HostCache):
         keys: PageKeys | Sequence[PageKey],
         positions: Sequence[int],
         payloads: Sequence[torch.Tensor] | None = None,
+        *,
+        chain: bool = False,
     ) -> int:
         self._mutations += 1
         keys = as_page_keys(keys)
@@ -274,17 +284,24 @@ class LocalHostCache(HostCache):
             return 0
         if len(keys) != len(positions):
             raise ValueError(f"{len(keys)} keys, {len(positions)} positions")
-        if not self._put_batch(kind, keys, positions, nbytes):
+        if not self._put_batch(kind, keys, positions, nbytes, chain and kind is ObjectKind.PAGE):
             for key, position in zip(keys_to_ints(keys), positions, strict=True):
                 self._put_one(kind, key, position, nbytes, None, None)
         return len(keys)
 
     def _put_batch(
-        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int], nbytes: int
+        self,
+        kind: ObjectKind,
+        keys: PageKeys,
+        positions: Sequence[int],
+        nbytes: int,
+        chain: bool = False,
     ) -> bool:
         """Metadata-only `put_many` in whole-array steps. Returns False, having changed nothing,
         where the result could differ from storing the objects one by one: the eviction it
-        needs would reach one of the batch's own objects, or a new key repeats."""
+        needs would reach one of the batch's own objects, or a new key repeats. With `chain`
+        (the keys are consecutive pages of one chain), each stretch of new pages becomes a
+        run (`ChainRuns`)."""
         n = len(keys)
         if not n:
             return True
@@ -314,7 +331,8 @@ class LocalHostCache(HostCache):
                 self._lru.consume(position)
                 self._drop_slots(victims)
                 self.counters.evictions += len(victims)
-            self._pos[taken] = np.asarray(positions, dtype=np.int64)[new]
+            new_positions = np.asarray(positions, dtype=np.int64)[new]
+            self._pos[taken] = new_positions
             self._nbytes[taken] = nbytes
             self._keys[taken] = new_keys
             self._kind_of[taken] = _KIND[kind]
@@ -323,6 +341,11 @@ class LocalHostCache(HostCache):
             self._bytes += k * nbytes
             self.counters.puts += k
             self.counters.put_bytes += k * nbytes
+            if chain:
+                # Stretches of new pages at consecutive positions (and batch indices) are runs.
+                cut = np.flatnonzero((np.diff(new) != 1) | (np.diff(new_positions) != 1)) + 1
+                for run in np.split(taken, cut) if len(cut) else (taken,):
+                    self._runs.add(run)
         self._lru.touch(slots)
         return True
 
@@ -470,4 +493,5 @@ class LocalHostCache(HostCache):
         if without_payload != (len(held_slots) if self.metadata_only else 0):
             raise IntegrityError("L2 payload presence disagrees with metadata_only")
         self._lru.check_integrity()
+        self._runs.check_integrity(self._kind_of[:size] == _PAGE)
         self._checked = self._mutations
