@@ -214,3 +214,17 @@ def test_key_buffer_grows_and_its_views_stay_as_they_were():
     copy.extend([500])
     assert len(copy) == 201 and len(buf) == 200
     assert keys_equal(as_page_keys(buf), buf.array) and not keys_equal(buf, copy)
+
+
+def test_a_buffer_over_read_only_keys_shares_them_until_it_grows():
+    chain = KeyChain(4)
+    chain.append_tokens(list(range(40)))
+    view = chain.keys[:]  # read-only
+    buf = KeyBuffer.over(view)
+    assert buf.array.base is view.base and len(buf) == 10  # no copy
+    buf.extend(keys_from_ints([99]))
+    assert len(buf) == 11 and buf[10] == 99 and len(view) == 10  # the shared keys untouched
+    mine = keys_from_ints([1, 2, 3])  # writeable: copied at once
+    over_mine = KeyBuffer.over(mine)
+    mine[0] = (7, 0)
+    assert over_mine.tolist() == [1, 2, 3]

@@ -140,6 +140,16 @@ class RequestCache:
         self._table[n : n + k] = ids
         self._num_pages = n + k
 
+    def _append_page(self, pid: int) -> None:
+        """`_append_pages` of one page."""
+        n = self._num_pages
+        if n == len(self._table):
+            grown = np.empty(max(2 * n, 16), dtype=np.int64)
+            grown[:n] = self._table
+            self._table = grown
+        self._table[n] = pid
+        self._num_pages = n + 1
+
     @property
     def page_keys(self) -> PageKeys:
         """Keys of this request's full pages known so far ([n] `KEY_DTYPE`, read-only)."""

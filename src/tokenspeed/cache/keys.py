@@ -130,7 +130,7 @@ class KeyBuffer:
     is a new array).
     """
 
-    __slots__ = ("_buf", "_n")
+    __slots__ = ("_buf", "_n", "_owned")
 
     def __init__(self, keys: PageKeys | None = None, *, capacity: int = 0) -> None:
         n = 0 if keys is None else len(keys)
@@ -139,6 +139,20 @@ class KeyBuffer:
             self._buf[:n] = keys
         self._buf.flags.writeable = False  # so that every view handed out is read-only
         self._n = n
+        self._owned = True
+
+    @classmethod
+    def over(cls, keys: PageKeys) -> KeyBuffer:
+        """A buffer that starts as `keys` itself, copied only when it first grows. Only for a
+        read-only array (a chain's keys are never rewritten); a writeable one is copied now, so
+        that its owner cannot change the buffer's keys later."""
+        if keys.flags.writeable:
+            return cls(keys)
+        buf = cls.__new__(cls)
+        buf._buf = keys
+        buf._n = len(keys)
+        buf._owned = False
+        return buf
 
     def __len__(self) -> int:
         return self._n
@@ -166,17 +180,18 @@ class KeyBuffer:
         if not k:
             return
         buf = self._buf
-        if n + k > len(buf):
-            buf = np.empty(max(2 * len(buf), n + k), dtype=KEY_DTYPE)
+        if n + k > len(buf) or not self._owned:
+            buf = np.empty(max(2 * len(buf), n + k, 16), dtype=KEY_DTYPE)
             buf[:n] = self._buf[:n]
             self._buf = buf
+            self._owned = True
         buf.flags.writeable = True
         buf[n : n + k] = keys
         buf.flags.writeable = False
         self._n = n + k
 
     def copy(self) -> KeyBuffer:
-        return KeyBuffer(self.array, capacity=len(self._buf))
+        return KeyBuffer(self.array, capacity=len(self._buf))  # owned: it may grow at once
 
     def tolist(self) -> list[PageKey]:
         return keys_to_ints(self.array)

@@ -287,7 +287,7 @@ class CacheManager:
             )
         if self._live.num_free == 0:
             raise CacheFullError(f"no live KDA slot free for request {request_id!r}")
-        keys = KeyBuffer(as_page_keys(page_keys))  # the handle's own copy; it grows with extend
+        keys = KeyBuffer.over(as_page_keys(page_keys))  # the handle's; copied if it grows
         arr = keys.array
         m = self._usable_match(match, arr, prompt_tokens)
         plan = self._tiering.fetch(arr, m)  # L2 reads happen here; nothing changed yet
@@ -377,7 +377,7 @@ class CacheManager:
                 f"extend of request {handle.request_id!r} to {num_tokens!r} tokens: it already "
                 f"holds {handle.num_tokens} (extend never shrinks)"
             )
-        total = _ceil_div(num_tokens, self.page_size)
+        total = -(-num_tokens // self.page_size)
         need = total - handle._num_pages  # not len(page_ids): that builds a view, per step
         if need > 0:
             if total > self._pages.capacity:
@@ -385,7 +385,10 @@ class CacheManager:
                     f"request {handle.request_id!r} would need {total} pages; the device pool "
                     f"holds {self._pages.capacity}"
                 )
-            handle._append_pages(self._pages.allocate(need, self._tiering.writeback_pages))
+            if need == 1:  # a decode step crossing a page boundary
+                handle._append_page(self._pages.allocate_one(self._tiering.writeback_pages))
+            else:
+                handle._append_pages(self._pages.allocate(need, self._tiering.writeback_pages))
         if len(page_keys):
             handle._keys.extend(page_keys)
         handle.num_tokens = num_tokens

@@ -155,6 +155,14 @@ class MlaPageManager:
         self.ref[ids] = 1
         return ids
 
+    def allocate_one(self, writeback: WritebackFn | None) -> PageId:
+        """`allocate(1, writeback)` as a Python int (a decode step crossing a page boundary)."""
+        if not self.pool.num_free:
+            return int(self.allocate(1, writeback)[0])
+        pid = self.pool.allocate_one()
+        self.ref[pid] = 1
+        return pid
+
     def _queue_room(self, n: int) -> None:
         """Make room for n more LRU queue entries (stamps increasing, above every queued one)."""
         if self._tail + n <= len(self._queue_pid):
