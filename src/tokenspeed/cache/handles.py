@@ -66,6 +66,7 @@ class RequestCache:
       num_cached_tokens  prefix reused at allocate (L); tokens [L, ...) must be computed
       l2_cached_tokens   the part of that prefix loaded from the host tier
       page_ids           the page table, [pages] int64: page_ids[i] holds tokens [i*P, (i+1)*P)
+      page_keys          the keys of its full pages known so far (`num_keys` of them)
       live_slot          the KDA state slot the forward reads and advances
       load               LoadHandle: per-layer events for the copies the hit needs
       released           True after `release`
@@ -149,6 +150,11 @@ class RequestCache:
             self._table = grown
         self._table[n] = pid
         self._num_pages = n + 1
+
+    @property
+    def num_keys(self) -> int:
+        """len(page_keys), without building the view."""
+        return len(self._keys)
 
     @property
     def page_keys(self) -> PageKeys:

@@ -62,7 +62,7 @@ class CacheManagerPort:
         handle = self._handles[req.rid]
         if length <= handle.num_tokens:
             return True
-        known = len(handle.page_keys)
+        known = handle.num_keys
         try:
             self.cache.extend(handle, length, req.keys[known:] if len(req.keys) > known else ())
         except _CAPACITY_ERRORS:

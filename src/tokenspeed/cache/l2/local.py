@@ -88,6 +88,7 @@ class LocalHostCache(HostCache):
         self._nbytes = np.zeros(0, dtype=np.int64)
         self._keys = np.zeros(0, dtype=KEY_DTYPE)  # zeros where the slot holds nothing
         self._kind_of = np.zeros(0, dtype=np.int8)  # per slot: _PAGE, _CHECKPOINT or _NONE
+        self._set_near()
         self._payload: list[torch.Tensor | None] = []
         self._crc: list[int | None] = []
         # Slots holding no object: a stack (`_free_stack[:_free_top]`, the top handed out first).
@@ -108,7 +109,14 @@ class LocalHostCache(HostCache):
     def _slots(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
         """[n] int64: the slot holding each key's object of this kind, -1 where absent (a
         chain stored in one go usually sits in consecutive slots: the lookup follows them)."""
-        return self._store(kind).lookup(keys, (self._keys, self._kind_of, _KIND[kind]))
+        if kind is ObjectKind.PAGE:
+            return self._pages.lookup(keys, self._near_pages)
+        return self._checkpoints.lookup(keys, self._near_checkpoints)
+
+    def _set_near(self) -> None:
+        """Where each kind's lookups look first (`KeyTable.lookup`): the key column."""
+        self._near_pages = (self._keys, self._kind_of, _PAGE)
+        self._near_checkpoints = (self._keys, self._kind_of, _CHECKPOINT)
 
     def _store(self, kind: ObjectKind) -> KeyTable:
         return self._checkpoints if kind is ObjectKind.CHECKPOINT else self._pages
@@ -143,6 +151,7 @@ class LocalHostCache(HostCache):
             grown[:old] = col
             setattr(self, name, grown)
         self._kind_of[old:] = _NONE
+        self._set_near()
         stack = np.zeros(size, dtype=np.int64)
         stack[: self._free_top] = self._free_stack[: self._free_top]
         self._free_stack = stack
@@ -184,18 +193,18 @@ class LocalHostCache(HostCache):
 
     # ---------------------------------------------------------------------------- lookups
     def contains(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> np.ndarray:
-        keys = as_page_keys(keys)
+        if type(keys) is not np.ndarray or keys.dtype is not KEY_DTYPE:
+            keys = as_page_keys(keys)
         self.counters.lookups += len(keys)
         return self._slots(kind, keys) >= 0
 
     def prefix_present(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
         keys = as_page_keys(keys)
         n = len(keys)
-        near = (self._keys, self._kind_of, _KIND[kind])
         if kind is ObjectKind.PAGE:
-            found = self._pages.prefix_chain(keys, near, self._runs.arrays)
+            found = self._pages.prefix_chain(keys, self._near_pages, self._runs.arrays)
         else:
-            found = self._checkpoints.prefix(keys, near)
+            found = self._checkpoints.prefix(keys, self._near_checkpoints)
         # Counted as keys asked about: the first one when it is absent, else all of them.
         self.counters.lookups += min(1, n) if found == 0 else n
         return found
@@ -341,11 +350,9 @@ class LocalHostCache(HostCache):
             self._bytes += k * nbytes
             self.counters.puts += k
             self.counters.put_bytes += k * nbytes
-            if chain:
-                # Stretches of new pages at consecutive positions (and batch indices) are runs.
-                cut = np.flatnonzero((np.diff(new) != 1) | (np.diff(new_positions) != 1)) + 1
-                for run in np.split(taken, cut) if len(cut) else (taken,):
-                    self._runs.add(run)
+            if chain and k > 1 and new[-1] - new[0] == k - 1:
+                # The new pages are one stretch of the chain (the usual turn): a run.
+                self._runs.add(taken)
         self._lru.touch(slots)
         return True
 
