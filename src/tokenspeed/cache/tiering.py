@@ -21,6 +21,7 @@ import torch
 
 from ..types import PageKey
 from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
+from .compiled import jit
 from .config import CacheGeometry
 from .handles import PrefixMatch
 from .keys import PageKeys, key_array, keys_from_ints, keys_to_ints
@@ -31,6 +32,26 @@ from .stats import CacheCounters
 from .storage import DeviceStorage
 
 Tier = Literal["l1", "l2"]
+
+
+@jit
+def _gaps(pids, bounds):
+    """The runs of -1 in `pids` as (start, end) pairs into `bounds`; returns how many."""
+    gaps = 0
+    i = 0
+    n = pids.shape[0]
+    while i < n:
+        if pids[i] >= 0:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and pids[j] < 0:
+            j += 1
+        bounds[2 * gaps] = i
+        bounds[2 * gaps + 1] = j
+        gaps += 1
+        i = j
+    return gaps
 
 
 @attrs.define
@@ -84,15 +105,13 @@ class Tiering:
         of `keys`. Each gap in L1 is asked of L2 in order until one is not fully covered; gaps
         are found with whole-array steps, so a long history costs a step per gap, not per page."""
         n = len(keys)
-        absent = np.flatnonzero(pids < 0)
-        if not len(absent):
+        bounds = np.empty(n + 1, dtype=np.int64)
+        gaps = _gaps(pids, bounds)
+        if not gaps:
             return n
         if self.l2 is None:
-            return int(absent[0])
-        cut = np.flatnonzero(np.diff(absent) > 1)  # a gap ends where the next absent page skips
-        starts = absent[np.concatenate(([0], cut + 1))].tolist()
-        ends = (absent[np.concatenate((cut, [len(absent) - 1]))] + 1).tolist()
-        for start, end in zip(starts, ends, strict=True):
+            return int(bounds[0])
+        for start, end in bounds[: 2 * gaps].reshape(gaps, 2).tolist():
             found = self.l2.prefix_present(ObjectKind.PAGE, keys[start:end])
             if found < end - start:
                 return start + found
