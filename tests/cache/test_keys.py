@@ -147,8 +147,12 @@ _append = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(appends=st.lists(_append, max_size=8), block_ids=st.lists(st.integers(-3, 3), min_size=8))
-def test_block_appends_match_the_spelled_out_pieces(appends, block_ids):
+@given(
+    appends=st.lists(_append, max_size=8),
+    block_ids=st.lists(st.integers(-3, 3), min_size=8),
+    block_size=st.sampled_from([6, 8]),  # pages straddle blocks, or a block is two whole pages
+)
+def test_block_appends_match_the_spelled_out_pieces(appends, block_ids, block_size):
     """The one-pass `append_blocks` gives the keys of the content written out page by page
     (pages straddling blocks and token runs, a block id repeated, partial last blocks)."""
     chain, spelled = KeyChain(4), []
@@ -158,9 +162,9 @@ def test_block_appends_match_the_spelled_out_pieces(appends, block_ids):
             chain.append_tokens(arg)
             spelled.append(("t", arg, len(arg), 0))
         else:
-            blocks = [next(ids) for _ in range(-(-arg // 6))]
-            chain.append_blocks(blocks, arg, 6)
-            spelled.append(("b", blocks, arg, 6))
+            blocks = [next(ids) for _ in range(-(-arg // block_size))]
+            chain.append_blocks(blocks, arg, block_size)
+            spelled.append(("b", blocks, arg, block_size))
     assert chain.keys.tolist() == _reference_keys(spelled, 4)
 
 

@@ -103,6 +103,13 @@ class CheckpointManager:
         found = _on_chain(self._slot_page, self._slot_key, keys, min(limit, len(keys)), out)
         return out[:found]
 
+    def keys_of(self, entries: list[CheckpointEntry]) -> PageKeys:
+        """The keys of indexed entries, as `PageKeys` (read from their slots)."""
+        if len(entries) == 1:
+            slot = entries[0].slot
+            return self._slot_key[slot : slot + 1]
+        return self._slot_key[[e.slot for e in entries]]
+
     def deepest(self, keys: PageKeys, limit: int) -> int:
         """Largest i < limit with a checkpoint at keys[i] (-1 if none)."""
         found = self._pages_with_checkpoint(keys, limit)

@@ -24,7 +24,7 @@ from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
 from .compiled import jit
 from .config import CacheGeometry
 from .handles import PrefixMatch
-from .keys import PageKeys, key_array, keys_from_ints, keys_to_ints
+from .keys import PageKeys, keys_to_ints
 from .l2.base import HostCache, HostObject, ObjectKind
 from .l2.guarded import GuardedL2
 from .mla_pages import MlaPageManager
@@ -216,10 +216,7 @@ class Tiering:
         self.counters.checkpoints_evicted += len(entries)
         if self.l2 is None:
             return
-        keys = key_array(entries[0].key) if len(entries) == 1 else keys_from_ints(
-            e.key for e in entries
-        )
-        present = self.l2.contains(ObjectKind.CHECKPOINT, keys)
+        present = self.l2.contains(ObjectKind.CHECKPOINT, self.ckpts.keys_of(entries))
         missing = [e for e, p in zip(entries, present.tolist(), strict=True) if not p]
         if missing:
             self.counters.checkpoints_written_back += self._put_checkpoints(missing)
@@ -268,9 +265,7 @@ class Tiering:
         """Store checkpoints in L2 (metadata-only: one batched write); returns how many are
         stored now."""
         if self.storage is None:
-            keys = key_array(entries[0].key) if len(entries) == 1 else keys_from_ints(
-                e.key for e in entries
-            )
+            keys = self.ckpts.keys_of(entries)
             positions = [e.num_tokens for e in entries]
             return self.l2.put_many(ObjectKind.CHECKPOINT, keys, positions)
         return self.l2.put([self._checkpoint_object(e) for e in entries])
