@@ -62,3 +62,24 @@ def test_table_model_from_measured_json(tmp_path):
     path.write_text(json.dumps({"prefill": table["prefill"]}))
     with pytest.raises(ValueError, match="'decode' section"):
         TableCostModel.from_file(path)
+
+
+def test_arithmetic_run_ends_are_the_listed_series_exactly():
+    import bisect
+
+    from tokenspeed.sim.cost import ArithmeticEnds, LinearCostModel, decode_run_ends
+
+    model = LinearCostModel()
+    ends = decode_run_ends(model, 30, 32, 123_456, 500)
+    assert isinstance(ends, ArithmeticEnds) and len(ends) == 500
+    first = model.decode_step_time(30, 32, 123_456)
+    growth = model.decode_per_history_token_s * 30
+    listed = [k * first + growth * k * (k - 1) / 2 for k in range(1, 501)]
+    assert list(ends) == listed and ends[-1] == listed[-1]  # the same floats, bit for bit
+    for t in (0.0, listed[0], listed[7] - 1e-12, listed[7], listed[-1] + 1.0):
+        assert bisect.bisect_left(ends, t) == bisect.bisect_left(listed, t)
+    stepwise, total = [], 0.0  # and the model's step times, summed one by one
+    for i in range(500):
+        total += model.decode_step_time(30, 32, 123_456 + i * 30)
+        stepwise.append(total)
+    assert max(abs(a - b) for a, b in zip(ends, stepwise, strict=True)) < 1e-9 * total

@@ -98,7 +98,7 @@ class DecodeScheduler:
 
     def load(self) -> DecodeLoad:
         busy = len(self.running) + len(self.admitted) + len(self.pending)
-        return DecodeLoad(running=busy, free_pages=self.cache.free_pages())
+        return DecodeLoad(busy, self.cache.free_pages())
 
     @property
     def has_work(self) -> bool:
@@ -111,7 +111,7 @@ class DecodeScheduler:
             raise ValueError("max_steps must be positive")
         rows = list(self.running.values())[: self.config.max_decode_batch]
         while rows:
-            steps = min(max_steps, min(r.output_remaining for r in rows))
+            steps = min(max_steps, min(r.max_new_tokens - r.num_output for r in rows))
             fit = self._reserve(rows, steps)
             if fit > 0:
                 return DecodeBatch(
@@ -126,15 +126,14 @@ class DecodeScheduler:
 
     def _reserve(self, rows: list[Request], steps: int) -> int:
         """Reserve pages for `steps` steps of every row; returns the steps all rows can take."""
-        cache = self.cache
+        reserve = self.cache.reserve  # answers True at once when the pages are there already
         fit = steps
         for req in rows:
-            need = req.num_computed + steps
-            if cache.covered(req) < need and not cache.reserve(req, need):
-                fit = min(fit, cache.covered(req) - req.num_computed)
+            if not reserve(req, req.num_computed + steps):
+                fit = min(fit, self.cache.covered(req) - req.num_computed)
         if fit < steps:
             # Some row got fewer pages; the steps every row can take is what the batch runs.
-            fit = min(cache.covered(r) - r.num_computed for r in rows)
+            fit = min(self.cache.covered(r) - r.num_computed for r in rows)
         return max(fit, 0)
 
     # ---- results -------------------------------------------------------------------------------
@@ -156,13 +155,14 @@ class DecodeScheduler:
         if not 0 < steps <= batch.steps:
             raise ValueError(f"steps must be in 1..{batch.steps}, got {steps}")
         done = []
+        running = self.running
         for req in batch.requests:
-            if req.rid not in self.running:
+            if req.rid not in running:
                 continue  # aborted or preempted while the step ran
             req.num_computed += steps
             req.num_output += steps
-            if req.output_remaining <= 0 or req.rid in finished:
-                del self.running[req.rid]
+            if req.num_output >= req.max_new_tokens or req.rid in finished:
+                del running[req.rid]
                 self._publish_history(req, save_state)
                 self.cache.release(req)
                 req.move(RequestState.FINISHED)

@@ -36,9 +36,31 @@ class CostModel(Protocol):
     def load_time(self, nbytes: int) -> float: ...
 
 
+class ArithmeticEnds(Sequence[float]):
+    """The cumulative end offsets of a run of decode steps whose step i costs
+    `first + growth * i`, computed when asked (a run is up to hundreds of steps and most are
+    never looked at): element k - 1 is `k * first + growth * k * (k - 1) / 2`."""
+
+    __slots__ = ("first", "growth", "steps")
+
+    def __init__(self, first: float, growth: float, steps: int) -> None:
+        self.first, self.growth, self.steps = first, growth, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> float:  # type: ignore[override]
+        if i < 0:
+            i += self.steps
+        if not 0 <= i < self.steps:
+            raise IndexError(f"step {i} of {self.steps}")
+        k = i + 1
+        return k * self.first + self.growth * k * (k - 1) / 2
+
+
 def decode_run_ends(
     model: CostModel, rows: int, padded_rows: int, history: int, steps: int
-) -> list[float]:
+) -> Sequence[float]:
     """Cumulative end offsets of `steps` decode steps of an unchanged batch (each step's history
     grows by one token per row). Uses the model's own `decode_run_ends` when it has one."""
     fast = getattr(model, "decode_run_ends", None)
@@ -103,11 +125,12 @@ class LinearCostModel:
             + self.decode_per_history_token_s * history
         )
 
-    def decode_run_ends(self, rows: int, padded_rows: int, history: int, steps: int) -> list[float]:
+    def decode_run_ends(
+        self, rows: int, padded_rows: int, history: int, steps: int
+    ) -> ArithmeticEnds:
         # Step i costs first + growth * i: the ends are a closed-form arithmetic series.
         first = self.decode_step_time(rows, padded_rows, history)
-        growth = self.decode_per_history_token_s * rows
-        return [k * first + growth * k * (k - 1) / 2 for k in range(1, steps + 1)]
+        return ArithmeticEnds(first, self.decode_per_history_token_s * rows, steps)
 
     def transfer_time(self, nbytes: int) -> float:
         return self.transfer_latency_s + nbytes / self.transfer_bytes_per_s

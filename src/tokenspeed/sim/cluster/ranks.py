@@ -6,6 +6,8 @@ with the same total capacity (rank-local L2), so the two differ only in who can 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenspeed.cache import CacheConfig, CacheManager, LocalHostCache
 from tokenspeed.sched import AggregatedScheduler, DecodeScheduler, PrefillScheduler
 from tokenspeed.sched.batch import DecodeBatch, PrefillBatch, StepPlan
@@ -58,7 +60,7 @@ class Rank:
         self.port = CacheManagerPort(cache)
         self.busy = False
         self.start = 0.0  # when the running forward (or run of decode steps) began
-        self.ends: list[float] = []  # cumulative end offsets of its decode steps
+        self.ends: Sequence[float] = ()  # cumulative end offsets of its decode steps
         self.steps = 0  # decode steps the running event will complete
         self.epoch = 0  # bumps when a pending completion event is superseded
 
