@@ -8,17 +8,25 @@ numba the identical functions run in the interpreter: correct, but tens of times
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
 logger = logging.getLogger("tokenspeed.cache")
 F = TypeVar("F", bound=Callable)
 
-try:
-    import numba
-except ImportError:  # pragma: no cover - depends on the environment
+# TOKENSPEED_CACHE_INTERPRETED=1 runs the loops in the interpreter even where numba is installed
+# (tests check that the fallback computes the same).
+if os.environ.get("TOKENSPEED_CACHE_INTERPRETED"):
     numba = None
-    logger.warning("numba is not installed: the cache's bookkeeping loops run interpreted (slow)")
+else:
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - depends on the environment
+        numba = None
+        logger.warning(
+            "numba is not installed: the cache's bookkeeping loops run interpreted (slow)"
+        )
 
 AVAILABLE = numba is not None
 

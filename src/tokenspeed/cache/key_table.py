@@ -374,7 +374,7 @@ class KeyTable:
         if not len(keys):
             return 0
         out = np.empty(len(keys), dtype=np.int64)
-        done = self._k.lookup_near(self._tab, self._mask, _checked(keys), out, *near, True)
+        done = int(self._k.lookup_near(self._tab, self._mask, _checked(keys), out, *near, True))
         return done if out[done - 1] >= 0 else done - 1
 
     def prefix_chain(
@@ -388,11 +388,13 @@ class KeyTable:
         per run instead of one per key."""
         if not len(keys):
             return 0
-        return self._k.prefix_chain(self._tab, self._mask, _checked(keys), *near, *runs)
+        return int(self._k.prefix_chain(self._tab, self._mask, _checked(keys), *near, *runs))
 
     def last_present(self, keys: PageKeys) -> int:
         """The index of the last key present, -1 if none (probing from the end)."""
-        return self._k.last_present(self._tab, self._mask, _checked(keys)) if len(keys) else -1
+        if not len(keys):
+            return -1
+        return int(self._k.last_present(self._tab, self._mask, _checked(keys)))
 
     def setdefault(self, keys: PageKeys, values: np.ndarray) -> np.ndarray:
         """Insert each absent key with its value, in order (a key repeated in the batch keeps
@@ -408,14 +410,14 @@ class KeyTable:
             raise ValueError("KeyTable values must be non-negative")
         self._make_room(n)
         out = np.empty(n, dtype=np.int64)
-        self._live += self._k.setdefault(self._tab, self._mask, _checked(keys), vals, out)
+        self._live += int(self._k.setdefault(self._tab, self._mask, _checked(keys), vals, out))
         return out
 
     def delete(self, keys: PageKeys) -> np.ndarray:
         """Remove each key that is present; returns [n] int64, the value each had (-1: absent)."""
         out = np.empty(len(keys), dtype=np.int64)
         if len(out):
-            self._live -= self._k.delete(self._tab, self._mask, _checked(keys), out)
+            self._live -= int(self._k.delete(self._tab, self._mask, _checked(keys), out))
         return out
 
     # ------------------------------------------------------------------------ single keys

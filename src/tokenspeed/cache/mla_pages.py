@@ -104,7 +104,7 @@ class MlaPageManager:
     def pin(self, pids: Sequence[PageId] | np.ndarray) -> None:
         """Add one reference to each page (the pages must be distinct and allocated)."""
         if len(pids):
-            self.num_cached -= pin_pages(self.ref, self.evictable, as_int64(as_ids(pids)))
+            self.num_cached -= int(pin_pages(self.ref, self.evictable, as_int64(as_ids(pids))))
 
     def unpin(self, pids: Sequence[PageId] | np.ndarray) -> None:
         """Drop one reference from each page (distinct pages). Pages left unreferenced become
@@ -130,6 +130,7 @@ class MlaPageManager:
         )
         if code != OK:
             raise IntegrityError(f"unpin of unreferenced pages, e.g. page {bad}")
+        cached, nfree = int(cached), int(nfree)
         self._clock += cached
         self._tail += cached
         self.num_cached += cached
@@ -183,7 +184,7 @@ class MlaPageManager:
         """The n least recently used cached pages (all of them if fewer), oldest first; their
         queue entries are consumed."""
         out = np.empty(min(n, self.num_cached), dtype=np.int64)
-        found, self._head = take_lru(
+        found, head = take_lru(
             self._queue_pid,
             self._queue_use,
             self._head,
@@ -193,7 +194,8 @@ class MlaPageManager:
             len(out),
             out,
         )
-        return out[:found]
+        self._head = int(head)
+        return out[: int(found)]
 
     def evict(self, n: int, writeback: WritebackFn | None) -> int:
         """Evict up to n cached pages, least recently used first; returns how many."""

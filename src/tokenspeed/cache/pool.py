@@ -71,7 +71,7 @@ class SlotPool:
         if n > self._top:
             raise CacheFullError(f"asked for {n} entries, {self._top} free")
         ids = np.empty(n, dtype=np.int64)
-        self._top = pool_pop(self._stack, self._top, n, self._is_free, ids)
+        self._top = int(pool_pop(self._stack, self._top, n, self._is_free, ids))
         return ids
 
     def allocate_one(self) -> int:
@@ -108,7 +108,7 @@ class SlotPool:
             self._stack, self._top, self._is_free, self._reserved, as_int64(arr)
         )
         if code == OK:
-            self._top = top
+            self._top = int(top)
         elif code == OUT_OF_RANGE:
             raise IntegrityError(f"ids outside [0, {self.size}) freed: {arr.tolist()[:8]}")
         elif code == NOT_HELD:

@@ -1,0 +1,32 @@
+"""Without numba the cache's compiled loops run in the interpreter: the same cache, slower."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.skipif(
+    bool(os.environ.get("TOKENSPEED_CACHE_INTERPRETED")),
+    reason="already the interpreted run (this test starts it)",
+)
+def test_the_cache_passes_its_tests_with_the_loops_interpreted():
+    env = dict(os.environ, TOKENSPEED_CACHE_INTERPRETED="1")
+    probe = subprocess.run(
+        [sys.executable, "-c", "from tokenspeed.cache.compiled import AVAILABLE; print(AVAILABLE)"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert probe.stdout.strip() == "False"  # the loops really are interpreted there
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE),
+         "--ignore", str(HERE / "test_interpreted.py")],
+        env=env, capture_output=True, text=True, timeout=1200, cwd=HERE.parent.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
