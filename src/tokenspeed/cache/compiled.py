@@ -22,6 +22,7 @@ if os.environ.get("TOKENSPEED_CACHE_INTERPRETED"):
 else:
     try:
         import numba
+        import numba.extending
     except ImportError:  # pragma: no cover - depends on the environment
         numba = None
         logger.warning(
@@ -36,3 +37,11 @@ def jit(fn: F) -> F:
     if numba is None:
         return fn
     return numba.njit(cache=True, nogil=True)(fn)
+
+
+def jitable(fn: F) -> F:
+    """A helper for compiled loops: compiled into (and inlined by) the jitted functions that call
+    it when numba is available; a plain function for the interpreted ones either way."""
+    if numba is None:
+        return fn
+    return numba.extending.register_jitable(fn)

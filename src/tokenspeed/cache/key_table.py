@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import PageKey
-from .compiled import AVAILABLE, jit
+from .compiled import AVAILABLE, jit, jitable
 from .errors import IntegrityError
 from .keys import KEY_DTYPE, PageKeys, key_array
 
@@ -31,22 +31,33 @@ _NO_VALUES = np.zeros(0, dtype=np.int64)
 # two); keys: a `PageKeys` array. Keys are digests, so their low word is already uniform: its low
 # bits are the home slot. Every live entry sits at or after its home with no empty slot in
 # between (what a lookup relies on to stop).
+@jitable
+def _find(tab, mask, lo, hi):
+    """The slot holding the key (lo, hi), or the EMPTY slot where its probe ends."""
+    p = np.int64(lo & np.uint64(mask))
+    while True:
+        if tab[p, 2] == EMPTY or (tab[p, 0] == lo and tab[p, 1] == hi):
+            return p
+        p = (p + 1) & mask
+
+
+@jitable
+def _value(tab, mask, lo, hi):
+    """The value under the key (lo, hi), -1 if absent (`_find`'s probe, returning the value
+    it reads: the lookups' hot path)."""
+    p = np.int64(lo & np.uint64(mask))
+    while True:
+        v = tab[p, 2]
+        if v == EMPTY:
+            return np.int64(-1)
+        if tab[p, 0] == lo and tab[p, 1] == hi:
+            return np.int64(v)
+        p = (p + 1) & mask
+
+
 def _lookup(tab, mask, keys, out):
-    m = np.uint64(mask)
     for i in range(out.shape[0]):
-        lo = keys[i]["lo"]
-        hi = keys[i]["hi"]
-        p = np.int64(lo & m)
-        r = -1
-        while True:
-            v = tab[p, 2]
-            if v == EMPTY:
-                break
-            if tab[p, 0] == lo and tab[p, 1] == hi:
-                r = np.int64(v)
-                break
-            p = (p + 1) & mask
-        out[i] = r
+        out[i] = _value(tab, mask, keys[i]["lo"], keys[i]["hi"])
 
 
 def _lookup_near(tab, mask, keys, out, column, owner, want, stop):
@@ -57,7 +68,6 @@ def _lookup_near(tab, mask, keys, out, column, owner, want, stop):
     order, its loads independent of each other, instead of probing a large table once per key.
     A slot is taken only when it holds exactly this key, which the table then maps to it.
     With `stop`, ends at the first absent key; returns how many keys were answered."""
-    m = np.uint64(mask)
     size = column.shape[0]
     n = out.shape[0]
     prev = -1
@@ -85,18 +95,7 @@ def _lookup_near(tab, mask, keys, out, column, owner, want, stop):
                     break
             if extended:
                 continue
-        lo = keys[i]["lo"]
-        hi = keys[i]["hi"]
-        p = np.int64(lo & m)
-        r = -1
-        while True:
-            v = tab[p, 2]
-            if v == EMPTY:
-                break
-            if tab[p, 0] == lo and tab[p, 1] == hi:
-                r = np.int64(v)
-                break
-            p = (p + 1) & mask
+        r = _value(tab, mask, keys[i]["lo"], keys[i]["hi"])
         out[i] = r
         prev = r
         i += 1
@@ -114,7 +113,6 @@ def _prefix_chain(
     as both chains agree: equal keys d pages on mean equal keys everywhere in between, and
     chains that differ once differ from then on, so a comparison at the run's (or the query's)
     end, or a binary search for the page where they part, replaces a comparison per key."""
-    m = np.uint64(mask)
     size = column.shape[0]
     n = keys.shape[0]
     prev = -1
@@ -137,15 +135,7 @@ def _prefix_chain(
                 ):
                     s = c
         if s < 0:
-            p = np.int64(lo & m)
-            while True:
-                v = tab[p, 2]
-                if v == EMPTY:
-                    break
-                if tab[p, 0] == lo and tab[p, 1] == hi:
-                    s = np.int64(v)
-                    break
-                p = (p + 1) & mask
+            s = _value(tab, mask, lo, hi)
         if s < 0:
             return i
         r = run_of[s]
@@ -181,43 +171,28 @@ def _prefix_chain(
 
 def _last_present(tab, mask, keys):
     """The index of the last key present (-1 if none), probing from the end."""
-    m = np.uint64(mask)
     for i in range(keys.shape[0] - 1, -1, -1):
-        lo = keys[i]["lo"]
-        hi = keys[i]["hi"]
-        p = np.int64(lo & m)
-        while True:
-            v = tab[p, 2]
-            if v == EMPTY:
-                break
-            if tab[p, 0] == lo and tab[p, 1] == hi:
-                return i
-            p = (p + 1) & mask
+        if _value(tab, mask, keys[i]["lo"], keys[i]["hi"]) >= 0:
+            return i
     return -1
 
 
 def _setdefault(tab, mask, keys, values, out):
     """out[i]: the value under keys[i] after inserting each absent key with values[i], in order.
     Needs more EMPTY slots than keys. Returns the number of keys inserted."""
-    m = np.uint64(mask)
     inserted = 0
     for i in range(out.shape[0]):
         lo = keys[i]["lo"]
         hi = keys[i]["hi"]
-        p = np.int64(lo & m)
-        while True:
-            v = tab[p, 2]
-            if v == EMPTY:
-                tab[p, 0] = lo
-                tab[p, 1] = hi
-                tab[p, 2] = np.uint64(values[i])
-                out[i] = values[i]
-                inserted += 1
-                break
-            if tab[p, 0] == lo and tab[p, 1] == hi:
-                out[i] = np.int64(v)
-                break
-            p = (p + 1) & mask
+        p = _find(tab, mask, lo, hi)
+        if tab[p, 2] == EMPTY:
+            tab[p, 0] = lo
+            tab[p, 1] = hi
+            tab[p, 2] = np.uint64(values[i])
+            out[i] = values[i]
+            inserted += 1
+        else:
+            out[i] = np.int64(tab[p, 2])
     return inserted
 
 
@@ -228,21 +203,11 @@ def _delete(tab, mask, keys, out):
     m = np.uint64(mask)
     removed = 0
     for i in range(out.shape[0]):
-        lo = keys[i]["lo"]
-        hi = keys[i]["hi"]
-        p = np.int64(lo & m)
-        r = -1
-        while True:
-            v = tab[p, 2]
-            if v == EMPTY:
-                break
-            if tab[p, 0] == lo and tab[p, 1] == hi:
-                r = np.int64(v)
-                break
-            p = (p + 1) & mask
-        out[i] = r
-        if r < 0:
+        p = _find(tab, mask, keys[i]["lo"], keys[i]["hi"])
+        if tab[p, 2] == EMPTY:
+            out[i] = -1
             continue
+        out[i] = np.int64(tab[p, 2])
         removed += 1
         hole = p
         q = (p + 1) & mask

@@ -35,6 +35,7 @@ from .page_kernels import (
     unpin_pages,
 )
 from .pool import SlotPool, as_ids
+from .stamped_log import compacted
 
 SINK_PAGE: PageId = 0
 """Page 0 is never handed out: padded rows of a captured graph point at it."""
@@ -169,16 +170,13 @@ class MlaPageManager:
         if self._tail + n <= len(self._queue_pid):
             return
         # Drop the consumed head and the stale entries; grow if that is not enough.
-        qp = self._queue_pid[self._head : self._tail]
-        qu = self._queue_use[self._head : self._tail]
-        live = self.evictable[qp] & (self.last_use[qp] == qu)
-        qp, qu = qp[live], qu[live]
-        size = max(len(self._queue_pid), 2 * (len(qp) + n))
-        self._queue_pid = np.zeros(size, dtype=np.int64)
-        self._queue_use = np.zeros(size, dtype=np.int64)
-        self._queue_pid[: len(qp)] = qp
-        self._queue_use[: len(qp)] = qu
-        self._head, self._tail = 0, len(qp)
+        head, tail = self._head, self._tail
+        qp = self._queue_pid[head:tail]
+        live = self.evictable[qp] & (self.last_use[qp] == self._queue_use[head:tail])
+        self._queue_pid, self._queue_use, self._tail = compacted(
+            self._queue_pid, self._queue_use, head, tail, live, n
+        )
+        self._head = 0
 
     def _lru_victims(self, n: int) -> np.ndarray:
         """The n least recently used cached pages (all of them if fewer), oldest first; their

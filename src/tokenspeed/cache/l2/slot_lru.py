@@ -14,6 +14,7 @@ import numpy as np
 
 from ..compiled import jit
 from ..errors import IntegrityError
+from ..stamped_log import compacted
 
 FREE = -1  # the stamp of a slot that holds no object
 
@@ -108,16 +109,12 @@ class SlotLru:
         that is not enough."""
         if self._tail + n <= len(self._log_slot):
             return
-        ls = self._log_slot[self._head : self._tail]
-        lt = self._log_stamp[self._head : self._tail]
-        live = self.stamp[ls] == lt
-        ls, lt = ls[live], lt[live]
-        size = max(len(self._log_slot), 2 * (len(ls) + n))
-        self._log_slot = np.zeros(size, dtype=np.int64)
-        self._log_stamp = np.zeros(size, dtype=np.int64)
-        self._log_slot[: len(ls)] = ls
-        self._log_stamp[: len(ls)] = lt
-        self._head, self._tail = 0, len(ls)
+        head, tail = self._head, self._tail
+        live = self.stamp[self._log_slot[head:tail]] == self._log_stamp[head:tail]
+        self._log_slot, self._log_stamp, self._tail = compacted(
+            self._log_slot, self._log_stamp, head, tail, live, n
+        )
+        self._head = 0
 
     def check_integrity(self) -> None:
         """Log stamps strictly increase; every stamped slot has exactly one live log entry."""
