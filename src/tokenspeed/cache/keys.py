@@ -210,10 +210,6 @@ def _token_piece(tokens: Sequence[int]) -> bytes:
     return b"T" + _COUNT.pack(len(tokens)) + array("q", tokens).tobytes()
 
 
-def key_to_int(digest: bytes) -> PageKey:
-    return int.from_bytes(digest, "little")
-
-
 def _encode(pieces: list[list]) -> bytes:
     """Payload of one page from its pieces (["t", tokens] or ["b", block_id, start, end])."""
     return b"".join(
