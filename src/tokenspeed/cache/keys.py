@@ -63,7 +63,7 @@ def key_at(keys: PageKeys | KeyBuffer, i: int) -> PageKey:
     """keys[i] as a Python int."""
     if isinstance(keys, KeyBuffer):
         return keys[i]
-    return int.from_bytes(keys[i].tobytes(), "little")
+    return key_int(keys[i])
 
 
 def as_key_int(key: PageKey | np.void) -> PageKey:
@@ -71,7 +71,7 @@ def as_key_int(key: PageKey | np.void) -> PageKey:
     if isinstance(key, np.void):
         if key.dtype != KEY_DTYPE:
             raise CacheConfigError(f"not a page key: {key!r}")
-        return int.from_bytes(key.tobytes(), "little")
+        return key_int(key)
     if not 0 <= key < 1 << 128:
         raise CacheConfigError(f"page keys must be integers in [0, 2^128), got {key!r}")
     return key
@@ -101,7 +101,9 @@ def keys_to_ints(keys: PageKeys | KeyBuffer) -> list[PageKey]:
     """The keys as Python ints (tests, messages; not for hot paths)."""
     arr = as_page_keys(keys)
     raw = arr.tobytes()
-    return [int.from_bytes(raw[i : i + _KEY_BYTES], "little") for i in range(0, len(raw), 16)]
+    return [
+        int.from_bytes(raw[i : i + _KEY_BYTES], "little") for i in range(0, len(raw), _KEY_BYTES)
+    ]
 
 
 def as_page_keys(keys: PageKeys | KeyBuffer | Iterable[int]) -> PageKeys:
@@ -169,7 +171,7 @@ class KeyBuffer:
         j = i + n if i < 0 else i
         if not 0 <= j < n:
             raise IndexError(f"key {i} of {n}")
-        return int.from_bytes(self._buf[j].tobytes(), "little")
+        return key_int(self._buf[j])
 
     def __iter__(self):
         return iter(keys_to_ints(self.array))
