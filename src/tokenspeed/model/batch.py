@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import attrs
 import torch
@@ -99,8 +100,15 @@ class ForwardBatch:
         """[B] index of each request's last new token in the packed step."""
         return self.cu_seqlens[1:] - 1
 
+    @property
+    def cu_seqlens_host(self) -> torch.Tensor:
+        """[B + 1] int64 on the host: `cu_seqlens` from `seq_lens`, without reading the device
+        (a read would wait for every kernel queued before it)."""
+        return torch.tensor((0, *accumulate(self.seq_lens)), dtype=torch.int64)
+
     def segments(self):
-        """(request index, slice of the packed tokens) pairs."""
-        cu = self.cu_seqlens.tolist()
-        for i in range(self.batch_size):
-            yield i, slice(cu[i], cu[i + 1])
+        """(request index, slice of the packed tokens) pairs (from `seq_lens`: no device read)."""
+        start = 0
+        for i, n in enumerate(self.seq_lens):
+            yield i, slice(start, start + n)
+            start += n

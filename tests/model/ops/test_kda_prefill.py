@@ -1,10 +1,13 @@
-"""Chunked KDA prefill adapter (over fla's `chunk_kda`) vs the torch references.
+"""KDA prefill adapters (over fla's `chunk_kda` and varlen `causal_conv1d`) vs the torch
+references.
 
 CPU: fla's `chunk_kda` cannot run under TRITON_INTERPRET=1 (its kernels need interpreter patches),
 so the CPU case swaps it, inside an interpreter subprocess, for fla's own `fused_recurrent_kda`,
 which takes the same in-kernel gate / L2-norm / beta-sigmoid flags with the same meaning. That
 checks everything the adapter does (flag mapping, gate forms, varlen layout, slot gather and
-scatter) against our references. GPU (marked `gpu`): the real `chunk_kda` at K3 shapes.
+scatter) against our references. fla's conv kernel runs in the interpreter as it is, with its
+autotuner pinned to one config (the interpreter cannot time configs). GPU (marked `gpu`): the
+real kernels at K3 shapes.
 
 Run as a script (`python test_kda_prefill.py CASE...`) it prints the error report of each case as
 JSON; that is what the interpreter subprocess does.
@@ -23,8 +26,9 @@ import pytest
 import torch
 
 import tokenspeed
+from tokenspeed.model.ops.conv import causal_conv
 from tokenspeed.model.ops.kda import kda_chunked, kda_gate
-from tokenspeed.model.ops.kda.prefill import kda_prefill, use_safe_gate
+from tokenspeed.model.ops.kda.prefill import kda_conv_prefill, kda_prefill, use_safe_gate
 from tokenspeed.model.ops.norm import l2_norm
 
 FP32_TOL = 1e-5
@@ -118,10 +122,67 @@ def cpu_case(gate, flat_f=False):
     return {**report(inp, o, pool, o_ref, pool_ref, max_abs), "safe_gate": seen["safe_gate"]}
 
 
+def make_conv_inputs(lens=(4, 1, 9, 2, 3), channels=24, width=4, pool=7, slots=None,
+                     dtype=torch.float32, seed=0, device="cpu"):
+    """Lengths include sequences shorter than the W-1 window (their new window keeps part of
+    the old one)."""
+    gen = torch.Generator().manual_seed(seed)
+    if slots is None:
+        slots = torch.randperm(pool, generator=gen)[: len(lens)]
+    cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    inp = dict(
+        qkv=torch.randn(sum(lens), channels, generator=gen).to(dtype),
+        weight=torch.randn(channels, width, generator=gen).to(dtype),
+        conv_state=torch.randn(pool, channels, width - 1, generator=gen).to(dtype),
+        slots=torch.as_tensor(slots, dtype=torch.int32),
+        cu_seqlens=cu,
+    )
+    return {k: v.to(device) for k, v in inp.items()}
+
+
+def conv_reference(inp):
+    """`causal_conv` (+ SiLU) of each sequence from its slot's window, in fp32."""
+    pool = inp["conv_state"].float().clone()
+    cu = inp["cu_seqlens"].tolist()
+    outs = []
+    for i, slot in enumerate(inp["slots"].long().tolist()):
+        y, window = causal_conv(inp["qkv"][cu[i] : cu[i + 1]].float(), inp["weight"].float(),
+                                pool[slot])
+        outs.append(y)
+        pool[slot] = window
+    return torch.cat(outs), pool
+
+
+def run_conv_adapter(inp, **kw):
+    pool = inp["conv_state"].clone()
+    y = kda_conv_prefill(**{**inp, "conv_state": pool}, **kw)
+    return y, pool
+
+
+def conv_report(inp, y, pool, y_ref, pool_ref, metric):
+    return report({"slots": inp["slots"], "recurrent_state": inp["conv_state"]}, y, pool, y_ref,
+                  pool_ref, metric)
+
+
+def cpu_conv_case():
+    """fla's varlen conv in the interpreter, its autotuner pinned to one config."""
+    import fla.modules.causal_conv1d.ops as conv_ops
+
+    tuner = conv_ops.causal_conv1d_fwd_kernel
+    while not hasattr(tuner, "configs"):
+        tuner = tuner.fn
+    tuner.configs = tuner.configs[:1]
+    inp = make_conv_inputs(seed=5)
+    y, pool = run_conv_adapter(inp, cu_seqlens_cpu=inp["cu_seqlens"])
+    return conv_report(inp, y, pool, *conv_reference(inp), max_abs)
+
+
 CPU_CASES = {
     "softplus": lambda: cpu_case("softplus"),
     "lower_bound": lambda: cpu_case("lower_bound"),
     "lower_bound-flat-f": lambda: cpu_case("lower_bound", flat_f=True),
+    "conv": cpu_conv_case,
 }
 
 
@@ -136,7 +197,13 @@ def interpreted():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_interpreted_conv_adapter_matches_reference(interpreted):
+    r = interpreted["conv"]
+    assert r["out"] <= FP32_TOL and r["state"] <= FP32_TOL, r
+    assert r["others_untouched"], r
+
+
+@pytest.mark.parametrize("case", sorted(set(CPU_CASES) - {"conv"}))
 def test_interpreted_adapter_matches_reference(interpreted, case):
     r = interpreted[case]
     assert r["out"] <= FP32_TOL and r["state"] <= FP32_TOL, r
@@ -148,6 +215,16 @@ def test_interpreted_adapter_matches_reference(interpreted, case):
 def test_safe_gate_rule():
     assert use_safe_gate("lower_bound", -5.0) and use_safe_gate("lower_bound", -1.0)
     assert not use_safe_gate("lower_bound", -6.0) and not use_safe_gate("softplus", -5.0)
+
+
+def test_conv_rejects_bad_shapes():
+    inp = make_conv_inputs()
+    with pytest.raises(ValueError, match="windows"):
+        kda_conv_prefill(**{**inp, "conv_state": inp["conv_state"][..., :2]})
+    with pytest.raises(ValueError, match="windows"):
+        kda_conv_prefill(**{**inp, "qkv": inp["qkv"][None]})
+    with pytest.raises(ValueError, match="slots"):
+        kda_conv_prefill(**{**inp, "slots": inp["slots"][:2]})
 
 
 def test_rejects_bad_shapes():
@@ -190,6 +267,21 @@ def test_gpu_k3_matches_reference(gate, safe_gate):
     assert o.dtype == torch.bfloat16 and o.shape == (sum(GPU_LENS), 96, 128)
     assert r["out"] <= GPU_RMS_RATIO and r["state"] <= GPU_RMS_RATIO, r
     assert r["others_untouched"], r
+
+
+@pytest.mark.gpu
+def test_gpu_conv_k3_matches_reference():
+    """K3's q|k|v channels (3 x 96 x 128), bf16 inputs and windows (as the cache keeps them):
+    fla convolves in fp32 and rounds once, so the output is within bf16 rounding of the fp32
+    reference, and the new windows are exact copies of the last inputs."""
+    inp = make_conv_inputs(lens=GPU_LENS, channels=3 * 96 * 128, pool=12, slots=GPU_SLOTS,
+                           dtype=torch.bfloat16, seed=6, device="cuda")
+    y, pool = run_conv_adapter(inp, cu_seqlens_cpu=inp["cu_seqlens"].cpu())
+    y_ref, pool_ref = conv_reference(inp)
+    r = conv_report(inp, y, pool, y_ref, pool_ref, rms_ratio)
+    assert y.dtype == torch.bfloat16 and y.shape == inp["qkv"].shape
+    assert r["out"] <= 0.01, r
+    assert r["state"] == 0.0 and r["others_untouched"], r
 
 
 @pytest.mark.gpu

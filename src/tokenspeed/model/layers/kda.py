@@ -128,15 +128,16 @@ class KdaAttention(nn.Module):
         return self._tail(x, o.view(tokens, c.num_heads, c.head_dim))
 
     def _prefill_fla(self, x: torch.Tensor, batch: ForwardBatch, state: PagedKda) -> torch.Tensor:
-        """Prefill / extend: the conv on the slots' windows, then fla's chunked KDA over the
-        packed batch, starting from and ending in the slots."""
+        """Prefill / extend: fla's varlen conv and chunked KDA over the packed batch, each
+        starting from and ending in the slots."""
         c = self.config
         tokens = x.shape[0]
         slots = state.slots.long()
+        cu_host = batch.cu_seqlens_host  # lengths for fla without reading the device
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        current = KdaState(state.conv[slots], state.recurrent[slots])
-        mixed, conv_state = self._conv(qkv, batch, current)
-        state.conv.index_copy_(0, slots, conv_state.to(state.conv.dtype))
+        mixed = dispatch.kda_conv_prefill(
+            qkv, self.conv_weight, state.conv, slots, batch.cu_seqlens, cu_seqlens_cpu=cu_host
+        )
         q, k, v = (t.reshape(tokens, c.num_heads, c.head_dim) for t in mixed.chunk(3, dim=-1))
         o = dispatch.kda_prefill(
             q.contiguous(),
@@ -151,7 +152,7 @@ class KdaAttention(nn.Module):
             batch.cu_seqlens,
             gate=c.gate,
             lower_bound=c.gate_lower_bound,
-            cu_seqlens_cpu=batch.cu_seqlens.cpu(),
+            cu_seqlens_cpu=cu_host,
         )
         return self._tail(x, o)
 

@@ -138,12 +138,14 @@ class GatedMla(nn.Module):
                 plan=batch.attn_plan,
             )
             return self.o_proj(o.reshape(x.shape[0], -1))  # the gate is applied already
+        # Lengths from the host: the kernel plans its key chunks on the host, and reading them
+        # from the device would wait for every kernel queued so far.
         o = dispatch.mla_prefill_paged(
             q,
             pages,
             cache.page_table,
-            batch.cu_seqlens,
-            batch.context_lens,
+            batch.cu_seqlens_host,
+            torch.tensor(batch.total_lens, dtype=torch.int64),
             self.kv_b_proj.weight,
             c.v_head_dim,
             c.softmax_scale,

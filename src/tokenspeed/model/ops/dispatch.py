@@ -65,6 +65,13 @@ def kda_decode(*args, **kwargs) -> torch.Tensor:
     return kernel(*args, **kwargs)
 
 
+def kda_conv_prefill(*args, **kwargs) -> torch.Tensor:
+    """fla-core's varlen short conv over the conv-state pool (`ops.kda.prefill`)."""
+    from .kda.prefill import kda_conv_prefill as kernel
+
+    return kernel(*args, **kwargs)
+
+
 def kda_prefill(*args, **kwargs) -> torch.Tensor:
     """fla-core's chunked KDA over the slot pool (see `ops.kda.prefill.kda_prefill`)."""
     from .kda.prefill import kda_prefill as kernel

@@ -1,10 +1,15 @@
-"""Chunked KDA prefill / extend over a packed varlen batch: a thin adapter over fla-core's
-`chunk_kda` (fla.ops.kda) that reads and writes the runtime's slot pool.
+"""KDA prefill / extend over a packed varlen batch: thin adapters over fla-core that read and
+write the runtime's slot pools.
 
-fla does the q/k L2 norm, the decay gate (both forms) and the beta sigmoid inside its kernels,
-so the caller hands over the raw projections. Each request starts from the state in its slot
-and the state after its last token goes back there; because the scheduler puts checkpoints on
-chunk ends, that final state is the checkpoint and no per-token state is kept.
+- `kda_conv_prefill`: the q/k/v short conv + SiLU through fla's varlen `causal_conv1d`, one
+  launch for the whole batch (the reference convolves request by request).
+- `kda_prefill`: the recurrence through fla's `chunk_kda`. fla does the q/k L2 norm, the decay
+  gate (both forms) and the beta sigmoid inside its kernels, so the caller hands over the raw
+  projections.
+
+Each request starts from the state in its slot and the state after its last token goes back
+there; because the scheduler puts checkpoints on chunk ends, that final state is the checkpoint
+and no per-token state is kept.
 """
 
 from __future__ import annotations
@@ -20,6 +25,57 @@ SAFE_GATE_RANGE = (-5.0, 0.0)
 def use_safe_gate(gate: str, lower_bound: float) -> bool:
     """Whether fla's bounded-gate fast path applies: the lower-bound form with bound in [-5, 0)."""
     return gate == "lower_bound" and SAFE_GATE_RANGE[0] <= lower_bound < SAFE_GATE_RANGE[1]
+
+
+def kda_conv_prefill(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv + SiLU of N packed sequences, continuing from their slots' windows.
+
+    qkv: [T, C] inputs (the stacked q|k|v projections); weight: [C, W] (tap W-1 multiplies the
+    current input); conv_state: [S, C, W-1] pool, each slot's last W-1 inputs oldest first (as
+    `ops.conv.causal_conv` keeps them); slots: [N] slot of each sequence (distinct);
+    cu_seqlens: [N+1] int64 on the device; cu_seqlens_cpu: the same on the host (saves fla a
+    device read). Returns y: [T, C] in qkv's dtype (`causal_conv` of each sequence from its
+    window); the slots hold the windows after each sequence's last input afterwards.
+    """
+    channels = qkv.shape[-1]
+    width = weight.shape[1]
+    if (
+        qkv.dim() != 2
+        or weight.shape[0] != channels
+        or conv_state.shape[1:] != (channels, width - 1)
+    ):
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)}, weight {tuple(weight.shape)} and conv_state "
+            f"{tuple(conv_state.shape)} do not describe one [T, C] conv with [C, W-1] windows"
+        )
+    if slots.shape != (cu_seqlens.shape[0] - 1,):
+        raise ValueError(f"{slots.shape[0]} slots for {cu_seqlens.shape[0] - 1} sequences")
+    from fla.modules.causal_conv1d import causal_conv1d  # optional GPU dependency
+
+    index = slots.to(torch.long)
+    # fla keeps W inputs per sequence (the oldest unused by the conv): ours with one in front.
+    initial = qkv.new_zeros(index.shape[0], channels, width)
+    initial[..., 1:] = conv_state.index_select(0, index)
+    with torch.no_grad():
+        y, final = causal_conv1d(
+            qkv.unsqueeze(0),
+            weight,
+            initial_state=initial,
+            output_final_state=True,
+            activation="silu",
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )
+        conv_state.index_copy_(0, index, final[..., 1:].to(conv_state.dtype))
+    return y[0]
 
 
 def kda_prefill(

@@ -182,6 +182,7 @@ def mla_prefill_paged(
     q: [T, H, Dn + Dr] packed by request (cu_seqlens_q [B + 1]); pages: [NP, P, R + Dr] (FP8
     e4m3 with page_scales [NP] or [NP, P]); page_table: [B, MP]; context_lens: [B] rows of each
     request including its new tokens, which are its last n rows; kv_b_weight: [H * (Dn + Dv), R].
+    The chunk plan is made on the host: host cu_seqlens_q / context_lens spare a device read.
     Returns [T, H, Dv] in q's dtype; `reference.mla_prefill` over the same rows.
     """
     tokens, heads, qk_dim = q.shape
