@@ -3,16 +3,19 @@ benchmark): CUDA kernel time by kernel for one prefill step and for decode steps
 warm-up on the same shapes.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/offline_profile.py \
-        [--decode-steps 4] [--top 25]
+        [--decode-steps 4] [--top 25] [--host-profile]
 
 Prints, for the first prefill step (16384 tokens) and for `--decode-steps` decode steps at 64
 rows: the step's wall time, the summed CUDA kernel time and the `--top` kernels by CUDA time
-(with their share of the kernel time).
+(with their share of the kernel time); then the 64-row decode graph replayed on its own, so that
+step wall - replay is the engine's host work between replays.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -44,6 +47,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile the host side of --decode-steps decode steps")
     args = p.parse_args()
     from tokenspeed.runtime import SamplingParams
 
@@ -85,6 +90,32 @@ def main() -> int:
         walls = [timed_step() for _ in range(args.decode_steps)]
     print(f"decode: {args.decode_steps} steps, wall {[round(w * 1e3, 1) for w in walls]} ms")
     print(kernel_table(prof, args.top), flush=True)
+    graphs = engine.runner.graphs
+    if graphs is not None and graphs.captured:
+        # The decode graph replayed back to back (same inputs): the step without the engine's
+        # host work, so step wall - replay = what the host adds between replays.
+        graph = graphs.graphs[next(s for s in graphs.sizes if s >= 64)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay = start.elapsed_time(end) / 10
+        step = sorted(walls)[len(walls) // 2] * 1e3
+        print(f"decode graph replay alone: {replay:.1f} ms; step {step:.1f} ms; host adds "
+              f"{step - replay:.1f} ms a step")
+    if args.host_profile and engine.has_unfinished():
+        # Host time by function over a few decode steps (cProfile slows Python, so read the
+        # shares, not the absolute times; waiting for the GPU shows in the sampler's read).
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.decode_steps):
+            engine.step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
     engine.close()
     return 0
 
