@@ -85,13 +85,15 @@ def run_adapter(inp, gate, **kw):
     return o, pool
 
 
-def report(inp, o, pool, o_ref, pool_ref, metric):
+def report(inp, o, pool, o_ref, pool_ref, metric, pool_key="recurrent_state"):
+    """Output and used-slot errors by `metric`; whether the other slots of `inp[pool_key]` kept
+    their contents."""
     used = sorted(set(inp["slots"].long().tolist()))
     others = [s for s in range(pool.shape[0]) if s not in used]
     return {
         "out": metric(o.float(), o_ref),
         "state": metric(pool[used], pool_ref[used]),
-        "others_untouched": torch.equal(pool[others], inp["recurrent_state"][others]),
+        "others_untouched": torch.equal(pool[others], inp[pool_key][others]),
     }
 
 
@@ -160,11 +162,6 @@ def run_conv_adapter(inp, **kw):
     return y, pool
 
 
-def conv_report(inp, y, pool, y_ref, pool_ref, metric):
-    return report({"slots": inp["slots"], "recurrent_state": inp["conv_state"]}, y, pool, y_ref,
-                  pool_ref, metric)
-
-
 def cpu_conv_case():
     """fla's varlen conv in the interpreter, its autotuner pinned to one config."""
     import fla.modules.causal_conv1d.ops as conv_ops
@@ -175,7 +172,7 @@ def cpu_conv_case():
     tuner.configs = tuner.configs[:1]
     inp = make_conv_inputs(seed=5)
     y, pool = run_conv_adapter(inp, cu_seqlens_cpu=inp["cu_seqlens"])
-    return conv_report(inp, y, pool, *conv_reference(inp), max_abs)
+    return report(inp, y, pool, *conv_reference(inp), max_abs, pool_key="conv_state")
 
 
 CPU_CASES = {
@@ -278,7 +275,7 @@ def test_gpu_conv_k3_matches_reference():
                            dtype=torch.bfloat16, seed=6, device="cuda")
     y, pool = run_conv_adapter(inp, cu_seqlens_cpu=inp["cu_seqlens"].cpu())
     y_ref, pool_ref = conv_reference(inp)
-    r = conv_report(inp, y, pool, y_ref, pool_ref, rms_ratio)
+    r = report(inp, y, pool, y_ref, pool_ref, rms_ratio, pool_key="conv_state")
     assert y.dtype == torch.bfloat16 and y.shape == inp["qkv"].shape
     assert r["out"] <= 0.01, r
     assert r["state"] == 0.0 and r["others_untouched"], r
