@@ -10,9 +10,12 @@ autotuning (Triton JIT, fla-core's autotuner; both specialise on shapes) are not
 whole workload (its prefill chunks and decode batches are shaped by the scheduler, and a single
 prefill step missed the last, shorter chunks: a per-step timing on the H200 found the first
 all-decode step at 11.4 s, against 29.5 ms for the rest), transformers the full-batch prefill and
-two decode steps.
+two decode steps. Ours runs once per `--decode-steps` value (`EngineConfig.decode_steps`: decode
+steps run back to back between host round trips; default 8, as `LLM` uses), each on a fresh
+engine; the last is compared with transformers and the runs' greedy outputs with each other.
 
-    python benchmarks/offline.py [--prompts 64] [--prompt-len 2048] [--new 256] [--out FILE]
+    python benchmarks/offline.py [--prompts 64] [--prompt-len 2048] [--new 256]
+        [--decode-steps 1,8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ class _Progress:
 
 
 def build_engine(hf, num_prompts: int, prompt_len: int, new_tokens: int,
-                 checkpoint_slots: int | None = None):
+                 checkpoint_slots: int | None = None, decode_steps: int = 1):
     """Our model over transformers' parameter tensors (views, no copies) and the engine the
     benchmark runs it in: (engine, model). checkpoint_slots: default one per prompt."""
     from tokenspeed.model import KimiForCausalLM, from_hf_config
@@ -107,19 +110,19 @@ def build_engine(hf, num_prompts: int, prompt_len: int, new_tokens: int,
         EngineConfig(
             device="cuda", max_num_seqs=num_prompts,
             max_model_len=prompt_len + new_tokens + 64, prefill_token_budget=16384, l2="none",
-            checkpoint_slots=checkpoint_slots or num_prompts,
+            checkpoint_slots=checkpoint_slots or num_prompts, decode_steps=decode_steps,
         ),
     )
     return engine, ours
 
 
-def run_ours(hf, prompts, new_tokens: int):
+def run_ours(hf, prompts, new_tokens: int, decode_steps: int = 1):
     """Our engine over transformers' parameter tensors: (seconds, outputs, metrics summary, our
     model)."""
     from tokenspeed.runtime import SamplingParams
 
     n, prompt_len = prompts.shape
-    engine, ours = build_engine(hf, n, prompt_len, new_tokens)
+    engine, ours = build_engine(hf, n, prompt_len, new_tokens, decode_steps=decode_steps)
 
     def generate(batch, params):
         for i, p in enumerate(batch.tolist()):
@@ -205,8 +208,14 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    parser.add_argument(
+        "--decode-steps", default="8",
+        help="comma-separated EngineConfig.decode_steps to run ours with (the last one is "
+        "compared with transformers; the others are printed beside it)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    decode_steps = [int(x) for x in args.decode_steps.split(",")]
     if not torch.cuda.is_available():
         print("offline needs a CUDA device", file=sys.stderr)
         return 2
@@ -220,14 +229,20 @@ def main(argv=None) -> int:
 
     # tokenspeed first (its cache is freed before transformers allocates its own), so that a
     # run cut short while transformers generates still reports ours.
-    ours_s, outs, summary, ours = run_ours(hf, prompts, args.new)
+    runs = {}  # decode_steps -> (seconds, outputs, metrics summary)
+    for steps in decode_steps:
+        ours_s, outs, summary, ours = run_ours(hf, prompts, args.new, steps)
+        runs[steps] = (ours_s, outs, summary)
+        ours_tokens = sum(len(v) for v in outs.values())
+        print(f"tokenspeed (decode_steps={steps}): {ours_tokens} tokens in {ours_s:.1f} s = "
+              f"{ours_tokens / ours_s:.1f} tok/s", flush=True)
+        print(f"tokenspeed metrics: {summary}", flush=True)
+        if steps != decode_steps[-1]:
+            del ours
+        gc.collect()
+        torch.cuda.empty_cache()
     num_layers = ours.config.num_layers
-    ours_tokens = sum(len(v) for v in outs.values())
-    print(f"tokenspeed: {ours_tokens} tokens in {ours_s:.1f} s = {ours_tokens / ours_s:.1f} tok/s",
-          flush=True)
-    print(f"tokenspeed metrics: {summary}", flush=True)
-    gc.collect()
-    torch.cuda.empty_cache()
+    same = all(r[1] == outs for r in runs.values())
 
     t0 = time.perf_counter()
     warm = (prompts + 7) % prompts.max()
@@ -268,9 +283,19 @@ def main(argv=None) -> int:
         f"| transformers generate (experts: {experts_impl}, batches of {hf_batch}) | "
         f"{hf_s:.1f} | {hf_tokens} | "
         f"{hf_tokens / hf_s:.1f} |",
-        f"| tokenspeed Engine | {ours_s:.1f} | {ours_tokens} | {ours_tokens / ours_s:.1f} |",
+        *(
+            f"| tokenspeed Engine, decode_steps={k} | {v[0]:.1f} | "
+            f"{sum(len(o) for o in v[1].values())} | "
+            f"{sum(len(o) for o in v[1].values()) / v[0]:.1f} |"
+            for k, v in runs.items()
+        ),
         "",
-        f"ratio tokenspeed / transformers: {(ours_tokens / ours_s) / (hf_tokens / hf_s):.2f}x",
+        f"ratio tokenspeed (decode_steps={decode_steps[-1]}) / transformers: "
+        f"{(ours_tokens / ours_s) / (hf_tokens / hf_s):.2f}x",
+        *(
+            [f"greedy outputs of every decode_steps run identical: {'yes' if same else 'NO'}"]
+            if len(runs) > 1 else []
+        ),
         "",
         f"greedy outputs (bf16 on both sides): first token equal for {first} of {args.prompts} "
         f"prompts; common prefix {sum(common) / len(common):.1f} tokens on average, "

@@ -4,6 +4,7 @@ import pytest
 
 from tokenspeed.cache import CacheConfig
 from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingParams
+from tokenspeed.runtime.config import EngineConfigError
 from tokenspeed.runtime.engine import cache_geometry
 
 from .conftest import reference, tokens
@@ -34,17 +35,23 @@ def small_engine(model, **options):
     return Engine(model, None, EngineConfig(**base))
 
 
-def test_mixed_length_batch_matches_each_request_alone(tiny):
+# decode_steps=4: multi-step decoding (steps fed on the device, reported after the run).
+STEPS = pytest.mark.parametrize("decode_steps", [1, 4])
+
+
+@STEPS
+def test_mixed_length_batch_matches_each_request_alone(tiny, decode_steps):
     prompts = [tokens(n, seed=n) for n in (37, 5, 120, 16, 64, 1)]
-    engine = small_engine(tiny)
+    engine = small_engine(tiny, decode_steps=decode_steps)
     done = run(engine, [(i, p, GREEDY) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert done[i].token_ids == reference(tiny, p, 12), i
         assert done[i].outputs[0].finish_reason == "length"
 
 
-def test_turns_hit_the_prefix_cache_and_stay_exact(tiny):
-    engine = small_engine(tiny)
+@STEPS
+def test_turns_hit_the_prefix_cache_and_stay_exact(tiny, decode_steps):
+    engine = small_engine(tiny, decode_steps=decode_steps)
     first = tokens(70, seed=1)
     out1 = run(engine, [("t1", first, GREEDY)])["t1"]
     second = first + out1.token_ids + tokens(9, seed=2)  # the next turn of the conversation
@@ -54,10 +61,12 @@ def test_turns_hit_the_prefix_cache_and_stay_exact(tiny):
     assert engine.metrics.hit_rate > 0.3
 
 
-def test_preemption_under_a_tiny_cache_loses_nothing(tiny):
+@STEPS
+def test_preemption_under_a_tiny_cache_loses_nothing(tiny, decode_steps):
     geometry = cache_geometry(tiny, 16)
     budget = CacheConfig.budget_for(geometry, pages=14, live_requests=4, checkpoints=16)
-    engine = small_engine(tiny, cache_budget_bytes=budget, checkpoint_slots=16, max_preemptions=50)
+    engine = small_engine(tiny, cache_budget_bytes=budget, checkpoint_slots=16, max_preemptions=50,
+                          decode_steps=decode_steps)
     prompts = [tokens(n, seed=100 + n) for n in (50, 40, 45, 30)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     done = run(engine, [(i, p, params) for i, p in enumerate(prompts)])
@@ -66,13 +75,14 @@ def test_preemption_under_a_tiny_cache_loses_nothing(tiny):
         assert done[i].token_ids == reference(tiny, p, 40), i
 
 
-def _replay(model, l2):
+def _replay(model, l2, decode_steps=1):
     """Three conversations, three turns each, one request at a time, on a device tier that holds
     about one conversation: earlier sessions' turns are evicted before they come back, so their
     hits can only come from the host tier (L2)."""
     geometry = cache_geometry(model, 16)
     budget = CacheConfig.budget_for(geometry, pages=9, live_requests=4, checkpoints=3)
-    engine = small_engine(model, cache_budget_bytes=budget, checkpoint_slots=3, l2=l2)
+    engine = small_engine(model, cache_budget_bytes=budget, checkpoint_slots=3, l2=l2,
+                          decode_steps=decode_steps)
     sessions = {s: tokens(30 + 7 * s, seed=200 + s) for s in range(3)}
     outputs = []
     for turn in range(3):
@@ -84,9 +94,10 @@ def _replay(model, l2):
     return outputs, engine.metrics.hit_rate
 
 
-def test_multi_turn_replay_is_identical_with_and_without_l2(tiny):
-    with_l2, rate_l2 = _replay(tiny, "local")
-    without, rate_none = _replay(tiny, "none")
+@STEPS
+def test_multi_turn_replay_is_identical_with_and_without_l2(tiny, decode_steps):
+    with_l2, rate_l2 = _replay(tiny, "local", decode_steps)
+    without, rate_none = _replay(tiny, "none", decode_steps)
     print(f"prefix hit rate: L2 on {rate_l2:.2f}, L2 off {rate_none:.2f}")
     assert with_l2 == without
     assert rate_l2 > 0.4 and rate_l2 > rate_none + 0.2
@@ -148,3 +159,39 @@ def test_reset_metrics_starts_the_counters_afresh(tiny):
     assert engine.metrics.summary()["steps"] == 0 and engine.metrics.ttfts == []
     run(engine, [("a", tokens(20, seed=12), GREEDY)])
     assert len(engine.metrics.ttfts) == 1 and engine.metrics.prompt_tokens == 20
+
+
+@pytest.mark.parametrize("stop_at", range(3, 11))
+def test_a_stop_inside_a_multi_step_run_ends_there_and_the_next_turn_stays_exact(tiny, stop_at):
+    """A stop token sampled at output `stop_at` ends the request there, although the run computed
+    up to 3 more steps for it; the cache it leaves (its turn-end checkpoint, taken from the
+    state kept at its last page boundary, not from its live state, which ran on) serves the
+    next turn exactly. Prompts of 41 and 38 tokens put the stop on both sides of a 16-token
+    page boundary."""
+    for length in (41, 38):
+        prompt = tokens(length, seed=40 + length)
+        expected = reference(tiny, prompt, 12)
+        stop = expected[stop_at]
+        if stop in expected[:stop_at]:
+            continue  # the stop would fire earlier
+        engine = small_engine(tiny, decode_steps=4)
+        calls = 0
+        engine.add_request("t1", prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                        stop_token_ids=[stop]))
+        while engine.has_unfinished():
+            outs = {o.request_id: o for o in engine.step()}
+            calls += 1
+            engine.check_integrity()
+        assert calls < engine.metrics.steps  # some step() call ran several decode steps
+        out = outs["t1"]
+        assert out.token_ids == expected[: stop_at + 1]
+        assert out.outputs[0].finish_reason == "stop"
+        second = prompt + out.token_ids + tokens(7, seed=50 + length)
+        out2 = run(engine, [("t2", second, GREEDY)])["t2"]
+        assert out2.metrics.cached_tokens >= 32
+        assert out2.token_ids == reference(tiny, second, 12)
+
+
+def test_decode_steps_must_be_positive():
+    with pytest.raises(EngineConfigError, match="decode_steps"):
+        EngineConfig(decode_steps=0)

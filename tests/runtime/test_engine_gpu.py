@@ -13,16 +13,19 @@ from .conftest import tokens
 pytestmark = pytest.mark.gpu
 
 
-def _generate(model, graphs: bool):
+def _generate(model, graphs: bool, decode_steps: int = 1, stops=None):
+    """Greedy outputs of six mixed-length prompts; stops: per prompt, stop token ids."""
     engine = Engine(model, None, EngineConfig(
         device="cuda", page_size=16, max_num_seqs=8, max_model_len=512,
-        prefill_token_budget=128, enable_cuda_graph=graphs,
+        prefill_token_budget=128, enable_cuda_graph=graphs, decode_steps=decode_steps,
     ))
     assert engine.runner.graphs.captured == graphs
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9)]
     for i, p in enumerate(prompts):
-        engine.add_request(i, p, params)
+        stop = (stops or {}).get(i, [])
+        engine.add_request(i, p, SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=stop,
+        ))
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -39,3 +42,21 @@ def test_graph_and_eager_give_identical_greedy_tokens(dtype):
     eager = _generate(model, graphs=False)
     graph = _generate(model, graphs=True)
     assert graph == eager
+
+
+def test_multi_step_decoding_gives_the_single_step_tokens():
+    """decode_steps=5 (graphs replayed back to back, each fed the previous step's samples on the
+    device) against one step at a time, with stop tokens that end rows inside a run."""
+    model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to(
+        "cuda", torch.bfloat16
+    )
+    _keep_fp32(model)
+    single = _generate(model, graphs=True)
+    stops = {i: [out[k]] for i, k in ((0, 7), (2, 11), (3, 18)) for out in [single[i]]
+             if out[k] not in out[:k]}
+    assert stops  # at least one row stops early
+    single = _generate(model, graphs=True, stops=stops)
+    multi = _generate(model, graphs=True, decode_steps=5, stops=stops)
+    assert multi == single
+    for i, (stop,) in stops.items():
+        assert multi[i][-1] == stop and len(multi[i]) < 24

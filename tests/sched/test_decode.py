@@ -130,6 +130,34 @@ def test_multi_step_batches_stop_at_the_first_finishing_row():
     assert b.num_output == 6
 
 
+def test_a_multi_step_run_reported_step_by_step_checkpoints_from_kept_states():
+    """An engine that ran 5 steps before reporting them one by one: a row that ended on a page
+    boundary at the first step has a live state 4 steps past it, so with live_state=False its
+    turn-end checkpoint is written through save_state, never snapshotted from the live slot."""
+    sched, cache = _sched()
+    a, b = _prefilled("a", 47, 50), _prefilled("b", 60, 30)  # a's next step ends at 48 = 3 pages
+    _join(sched, a, b)
+    batch = sched.schedule(max_steps=5)
+    assert batch.steps == 5
+    saved = []
+    done = sched.complete(
+        batch, finished={"a"}, live_state=False,
+        save_state=lambda r, pos, slot: saved.append((r.rid, pos)),
+    )
+    assert done == [a] and a.num_computed == 48
+    assert cache.kinds[-1] == ("a", 48, True, False)  # not from the live slot
+    assert saved == [("a", 48)]
+    for _ in range(4):  # the run's other steps, a already gone
+        assert sched.complete(batch, live_state=False) == []
+    assert b.num_output == 6
+    # Reported as it runs (the default), the same boundary is snapshotted from the live slot.
+    sched, cache = _sched()
+    a = _prefilled("a", 47, 50)
+    _join(sched, a)
+    assert sched.complete(sched.schedule(), finished={"a"}) == [a]
+    assert cache.kinds[-1] == ("a", 48, True, True)
+
+
 def test_out_of_pages_preempts_the_youngest_row():
     sched, cache = _sched(pages=7)
     a, b = _prefilled("a", 47, 30), _prefilled("b", 47, 30)

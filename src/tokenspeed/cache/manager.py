@@ -46,6 +46,7 @@ from .errors import (
     TransferError,
 )
 from .handles import PrefixMatch, RequestCache
+from .host_copy import to_device
 from .kda_slots import SINK_SLOT, LiveSlotManager
 from .keys import KeyBuffer, PageKeys, as_page_keys, key_at
 from .l2.base import HostCache
@@ -559,7 +560,7 @@ class CacheManager:
         for r, h in enumerate(handles):
             self._check_live(h)
             table[r, : len(h.page_ids)] = h.page_ids
-        return torch.from_numpy(table).to(device or self.config.device)
+        return to_device(torch.from_numpy(table), device or self.config.device)
 
     def live_slot_tensor(
         self,
@@ -576,7 +577,7 @@ class CacheManager:
         for r, h in enumerate(handles):
             self._check_live(h)
             slots[r] = h.live_slot
-        return torch.tensor(slots, dtype=torch.int32, device=device or self.config.device)
+        return to_device(torch.tensor(slots, dtype=torch.int32), device or self.config.device)
 
     def _require_storage(self) -> DeviceStorage:
         if self._storage is None:

@@ -37,6 +37,12 @@ class EngineConfig:
     enable_cuda_graph: capture decode steps (CUDA only; eager on CPU).
     checkpoint_interval_pages: KDA checkpoints every N pages of a long prefill.
     seed: the sampler's default generator.
+    decode_steps: decode steps run back to back when no prefill is pending (multi-step
+        decoding): each step's input tokens come from the previous step's samples on the device,
+        and the host syncs, checks stops and schedules once per `decode_steps` tokens instead of
+        once per token. Outputs then arrive up to that many tokens at a time, and a row that
+        stops inside a run computes the rest of the run's steps for nothing (never emitted).
+        1 (the default) returns after every token.
     """
 
     device: str = "auto"
@@ -53,6 +59,7 @@ class EngineConfig:
     checkpoint_interval_pages: int = field(default=64, validator=_positive)
     max_preemptions: int = field(default=8)
     seed: int = 0
+    decode_steps: int = field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.l2 not in ("local", "none"):

@@ -240,19 +240,23 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns outputs of the requests that moved."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(max_decode_steps=self.config.decode_steps)
         moved: dict[Hashable, _Record] = {r.rid: r for r in self._aborted}
         self._aborted.clear()
         finished: set[Hashable] = set()
         self._stash.clear()
         start = time.monotonic()
+        steps = 1
         if plan.prefill is not None:
             self._run_prefill(plan.prefill, moved, finished)
-        if plan.decode is not None:
+        if plan.decode is not None and plan.prefill is None and plan.decode.steps > 1:
+            steps = self._run_decode_steps(plan, moved)  # reports each step to the scheduler
+        elif plan.decode is not None:
             self._run_decode(plan.decode, moved, finished)
         if not plan.empty:
-            self.scheduler.complete(plan, finished=finished, save_state=self._save_state)
-            self.metrics.record_step(plan, time.monotonic() - start)
+            if steps == 1:
+                self.scheduler.complete(plan, finished=finished, save_state=self._save_state)
+            self.metrics.record_step(plan, time.monotonic() - start, steps)
         for req in self.scheduler.take_preempted():
             record = self._records[req.rid]
             record.metrics.preemptions += 1
@@ -328,11 +332,82 @@ class Engine:
                     self._boundary[record.rid] = (n + 1, self.runner.read_live_state(handle))
         self._sample(records, logits, moved, finished)
 
+    def _run_decode_steps(self, plan, moved) -> int:
+        """Multi-step decoding: the batch's `steps` decode steps back to back, each fed the
+        previous step's samples on the device, then one wait for all their tokens, reported to
+        the scheduler step by step as if they had run one at a time. Returns the steps run.
+
+        A row that stops (a stop token or string) at step j still computes the later steps of
+        the run; their tokens are dropped, and they write only past the row's end (its pages
+        beyond the last token and its live state), which nobody reads after it is released."""
+        batch = plan.decode
+        records = [self._records[r.rid] for r in batch.requests]
+        handles = [self.port.handle(r.rid) for r in batch.requests]
+        params, rids = [r.params for r in records], [r.rid for r in records]
+        base = [r.sched.num_computed for r in records]
+        page = self.config.page_size
+        tokens: list[int] | torch.Tensor = [r.all_ids[r.sched.num_computed] for r in records]
+        samples, crossings = [], []
+        for j in range(batch.steps):
+            prefixes = [n + j for n in base]
+            logits = self.runner.decode(tokens, prefixes, handles)
+            # A row whose history now ends on a page boundary: its state there is copied now;
+            # the checkpoint is taken once the page's tokens (sampled in this run) are known.
+            crossings.append([
+                (i, n + 1, self.runner.read_live_state(handles[i]))
+                for i, n in enumerate(prefixes)
+                if (n + 1) % page == 0
+            ])
+            samples.append(self.sampler.sample(logits, params, rids))
+            tokens = samples[-1].tokens
+        sampled = torch.stack([out.tokens for out in samples]).tolist()  # the one wait
+        alive = list(range(len(records)))
+        for j, out in enumerate(samples):
+            for i in alive:  # the keys of pages completed by the previous step's tokens
+                self._sync_keys(records[i], handles[i])
+            for i, position, state in crossings[j]:
+                if records[i].finish_reason is None:
+                    self._keep_boundary(records[i], handles[i], position, state)
+            finished: set[Hashable] = set()
+            rows = [records[i] for i in alive]
+            self._accept(rows, [sampled[j][i] for i in alive], out, alive, moved, finished)
+            self.scheduler.complete(
+                plan, finished=finished, save_state=self._save_state, live_state=False
+            )
+            alive = [i for i in alive if records[i].finish_reason is None]
+        return batch.steps
+
+    def _sync_keys(self, record: _Record, handle) -> None:
+        """Hand the cache the keys of pages that tokens sampled since its last reservation
+        completed (a scheduler reservation does it in single-step decoding)."""
+        keys = record.sched.keys
+        known = handle.num_keys
+        if len(keys) > known:
+            self.cache.extend(handle, handle.num_tokens, keys[known:])
+
+    def _keep_boundary(self, record: _Record, handle, position: int, state) -> None:
+        """`_run_decode`'s rolling checkpoint at a page boundary, from a copy of the state taken
+        when the row was there."""
+        slot = self.cache.checkpoint(
+            handle, position, kind=CheckpointKind.ROLLING, from_live=False
+        )
+        if slot is not None:
+            self.runner.write_checkpoint(slot, state)
+        if self.cache.has_checkpoint(handle, position):
+            self._boundary.pop(record.rid, None)
+        else:
+            self._boundary[record.rid] = (position, state)
+
     def _sample(self, records: list[_Record], logits: torch.Tensor, moved, finished) -> None:
         out = self.sampler.sample(logits, [r.params for r in records], [r.rid for r in records])
-        tokens = out.tokens.tolist()
+        rows = range(len(records))
+        self._accept(records, out.tokens.tolist(), out, rows, moved, finished)
+
+    def _accept(self, records, tokens, out, rows, moved, finished) -> None:
+        """Host bookkeeping of sampled tokens: records[k] gets tokens[k], whose logprobs are row
+        rows[k] of `out`; stops and length limits end requests (added to `finished`)."""
         now = time.monotonic()
-        for i, (record, token) in enumerate(zip(records, tokens, strict=True)):
+        for record, token, i in zip(records, tokens, rows, strict=True):
             record.output_ids.append(token)
             record.chain.append_tokens([token])
             if out.logprobs is not None and record.params.logprobs is not None:

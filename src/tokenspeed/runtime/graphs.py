@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from tokenspeed.cache import RequestCache
+from tokenspeed.cache.host_copy import copy_into
 from tokenspeed.model import ForwardBatch
 
 
@@ -97,18 +98,25 @@ class DecodeGraphs:
         return batch_size <= self.sizes[-1] and max(prefix_lens) < self.max_pages * page
 
     def run(
-        self, tokens: Sequence[int], prefix_lens: Sequence[int], handles: Sequence[RequestCache]
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        prefix_lens: Sequence[int],
+        handles: Sequence[RequestCache],
     ) -> torch.Tensor:
-        """[B, vocab] logits of one decode step over B requests."""
+        """[B, vocab] logits of one decode step over B requests; `tokens` as ints or as a [B]
+        device tensor (copied on the device, in stream order)."""
         n = len(tokens)
         size = next(s for s in self.sizes if s >= n)
         device = self.ids.device
-        self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        if isinstance(tokens, torch.Tensor):
+            self.ids[:n].copy_(tokens)
+        else:
+            copy_into(self.ids[:n], torch.tensor(tokens, dtype=torch.long))
         self.ids[n:size].zero_()
         prefix = torch.tensor(prefix_lens, dtype=torch.long)
-        self.positions[:n].copy_(prefix, non_blocking=True)
+        copy_into(self.positions[:n], prefix)
         self.positions[n:size].zero_()
-        self.context_lens[:n].copy_(prefix + 1, non_blocking=True)
+        copy_into(self.context_lens[:n], prefix + 1)
         self.context_lens[n:size].fill_(1)
         self.slots[:size].copy_(self.cache.live_slot_tensor(handles, num_rows=size, device=device))
         self.page_table[:size].copy_(

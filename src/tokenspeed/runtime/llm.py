@@ -63,11 +63,16 @@ def _keep_fp32(model: KimiForCausalLM) -> None:
             module.e_score_correction_bias = bias.float()
 
 
+OFFLINE_DECODE_STEPS = 8
+
+
 class LLM:
     """A model plus an engine, for offline generation.
 
     model: a preset name ("tiny", ...) or a Hugging Face layout checkpoint directory.
-    Remaining keyword arguments are `EngineConfig` fields (max_num_seqs, max_model_len, ...).
+    Remaining keyword arguments are `EngineConfig` fields (max_num_seqs, max_model_len, ...);
+    decode_steps defaults to 8 here (offline generation wants throughput, not token-by-token
+    streaming; see `EngineConfig.decode_steps`).
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class LLM:
         seed: int = 0,
         **engine_options,
     ):
+        engine_options.setdefault("decode_steps", OFFLINE_DECODE_STEPS)
         config = EngineConfig(device=device, seed=seed, **engine_options)
         resolved = resolve_device(config.device)
         net, tokenizer = load_model(model, dtype=dtype, device=resolved, seed=seed)

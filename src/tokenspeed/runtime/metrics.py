@@ -27,13 +27,14 @@ class EngineMetrics:
     ttfts: list[float] = attrs.Factory(list)
     itls: list[float] = attrs.Factory(list)
 
-    def record_step(self, plan, seconds: float) -> None:
-        self.steps += 1
+    def record_step(self, plan, seconds: float, steps: int = 1) -> None:
+        """A plan's forwards: one, or `steps` decode steps of a multi-step run."""
+        self.steps += steps
         self.busy_seconds += seconds
         if plan.prefill is not None:
             self.prefill_tokens += plan.prefill.num_tokens
         if plan.decode is not None:
-            self.decode_tokens += plan.decode.size
+            self.decode_tokens += plan.decode.size * steps
 
     def record_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens

@@ -68,8 +68,19 @@ class ModelRunner:
         """Eager forward of one step: request i computes `tokens[i]` after `prefix_lens[i]`
         cached tokens. Returns the logits of each request's last token, [len(logits_rows)
         or B, vocab] for the requests listed in `logits_rows` (all by default)."""
-        batch = ForwardBatch.build([len(t) for t in tokens], prefix_lens, device=self.device)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
+        return self._forward(ids, [len(t) for t in tokens], prefix_lens, handles, logits_rows)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        seq_lens: Sequence[int],
+        prefix_lens: Sequence[int],
+        handles: Sequence[RequestCache],
+        logits_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """`forward` over packed token ids already on the device ([sum(seq_lens)] int64)."""
+        batch = ForwardBatch.build(seq_lens, prefix_lens, device=self.device)
         slots = self.cache.live_slot_tensor(handles, device=self.device)
         table = self.cache.page_table_tensor(handles, device=self.device)
         last = batch.last_token_indices
@@ -85,11 +96,19 @@ class ModelRunner:
         return out.logits
 
     def decode(
-        self, tokens: Sequence[int], prefix_lens: Sequence[int], handles: Sequence[RequestCache]
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        prefix_lens: Sequence[int],
+        handles: Sequence[RequestCache],
     ) -> torch.Tensor:
-        """One token for each of B requests: [B, vocab] logits (graph replay when possible)."""
+        """One token for each of B requests: [B, vocab] logits (graph replay when possible).
+
+        tokens: the B input tokens, as ints or as a [B] int64 device tensor (a previous step's
+        samples: multi-step decoding feeds them without a trip through the host)."""
         if self.graphs is not None and self.graphs.fits(len(tokens), prefix_lens):
             return self.graphs.run(tokens, prefix_lens, handles)
+        if isinstance(tokens, torch.Tensor):
+            return self._forward(tokens.to(torch.long), [1] * len(tokens), prefix_lens, handles)
         return self.forward([[t] for t in tokens], prefix_lens, handles)
 
     # ------------------------------------------------------------------ KDA state copies

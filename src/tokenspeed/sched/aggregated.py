@@ -59,16 +59,23 @@ class AggregatedScheduler:
         decode_steps: int = 1,
         finished: Collection[Hashable] = (),
         save_state: SaveState | None = None,
+        *,
+        live_state: bool = True,
     ) -> list[Request]:
         """Record a finished step; returns requests that finished (decode end or one-token answer).
 
-        `decode_steps` may exceed 1 only for a decode-only plan.
+        `decode_steps` may exceed 1 only for a decode-only plan; `live_state` as for
+        `DecodeScheduler.complete`.
         """
         if plan.prefill is not None and decode_steps != 1:
             raise ValueError("a plan with prefill chunks is a single forward")
         done = []
         if plan.decode is not None:
-            done.extend(self.decode.complete(plan.decode, decode_steps, finished, save_state))
+            done.extend(
+                self.decode.complete(
+                    plan.decode, decode_steps, finished, save_state, live_state=live_state
+                )
+            )
         if plan.prefill is not None:
             for req in self.prefill.complete(plan.prefill, save_state, finished):
                 if req.state is RequestState.DECODING:

@@ -143,6 +143,8 @@ class DecodeScheduler:
         steps: int = 1,
         finished: Collection[Hashable] = (),
         save_state: SaveState | None = None,
+        *,
+        live_state: bool = True,
     ) -> list[Request]:
         """Record `steps` completed steps of `batch`; returns the requests that finished.
 
@@ -150,7 +152,9 @@ class DecodeScheduler:
         these steps (an EOS the engine sampled). A finishing row's history is checkpointed at its
         last full page; unless the live state is exactly there, the checkpoint slot goes to
         `save_state(request, position, slot)`, which writes the state the runner kept when the
-        row last crossed a page boundary.
+        row last crossed a page boundary. live_state=False: the rows' live states may be past
+        these steps (an engine that ran more steps of the batch before reporting them), so the
+        checkpoint always comes from `save_state`.
         """
         if not 0 < steps <= batch.steps:
             raise ValueError(f"steps must be in 1..{batch.steps}, got {steps}")
@@ -163,19 +167,21 @@ class DecodeScheduler:
             req.num_output += steps
             if req.num_output >= req.max_new_tokens or req.rid in finished:
                 del running[req.rid]
-                self._publish_history(req, save_state)
+                self._publish_history(req, save_state, live_state)
                 self.cache.release(req)
                 req.move(RequestState.FINISHED)
                 done.append(req)
         return done
 
-    def _publish_history(self, req: Request, save_state: SaveState | None) -> None:
+    def _publish_history(
+        self, req: Request, save_state: SaveState | None, live_state: bool = True
+    ) -> None:
         """Checkpoint and publish up to the last full page, if decoding completed a page."""
         page = self.config.page_size
         joined = self._joined_at.pop(req.rid)
         end = req.num_computed - req.num_computed % page
         if end > joined - joined % page:
-            live = end == req.num_computed
+            live = live_state and end == req.num_computed
             slot = self.cache.checkpoint(req, end, turn_end=True, from_live=live)
             if slot is not None and not live and save_state is not None:
                 save_state(req, end, slot)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from tokenspeed.cache.host_copy import copy_into
+
 
 @attrs.frozen
 class SplitPlanBuffers:
@@ -137,5 +139,5 @@ def plan_decode_splits(
         (out.split_start, starts),
         (out.split_len, lens),
     ):
-        tensor.copy_(torch.tensor(values, dtype=torch.int32))
+        copy_into(tensor, torch.tensor(values, dtype=torch.int32))
     return SplitPlan(target_len=target, total_splits=slot, buffers=out)
