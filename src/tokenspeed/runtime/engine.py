@@ -325,11 +325,7 @@ class Engine:
         page = self.config.page_size
         for record, handle, n in zip(records, handles, prefixes, strict=True):
             if (n + 1) % page == 0:
-                self.cache.checkpoint(handle, n + 1, kind=CheckpointKind.ROLLING)
-                if self.cache.has_checkpoint(handle, n + 1):
-                    self._boundary.pop(record.rid, None)
-                else:  # no slot to spare: keep the state ourselves
-                    self._boundary[record.rid] = (n + 1, self.runner.read_live_state(handle))
+                self._keep_boundary(record, handle, n + 1)
         self._sample(records, logits, moved, finished)
 
     def _run_decode_steps(self, plan, moved) -> int:
@@ -385,18 +381,21 @@ class Engine:
         if len(keys) > known:
             self.cache.extend(handle, handle.num_tokens, keys[known:])
 
-    def _keep_boundary(self, record: _Record, handle, position: int, state) -> None:
-        """`_run_decode`'s rolling checkpoint at a page boundary, from a copy of the state taken
-        when the row was there."""
+    def _keep_boundary(self, record: _Record, handle, position: int, state=None) -> None:
+        """A rolling checkpoint where the row's history ends on a page boundary. state: a copy
+        of the row's state taken when it was there (multi-step runs); None: its live state is
+        there now. With no checkpoint slot to spare the engine keeps the state itself, for the
+        turn-end checkpoint."""
         slot = self.cache.checkpoint(
-            handle, position, kind=CheckpointKind.ROLLING, from_live=False
+            handle, position, kind=CheckpointKind.ROLLING, from_live=state is None
         )
-        if slot is not None:
+        if slot is not None and state is not None:
             self.runner.write_checkpoint(slot, state)
         if self.cache.has_checkpoint(handle, position):
             self._boundary.pop(record.rid, None)
         else:
-            self._boundary[record.rid] = (position, state)
+            kept = self.runner.read_live_state(handle) if state is None else state
+            self._boundary[record.rid] = (position, kept)
 
     def _sample(self, records: list[_Record], logits: torch.Tensor, moved, finished) -> None:
         out = self.sampler.sample(logits, [r.params for r in records], [r.rid for r in records])
