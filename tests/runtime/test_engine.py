@@ -195,3 +195,30 @@ def test_a_stop_inside_a_multi_step_run_ends_there_and_the_next_turn_stays_exact
 def test_decode_steps_must_be_positive():
     with pytest.raises(EngineConfigError, match="decode_steps"):
         EngineConfig(decode_steps=0)
+
+
+def test_logprobs_are_the_same_in_multi_step_runs(tiny):
+    """Per-step logprobs land on the right rows when an earlier row stopped inside the run."""
+    a, b = tokens(33, seed=60), tokens(20, seed=61)
+    stop = reference(tiny, a, 12)[4]
+
+    def outputs(decode_steps):
+        engine = small_engine(tiny, decode_steps=decode_steps)
+        done = run(engine, [
+            ("a", a, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])),
+            ("b", b, SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)),
+        ])
+        return {k: (o.token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs)
+                for k, o in done.items()}
+
+    multi, single = outputs(4), outputs(1)
+    assert len(multi["a"][0]) < 12 and len(multi["b"][1]) == 12
+    for rid in "ab":
+        assert multi[rid][0] == single[rid][0]
+    # Same tokens; the values may differ in the last bits (the stopped row stays in the multi-step
+    # batch, so b's rows are computed in batches of another size).
+    assert multi["b"][1] == pytest.approx(single["b"][1], rel=1e-5)
+    for got, want in zip(multi["b"][2], single["b"][2], strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+    assert multi["a"][1] is None  # a did not ask

@@ -42,7 +42,9 @@ class EngineConfig:
         and the host syncs, checks stops and schedules once per `decode_steps` tokens instead of
         once per token. Outputs then arrive up to that many tokens at a time, and a row that
         stops inside a run computes the rest of the run's steps for nothing (never emitted).
-        1 (the default) returns after every token.
+        A row that crosses a page boundary inside a run keeps a copy of its KDA state until the
+        run ends (at most one per row while decode_steps <= page_size). 1 (the default)
+        returns after every token.
     """
 
     device: str = "auto"
