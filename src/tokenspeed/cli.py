@@ -28,6 +28,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_cuda_graph=not args.eager,
+        **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
     )
 
 
@@ -87,6 +88,7 @@ def bench_agentx(args: argparse.Namespace) -> int:
         enable_cuda_graph=options["enable_cuda_graph"],
         page_size=args.page_size,
         seed=args.seed,
+        decode_steps=args.decode_steps or 1,
     )
     from tokenspeed.runtime.engine import resolve_device
 
@@ -113,6 +115,11 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=max_model_len)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--decode-steps", type=int, default=None,
+        help="decode steps per host round trip (EngineConfig.decode_steps; default: 8 for "
+        "generate, 1 for bench agentx, whose latency metrics want every token as it comes)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
