@@ -2,7 +2,18 @@
 
 import re
 
+import pytest
+import torch
+
 from tokenspeed.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The command sets torch's (process-wide) thread count; put it back for other tests."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def test_generate_prints_every_prompt_and_the_throughput(capsys):
@@ -27,3 +38,16 @@ def test_bench_agentx_reports_throughput_and_hit_rate(capsys):
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "AgentX replay" in out and "hit_rate" in out
+
+
+def test_a_small_model_on_the_cpu_runs_single_threaded(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert torch.get_num_threads() == 1
+    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "2", "--device", "cpu",
+                 "--threads", "2"]) == 0
+    assert torch.get_num_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert torch.get_num_threads() == 2  # the environment's choice stands

@@ -9,6 +9,7 @@ tokenspeed sim ...                      # the cluster simulator (see `tokenspeed
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -32,11 +33,33 @@ def _engine_options(args: argparse.Namespace) -> dict:
     )
 
 
+# Below this many parameters a model runs fastest single-threaded on the CPU: torch's intra-op
+# threads cost more than they save on its small matrices, and they stall whenever another
+# process holds a core. The tiny preset on the 2-core dev machine (`tokenspeed generate --device
+# cpu`): 206 tokens/s with 2 threads and 225 with 1 on an idle machine; 36 against 227 with the
+# other core busy.
+_SINGLE_THREAD_PARAMS = 100_000_000
+
+
+def _set_cpu_threads(args: argparse.Namespace, model, device) -> None:
+    """torch's CPU threads for this run: --threads, else one thread for a small model on the
+    CPU unless OMP_NUM_THREADS says otherwise (the process is this command's to configure)."""
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        return
+    small = sum(p.numel() for p in model.parameters()) < _SINGLE_THREAD_PARAMS
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and small:
+        torch.set_num_threads(1)
+
+
 def generate(args: argparse.Namespace) -> int:
     from tokenspeed import LLM, SamplingParams
     from tokenspeed.model import PRESETS
 
     llm = LLM(model=args.model, **_engine_options(args))
+    _set_cpu_threads(args, llm.engine.model, llm.engine.device)
     if args.prompt_ids:
         prompts = [{"prompt_token_ids": [int(t) for t in p.split(",")]} for p in args.prompt_ids]
     else:
@@ -94,6 +117,7 @@ def bench_agentx(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
     engine = Engine(model, tokenizer, config)
+    _set_cpu_threads(args, engine.model, engine.device)
     sessions, block = agentx_sessions(args.sessions, args.seed, args.scale, args.max_turns)
     result = replay(engine, sessions, args.concurrency, block)
     engine.check_integrity()
@@ -119,6 +143,11 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
         "--decode-steps", type=int, default=None,
         help="decode steps per host round trip (EngineConfig.decode_steps; default: 8 for "
         "generate, 1 for bench agentx, whose latency metrics want every token as it comes)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="torch CPU threads (default: 1 for a model under 100M parameters on the CPU, "
+        "unless OMP_NUM_THREADS is set; else torch's default)",
     )
 
 
