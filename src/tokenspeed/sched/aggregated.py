@@ -6,7 +6,8 @@ decode rows of the next step directly; there is no transfer. New prefills are ad
 decoding plus prefilling requests stay within the largest decode graph size.
 
 When no prefill is pending the caller may ask for several decode steps at once (the simulator
-does, to skip over steps in which nothing changes); otherwise a plan is one forward.
+does, to skip over steps in which nothing changes; an engine with multi-step decoding, to run
+them without returning to the host); otherwise a plan is one forward.
 """
 
 from __future__ import annotations

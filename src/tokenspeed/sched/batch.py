@@ -60,9 +60,10 @@ class PrefillBatch:
 class DecodeBatch:
     """Decode steps over `requests`, run at the captured graph size `padded_size`.
 
-    An engine asks for one step at a time (an EOS can end a row at any step); the simulator, which
-    knows each output length, asks for up to `steps` and may stop early. Rows past len(requests)
-    are padding: the runner points them at a throwaway page and state slot.
+    The simulator, which knows each output length, runs up to `steps` and may stop early. An
+    engine runs one step, or with multi-step decoding all `steps` back to back and then reports
+    them one by one (an EOS can end a row at any of them). Rows past len(requests) are padding:
+    the runner points them at a throwaway page and state slot.
     """
 
     requests: tuple[Request, ...]
