@@ -35,9 +35,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 # Below this many parameters a model runs fastest single-threaded on the CPU: torch's intra-op
 # threads cost more than they save on its small matrices, and they stall whenever another
-# process holds a core. The tiny preset on the 2-core dev machine (`tokenspeed generate --device
-# cpu`): 206 tokens/s with 2 threads and 225 with 1 on an idle machine; 36 against 227 with the
-# other core busy.
+# process holds a core (benchmarks/cpu_threads.py: the tiny preset, 1.03x idle and 6.6x with
+# the other core busy on the 2-core dev machine; docs/perf/runtime.md).
 _SINGLE_THREAD_PARAMS = 100_000_000
 
 
