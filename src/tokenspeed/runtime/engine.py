@@ -342,7 +342,9 @@ class Engine:
         params, rids = [r.params for r in records], [r.rid for r in records]
         base = [r.sched.num_computed for r in records]
         page = self.config.page_size
-        tokens: list[int] | torch.Tensor = [r.all_ids[r.sched.num_computed] for r in records]
+        tokens: list[int] | torch.Tensor = [
+            r.all_ids[n] for r, n in zip(records, base, strict=True)
+        ]
         samples, crossings = [], []
         for j in range(batch.steps):
             prefixes = [n + j for n in base]
