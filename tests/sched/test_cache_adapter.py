@@ -171,3 +171,23 @@ def test_acquire_right_after_lookup_reuses_the_match_and_answers_the_same():
     port_b.release(nxt)
     for c in (a, b):
         c.check_integrity()
+
+
+def test_sync_keys_hands_the_cache_keys_of_pages_completed_after_the_reservation():
+    """A request whose keys grew without a new reservation (tokens sampled between two) can be
+    checkpointed at the new page only once `sync_keys` passed the keys on."""
+    cache = _cache()
+    port = CacheManagerPort(cache)
+    chain = KeyChain(P)
+    chain.append_tokens(list(range(20)))  # one full page
+    req = Request(1, 20, 40, keys=chain.keys)
+    assert port.acquire(req, 0) == 0 and port.reserve(req, 60)
+    handle = port.handle(1)
+    assert handle.num_keys == 1
+    chain.append_tokens(list(range(20, 40)))  # two full pages now, no reservation since
+    assert handle.num_keys == 1
+    port.sync_keys(req)
+    assert handle.num_keys == 2 and handle.num_tokens == 60  # nothing else changed
+    port.sync_keys(req)  # nothing new: a no-op
+    assert handle.num_keys == 2
+    cache.check_integrity()

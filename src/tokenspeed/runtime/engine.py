@@ -362,7 +362,7 @@ class Engine:
         alive = list(range(len(records)))
         for j, out in enumerate(samples):
             for i in alive:  # the keys of pages completed by the previous step's tokens
-                self._sync_keys(records[i], handles[i])
+                self.port.sync_keys(records[i].sched)
             for i, position, state in crossings[j]:
                 if records[i].finish_reason is None:
                     self._keep_boundary(records[i], handles[i], position, state)
@@ -374,14 +374,6 @@ class Engine:
             )
             alive = [i for i in alive if records[i].finish_reason is None]
         return batch.steps
-
-    def _sync_keys(self, record: _Record, handle) -> None:
-        """Hand the cache the keys of pages that tokens sampled since its last reservation
-        completed (a scheduler reservation does it in single-step decoding)."""
-        keys = record.sched.keys
-        known = handle.num_keys
-        if len(keys) > known:
-            self.cache.extend(handle, handle.num_tokens, keys[known:])
 
     def _keep_boundary(self, record: _Record, handle, position: int, state=None) -> None:
         """A rolling checkpoint where the row's history ends on a page boundary. state: a copy

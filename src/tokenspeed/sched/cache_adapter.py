@@ -62,12 +62,24 @@ class CacheManagerPort:
         handle = self._handles[req.rid]
         if length <= handle.num_tokens:
             return True
-        known = handle.num_keys
         try:
-            self.cache.extend(handle, length, req.keys[known:] if len(req.keys) > known else ())
+            self.cache.extend(handle, length, self._new_keys(req, handle))
         except _CAPACITY_ERRORS:
             return False
         return True
+
+    def sync_keys(self, req: Request) -> None:
+        """Hand the cache the keys of pages completed since the last reservation (an engine
+        that samples several steps per reservation calls this between them)."""
+        handle = self._handles[req.rid]
+        keys = self._new_keys(req, handle)
+        if len(keys):
+            self.cache.extend(handle, handle.num_tokens, keys)
+
+    @staticmethod
+    def _new_keys(req: Request, handle: RequestCache):
+        known = handle.num_keys
+        return req.keys[known:] if len(req.keys) > known else ()
 
     def covered(self, req: Request) -> int:
         return self._handles[req.rid].num_tokens
