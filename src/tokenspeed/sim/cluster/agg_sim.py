@@ -8,8 +8,6 @@ pending a rank runs several decode steps per event, cut short when a new request
 
 from __future__ import annotations
 
-import bisect
-
 from tokenspeed.sched import Request, RequestState, Router, RouterConfig
 from tokenspeed.sim.cluster.config import ClusterConfig
 from tokenspeed.sim.cluster.engine import EventLoop
@@ -49,7 +47,7 @@ class AggregatedSimulator(EventLoop):
 
     def _kick(self, rank: AggregatedRank) -> None:
         if rank.busy:
-            self._cut(rank)
+            self.cut_run(rank, self._done)
             return
         plan = rank.sched.schedule(max_decode_steps=self.config.max_decode_steps)
         self._drain(rank)
@@ -93,14 +91,6 @@ class AggregatedSimulator(EventLoop):
         rank.steps = len(ends)
         rank.epoch += 1
         self.at(self.now + total, self._done, (rank, rank.epoch))
-
-    def _cut(self, rank: AggregatedRank) -> None:
-        j = bisect.bisect_left(rank.ends, self.now - rank.start)
-        if j + 1 >= rank.steps:
-            return
-        rank.steps = j + 1
-        rank.epoch += 1
-        self.at(rank.start + rank.ends[j], self._done, (rank, rank.epoch))
 
     def _done(self, arg: tuple[AggregatedRank, int]) -> None:
         rank, epoch = arg

@@ -13,6 +13,7 @@ Subclasses (P/D, aggregated) implement `_admit_request` and call `_finished` / `
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import time
@@ -62,6 +63,17 @@ class EventLoop:
     # ---- events -------------------------------------------------------------------------------
     def at(self, when: float, handler: Callable[[Any], None], arg: Any = None) -> None:
         heapq.heappush(self._heap, (when, next(self._seq), handler, arg))
+
+    def cut_run(self, rank, done: Callable[[Any], None]) -> None:
+        """Something must join `rank`'s run of decode steps: end the run after the step now in
+        flight. The run's completion event is superseded (its epoch is stale) by one at that
+        step's end, which calls `done((rank, epoch))`."""
+        j = bisect.bisect_left(rank.ends, self.now - rank.start)
+        if j + 1 >= rank.steps:
+            return
+        rank.steps = j + 1
+        rank.epoch += 1
+        self.at(rank.start + rank.ends[j], done, (rank, rank.epoch))
 
     def run(self) -> None:
         started, cpu_started = time.perf_counter(), time.process_time()

@@ -15,8 +15,6 @@ is in flight, exactly where a real engine would let it join.
 
 from __future__ import annotations
 
-import bisect
-
 from tokenspeed.sched import Request, RequestState, Router, RouterConfig, TransferGate
 from tokenspeed.sim.cluster.config import ClusterConfig
 from tokenspeed.sim.cluster.engine import EventLoop
@@ -188,7 +186,7 @@ class PDSimulator(EventLoop):
 
     def _kick_decode(self, rank: DecodeRank) -> None:
         if rank.busy:
-            self._cut(rank)
+            self.cut_run(rank, self._decode_done)
             return
         batch = rank.sched.schedule(max_steps=self.config.max_decode_steps)
         self._drain_decode_side_effects(rank)
@@ -211,15 +209,6 @@ class PDSimulator(EventLoop):
         self._admit_decode(rank)
         if not rank.busy:
             self._kick_decode(rank)
-
-    def _cut(self, rank: DecodeRank) -> None:
-        """Something must join: end the current run after the step now in flight."""
-        j = bisect.bisect_left(rank.ends, self.now - rank.start)
-        if j + 1 >= rank.steps:
-            return
-        rank.steps = j + 1
-        rank.epoch += 1
-        self.at(rank.start + rank.ends[j], self._decode_done, (rank, rank.epoch))
 
     def _decode_done(self, arg: tuple[DecodeRank, int]) -> None:
         rank, epoch = arg
