@@ -122,6 +122,24 @@ def test_abort_frees_the_cache(tiny):
     assert engine.cache.available_pages == free
 
 
+def test_the_abort_of_the_last_request_is_still_reported(tiny):
+    """`while engine.has_unfinished(): engine.step()` delivers the final output of a request
+    aborted when nothing else runs (it comes with the next step)."""
+    engine = small_engine(tiny)
+    engine.add_request("a", tokens(30, seed=5), GREEDY)
+    engine.step()
+    assert engine.abort("a", reason="client went away")
+    assert engine.has_unfinished()
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [
+        ("a", True, "abort")
+    ]
+    assert outs[0].abort_reason == "client went away"
+    engine.add_request("a", tokens(5, seed=6), GREEDY)  # the id is free again
+
+
 def test_bad_requests_are_refused_before_any_work(tiny):
     engine = small_engine(tiny)
     with pytest.raises(RequestError, match="empty"):

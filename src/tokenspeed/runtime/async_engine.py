@@ -65,7 +65,7 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         try:
-            while self.engine.has_unfinished() or self.engine._aborted:
+            while self.engine.has_unfinished():
                 for out in self.engine.step():
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

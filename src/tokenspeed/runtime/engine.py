@@ -231,7 +231,10 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return any(r.finish_reason is None for r in self._records.values())
+        """Whether `step()` has anything to do or report: a request still running, or an abort
+        whose final output the next step delivers (so `while engine.has_unfinished(): step()`
+        sees every request end, aborted ones included)."""
+        return bool(self._aborted) or any(r.finish_reason is None for r in self._records.values())
 
     @property
     def num_unfinished(self) -> int:
