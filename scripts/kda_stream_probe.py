@@ -47,14 +47,16 @@ from kda_decode import (
     time_graph,
 )
 from tokenspeed.model.ops.kda.decode import (
-    _add_pairs,
-    _conv_silu,
-    _conv_window,
-    _store_window,
     decode_scratch,
     kda_decode,
     kda_decode_stages,
     scratch_width,
+)
+from tokenspeed.model.ops.kda.decode_kernels import (
+    _add_pairs,
+    _conv_silu,
+    _conv_window,
+    _store_window,
 )
 
 

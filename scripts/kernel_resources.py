@@ -119,8 +119,9 @@ def _moe() -> list[tuple[str, Callable[[], str]]]:
 
 def _kda() -> list[tuple[str, Callable[[], str]]]:
     from tokenspeed.model.ops.kda import decode as kd
+    from tokenspeed.model.ops.kda import decode_kernels
 
-    k = kd._kda_recurrent_kernel
+    k = decode_kernels._kda_recurrent_kernel
     sig = _signature(k, {
         "qkv_ptr": "*bf16", "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16",
         "scratch_ptr": "*fp32", "ready_ptr": "*i32", "state_ptr": "*fp32", "slots_ptr": "*i32",
