@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 
-from tokenspeed.cache import CacheConfig
+from tokenspeed.cache import CacheConfig, LocalHostCache
 from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
 from tokenspeed.runtime.async_engine import AsyncEngine
 from tokenspeed.runtime.engine import cache_geometry
@@ -32,7 +32,9 @@ PAGE = 16
 MAX_OUT = 20
 
 
-def make_engine(model, rng: random.Random) -> Engine:
+def make_engine(model, rng: random.Random, l2=None) -> Engine:
+    """A random engine config; `l2`: a host tier to share with other engines (else its own or
+    none, at random)."""
     seqs = rng.choice([2, 3, 4])
     options = dict(
         page_size=PAGE,
@@ -51,7 +53,7 @@ def make_engine(model, rng: random.Random) -> Engine:
             checkpoints=slots,
         )
         options["checkpoint_slots"] = slots
-    return Engine(model, None, EngineConfig(**options))
+    return Engine(model, None, EngineConfig(**options), l2=l2)
 
 
 def sampled(max_tokens: int, seed: int) -> SamplingParams:
@@ -225,6 +227,46 @@ def play_async(model, seed: int, num_requests: int = 10) -> None:
     engine.check_integrity()
 
 
+def play_shared_l2(model, seed: int, num_requests: int = 14) -> int:
+    """Two engines (two servers) sharing one host tier: each request goes to either, follow-up
+    turns included, so a turn often finds its history in the L2 the other engine published to.
+    Tokens stay those of the request alone, and both engines end idle and intact."""
+    rng = random.Random(seed)
+    shared = LocalHostCache(capacity_bytes=1 << 30)
+    engines = [make_engine(model, rng, l2=shared) for _ in range(2)]
+    idle = [e.cache.available_pages for e in engines]
+    scenario = Scenario(model, rng)
+    where: dict[str, int] = {}
+    added = 0
+    for _ in range(5000):
+        busy = any(e.has_unfinished() for e in engines)
+        if added < num_requests and (not busy or rng.random() < 0.3):
+            rid, prompt, params = scenario.make_request(added)
+            where[rid] = rng.randrange(2)
+            engines[where[rid]].add_request(rid, prompt, params)
+            added += 1
+        for engine in engines:
+            if engine.has_unfinished():
+                scenario.record(engine.step())
+                engine.check_integrity()
+        if added == num_requests and not any(e.has_unfinished() for e in engines):
+            break
+    assert set(scenario.finished) == set(scenario.prompts)
+    crossed = 0
+    for rid, out in scenario.finished.items():
+        scenario.check(rid, out)
+        crossed += out.metrics.cached_tokens > 0 and any(
+            where[prev] != where[rid] and scenario.prompts[rid][: len(p)] == p
+            for prev, p in scenario.prompts.items()
+            if prev != rid and len(p) >= PAGE
+        )
+    for engine, pages in zip(engines, idle, strict=True):
+        assert engine.cache.available_pages == pages
+        engine.check_integrity()
+    shared.check_integrity()
+    return crossed
+
+
 @pytest.fixture(scope="module")
 def steady(tiny):
     """`tiny` whose routers always pick the same experts: the score correction bias of expert e
@@ -247,6 +289,17 @@ def test_random_scenarios_end_every_request_exactly(steady, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_async_clients_all_end_and_leave_the_engine_idle(steady, seed):
     play_async(steady, seed)
+
+
+def test_two_engines_sharing_an_l2_hand_turns_to_each_other(steady):
+    crossed = sum(play_shared_l2(steady, seed) for seed in range(3))
+    assert crossed > 0  # some turns reused a history the other engine had published
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3, 40))
+def test_many_pairs_of_engines_sharing_an_l2(steady, seed):
+    play_shared_l2(steady, seed)
 
 
 @pytest.mark.slow
