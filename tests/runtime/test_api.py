@@ -2,6 +2,7 @@
 
 import asyncio
 import itertools
+import random
 import re
 from pathlib import Path
 
@@ -61,6 +62,35 @@ def test_stop_token_ids_and_strings():
         out = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10, stop=[stop],
                                                           ignore_eos=True), use_tqdm=False)[0]
         assert out.outputs[0].finish_reason == "stop" and stop not in out.text
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_random_stop_strings_end_and_cut_the_output_where_they_first_appear(decode_steps):
+    """Each of several batched prompts stops at a random 1-3 character piece of its own greedy
+    text: the output ends with the token that completed the first occurrence, and the text is
+    cut before it. Runs of 8 decode steps end rows mid-run."""
+    rng = random.Random(decode_steps)
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16,
+              decode_steps=decode_steps)
+    prompts = [f"prompt {i}: " + "xyz"[: i % 4] for i in range(6)]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    bases = [o.token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
+    decode = llm.tokenizer.decode
+    params, expected = [], []
+    for ids in bases:
+        text = decode(ids)
+        assert text, "a base output with no byte tokens: pick other prompts"
+        at = rng.randrange(max(1, len(text) - 3))
+        stop = text[at : at + rng.randint(1, 3)]
+        k = next(k for k in range(1, len(ids) + 1) if stop in decode(ids[:k]))
+        done = decode(ids[:k])
+        expected.append((ids[:k], done[: done.find(stop)], stop))
+        params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, (ids, text, stop) in zip(outs, expected, strict=True):
+        assert out.token_ids == ids, stop
+        assert out.text == text
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
 
 
 def test_bad_input_fails_before_any_work():
