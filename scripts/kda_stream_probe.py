@@ -61,18 +61,27 @@ from tokenspeed.model.ops.kda.decode_kernels import (
 
 
 @triton.jit
+def _unit(
+    u, slots_ptr, state_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr
+):
+    """Work unit u = (row, head, V block): (row, head, V block, its V columns, the row's slot,
+    pointers of its K x BV state tile)."""
+    NV = V // BV
+    vb = u % NV
+    head = u // NV % H
+    row = u // NV // H
+    ov = vb * BV + tl.arange(0, BV)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    tile = state_ptr + (slot * H + head) * K * V + tl.arange(0, K)[:, None] * V + ov[None, :]
+    return row, head, vb, ov, slot, tile  # fmt: skip
+
+
+@triton.jit
 def _rmw_grid(
     state_ptr, slots_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr
 ):
     pid = tl.program_id(0).to(tl.int64)
-    NV = V // BV
-    vb = pid % NV
-    head = pid // NV % H
-    row = pid // NV // H
-    ok = tl.arange(0, K)
-    ov = vb * BV + tl.arange(0, BV)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    ptr = state_ptr + (slot * H + head) * K * V + ok[:, None] * V + ov[None, :]
+    _, _, _, _, _, ptr = _unit(pid, slots_ptr, state_ptr, H, K, V, BV)
     s = tl.load(ptr, eviction_policy="evict_first")
     tl.store(ptr, s * 0.999 + 1e-3, eviction_policy="evict_first")
 
@@ -90,15 +99,8 @@ def _rmw_persistent(
     NS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    NV = V // BV
-    ok = tl.arange(0, K)
     for u in tl.range(pid, n_units, NPROG, num_stages=NS):
-        vb = u % NV
-        head = u // NV % H
-        row = u // NV // H
-        ov = vb * BV + tl.arange(0, BV)
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        ptr = state_ptr + (slot * H + head) * K * V + ok[:, None] * V + ov[None, :]
+        _, _, _, _, _, ptr = _unit(u, slots_ptr, state_ptr, H, K, V, BV)
         s = tl.load(ptr)
         tl.store(ptr, s * 0.999 + 1e-3)
 
@@ -129,7 +131,6 @@ def _rec_persistent(
     """The split recurrence at one token per row, as a persistent loop over (row, head, V block)
     units (grid wait on the prep kernel)."""
     pid = tl.program_id(0).to(tl.int64)
-    NV = V // BV
     C = 2 * H * K + H * V
     ok = tl.arange(0, K)
     cols = tl.arange(0, WP)
@@ -137,13 +138,8 @@ def _rec_persistent(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for u in tl.range(pid, n_units, NPROG, num_stages=NS):
-        vb = u % NV
-        head = u // NV % H
-        row = u // NV // H
-        ov = vb * BV + tl.arange(0, BV)
+        row, head, _, ov, slot, tile = _unit(u, slots_ptr, state_ptr, H, K, V, BV)
         v_ch = 2 * H * K + head * V + ov
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        tile = state_ptr + (slot * H + head) * K * V + ok[:, None] * V + ov[None, :]
         s = tl.load(tile)
         x_row = qkv_ptr + row * stride_qkv_b
         conv_row = conv_state_ptr + slot * C * (W - 1)
@@ -211,7 +207,6 @@ def _onepass_ring(
     window's free column (q/k by the head's first V block). One token per row. Timing probe: the
     window does not rotate (a ring would pick the columns from the position)."""
     pid = tl.program_id(0).to(tl.int64)
-    NV = V // BV
     C = 2 * H * K + H * V
     ok = tl.arange(0, K)
     cw = tl.arange(0, W)
@@ -219,15 +214,10 @@ def _onepass_ring(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for u in tl.range(pid, n_units, NPROG, num_stages=NS):
-        vb = u % NV
-        head = u // NV % H
-        row = u // NV // H
-        ov = vb * BV + tl.arange(0, BV)
+        row, head, vb, ov, slot, tile = _unit(u, slots_ptr, state_ptr, H, K, V, BV)
         q_ch = head * K + ok
         k_ch = H * K + head * K + ok
         v_ch = 2 * H * K + head * V + ov
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        tile = state_ptr + (slot * H + head) * K * V + ok[:, None] * V + ov[None, :]
         s = tl.load(tile)
         x_row = qkv_ptr + row * stride_qkv_b
         conv_row = conv_ptr + slot * C * W
