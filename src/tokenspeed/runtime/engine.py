@@ -238,6 +238,7 @@ class Engine:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests still running (an abort waiting to be reported is not one of them)."""
         return sum(r.finish_reason is None for r in self._records.values())
 
     # ------------------------------------------------------------------ the step
