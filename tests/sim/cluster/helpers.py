@@ -83,3 +83,16 @@ TOY_COST = LinearCostModel(
     transfer_bytes_per_s=2e6,
     load_bytes_per_s=1e7,
 )
+
+
+def assert_nothing_lost(res):
+    """Every request of a `SimResult` finished, or was aborted with a reason; no cache holds one."""
+    s = res.summary
+    assert s.requests_issued == len(res.records) > 0
+    assert s.requests_finished + s.requests_aborted == s.requests_issued
+    for r in res.records:
+        assert r.finish is not None
+        if r.abort_reason is None:
+            assert r.generated == r.output_tokens
+            assert r.arrival <= r.first_token <= r.finish
+    assert all(st.requests == 0 for st in res.cache_stats)

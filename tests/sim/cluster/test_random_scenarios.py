@@ -7,14 +7,19 @@ import random
 
 import pytest
 
-from tests.sim.cluster.helpers import PAGE, PAGE_BYTES, STATE_BYTES, TOY_COST, toy_config
-from tests.sim.cluster.test_simulate import assert_nothing_lost
+from tests.sim.cluster.helpers import (
+    PAGE,
+    PAGE_BYTES,
+    STATE_BYTES,
+    TOY_COST,
+    assert_nothing_lost,
+    toy_agentx,
+    toy_config,
+)
 from tokenspeed.cache import CheckpointPolicy
 from tokenspeed.sched import SchedulerConfig
 from tokenspeed.sim.cluster import simulate
 from tokenspeed.sim.workload import AgentXWorkload
-
-from .helpers import toy_agentx
 
 
 def random_scenario(seed: int):

@@ -9,24 +9,19 @@ import json
 import attrs
 import pytest
 
-from tests.sim.cluster.helpers import PAGE_BYTES, STATE_BYTES, TOY_COST, toy_config, toy_workload
+from tests.sim.cluster.helpers import (
+    PAGE_BYTES,
+    STATE_BYTES,
+    TOY_COST,
+    assert_nothing_lost,
+    toy_config,
+    toy_workload,
+)
 from tokenspeed.cache import CacheManager
 from tokenspeed.sched import AggregatedScheduler, DecodeScheduler, PrefillScheduler
 from tokenspeed.sim.cluster import ClusterConfig, LostRequestError, build_simulator, simulate
 from tokenspeed.sim.cluster.records import RequestRecord
 from tokenspeed.sim.workload import LogNormal, Session, Turn, Workload, load_mooncake_trace
-
-
-def assert_nothing_lost(res):
-    s = res.summary
-    assert s.requests_issued == len(res.records) > 0
-    assert s.requests_finished + s.requests_aborted == s.requests_issued
-    for r in res.records:
-        assert r.finish is not None
-        if r.abort_reason is None:
-            assert r.generated == r.output_tokens
-            assert r.arrival <= r.first_token <= r.finish
-    assert all(st.requests == 0 for st in res.cache_stats)
 
 
 def test_pd_run_finishes_every_request_with_real_caches():

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.sim.cluster.test_simulate import assert_nothing_lost
+from tests.sim.cluster.helpers import assert_nothing_lost
 from tokenspeed.sim.cluster import ClusterConfig, simulate
 from tokenspeed.sim.workload import load_aiperf_dataset
 
