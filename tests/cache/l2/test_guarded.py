@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import pytest
 import torch
 
 from tokenspeed.cache import KeyChain, LocalHostCache, ObjectKind
+from tokenspeed.cache.keys import as_page_keys
 from tokenspeed.cache.l2.base import HostObject
 from tokenspeed.cache.l2.guarded import GuardedL2
 
@@ -182,3 +185,78 @@ def test_stats_survive_a_backend_whose_stats_raise():
     assert stats.l2 is None and stats.counters.l2_errors == 1
     assert stats.pages.total == cache.stats().pages.total
     cache.check_integrity()
+
+
+class _Nonsense(LocalHostCache):
+    """Answers every question with `answer`, whatever it was asked."""
+
+    def __init__(self, answer) -> None:
+        super().__init__(capacity_bytes=1 << 20)
+        self.answer = answer
+
+    def contains(self, kind, keys):
+        return self.answer
+
+    def prefix_present(self, kind, keys):
+        return self.answer
+
+    def last_present(self, kind, keys):
+        return self.answer
+
+    def presence_version(self):
+        return self.answer
+
+    def put(self, objects):
+        return self.answer
+
+    def put_many(self, kind, keys, positions, payloads=None, *, chain=False):
+        return self.answer
+
+    def get(self, kind, keys, positions):
+        return self.answer
+
+    def get_present(self, kind, keys, positions):
+        return self.answer
+
+
+class _Unconvertible:
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("cannot be an array")
+
+    def __len__(self):
+        raise RuntimeError("no length either")
+
+
+@pytest.mark.parametrize("answer", [7, -3, 1.5, True, "x", object(), _Unconvertible(), [True] * 3])
+def test_nonsense_answers_are_safe_and_counted(answer):
+    l2 = _Nonsense(answer)
+    l2.bind(tiny_geometry(), metadata_only=False)
+    errors = []
+    guard = GuardedL2(l2, lambda: errors.append(1))
+    page = HostObject(ObjectKind.PAGE, 1, 0, 1, torch.zeros(1, dtype=torch.uint8))
+    calls = [
+        (lambda: guard.contains(ObjectKind.PAGE, [1, 2]).tolist(), [False, False]),
+        (lambda: guard.prefix_present(ObjectKind.PAGE, [1, 2]), 0),
+        (lambda: guard.last_present(ObjectKind.PAGE, [1, 2]), -1),
+        (lambda: guard.put([page]), 0),
+        (lambda: guard.put_many(ObjectKind.PAGE, as_page_keys([1, 2]), [0, 1]), 0),
+        (lambda: guard.get(ObjectKind.PAGE, [1, 2], [0, 1]), [None, None]),
+        (lambda: guard.get_present(ObjectKind.PAGE, [1, 2], [0, 1]).tolist(), [False, False]),
+    ]
+    if type(answer) is not int:  # any int is a version
+        calls.append((guard.presence_version, None))
+    for call, safe in calls:
+        before = len(errors)
+        assert call() == safe
+        assert len(errors) == before + 1  # every refused answer is counted
+
+
+def test_integer_answers_of_numpy_type_are_taken():
+    l2 = _Nonsense(np.int64(1))
+    l2.bind(tiny_geometry(), metadata_only=False)
+    errors = []
+    guard = GuardedL2(l2, lambda: errors.append(1))
+    assert guard.prefix_present(ObjectKind.PAGE, [1, 2]) == 1
+    assert guard.last_present(ObjectKind.PAGE, [1, 2]) == 1
+    assert guard.presence_version() == 1
+    assert not errors

@@ -18,6 +18,7 @@ from .base import HostCache, HostObject, L2Stats, ObjectKind
 
 logger = logging.getLogger("tokenspeed.cache.l2")
 T = TypeVar("T")
+_RAISED = object()  # what `_guard` hands back when the backend call raised
 
 
 class GuardedL2:
@@ -41,16 +42,33 @@ class GuardedL2:
         self._on_error()
         logger.warning("L2 %s raised %r; treated as a miss / dropped write", what, exc)
 
-    @staticmethod
-    def _flags(out: object, n: int) -> np.ndarray:
-        """`out` as [n] bool, or all False when it is not n flags."""
+    def _refused(self, what: str, answer: object) -> None:
+        """A backend answered something that is not an answer: counted like a raise."""
+        self._on_error()
+        logger.warning("L2 %s answered %.80r; treated as a miss", what, answer)
+
+    def _count(self, what: str, n: object, lo: int | None, hi: int | None, fallback: T) -> int | T:
+        """`n` as an int in [lo, hi] (None: unbounded), else `fallback`, the answer refused."""
+        if isinstance(n, (int, np.integer)) and not isinstance(n, bool):
+            n = int(n)
+            if (lo is None or n >= lo) and (hi is None or n <= hi):
+                return n
+        self._refused(what, n)
+        return fallback
+
+    def _flags(self, what: str, out: object, n: int) -> np.ndarray:
+        """`out` as [n] bool, or all False when it is not n flags (None: the call raised, which
+        is already counted)."""
         if type(out) is np.ndarray and out.dtype == np.bool_ and out.shape == (n,):
             return out  # what the backends return: no conversion
+        if out is None:
+            return np.zeros(n, dtype=bool)
         try:
-            present = np.asarray(out, dtype=bool) if out is not None else None
-        except (TypeError, ValueError):
+            present = np.asarray(out, dtype=bool)
+        except Exception:  # whatever converting a nonsense answer raises
             present = None
         if present is None or present.shape != (n,):
+            self._refused(what, out)
             return np.zeros(n, dtype=bool)
         return present
 
@@ -63,7 +81,7 @@ class GuardedL2:
         except Exception as exc:  # the contract says backends do not raise; survive if they do
             self._failed("contains", exc)
             out = None
-        return self._flags(out, len(keys))
+        return self._flags("contains", out, len(keys))
 
     def prefix_present(self, kind: ObjectKind, keys: PageKeys) -> int:
         try:
@@ -71,7 +89,7 @@ class GuardedL2:
         except Exception as exc:
             self._failed("prefix_present", exc)
             return 0
-        return n if isinstance(n, int) and 0 <= n <= len(keys) else 0
+        return self._count("prefix_present", n, 0, len(keys), 0)
 
     def last_present(self, kind: ObjectKind, keys: PageKeys) -> int:
         try:
@@ -79,15 +97,15 @@ class GuardedL2:
         except Exception as exc:
             self._failed("last_present", exc)
             return -1
-        return i if isinstance(i, int) and -1 <= i < len(keys) else -1
+        return self._count("last_present", i, -1, len(keys) - 1, -1)
 
     def presence_version(self) -> int | None:
         v = self._guard("presence_version", None, self.inner.presence_version)
-        return v if isinstance(v, int) else None
+        return None if v is None else self._count("presence_version", v, None, None, None)
 
     def put(self, objects: Sequence[HostObject]) -> int:
-        n = self._guard("put", 0, lambda: self.inner.put(objects))
-        return n if isinstance(n, int) and n >= 0 else 0
+        n = self._guard("put", None, lambda: self.inner.put(objects))
+        return 0 if n is None else self._count("put", n, 0, len(objects), 0)
 
     def put_many(
         self,
@@ -103,13 +121,16 @@ class GuardedL2:
         except Exception as exc:
             self._failed("put_many", exc)
             return 0
-        return n if isinstance(n, int) and n >= 0 else 0
+        return self._count("put_many", n, 0, len(keys), 0)
 
     def get(
         self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
     ) -> list[torch.Tensor | None]:
-        out = self._guard("get", None, lambda: self.inner.get(kind, keys, positions))
-        if out is None or len(out) != len(keys):
+        out = self._guard("get", _RAISED, lambda: self.inner.get(kind, keys, positions))
+        if out is _RAISED:
+            return [None] * len(keys)
+        if not isinstance(out, (list, tuple)) or len(out) != len(keys):
+            self._refused("get", out)
             return [None] * len(keys)
         expected = 0 if self.inner.metadata_only else self.inner.object_bytes(kind)
         # A backend usually returns a few distinct objects many times (metadata-only: one
@@ -134,7 +155,7 @@ class GuardedL2:
         except Exception as exc:
             self._failed("get_present", exc)
             out = None
-        return self._flags(out, len(keys))
+        return self._flags("get_present", out, len(keys))
 
     def stats(self) -> L2Stats | None:
         """The backend's stats; None when asking raised (a stats call must not fail a caller)."""
