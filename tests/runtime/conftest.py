@@ -1,5 +1,7 @@
 """Engine fixtures: the tiny model, and a reference of what each request alone must produce."""
 
+import copy
+
 import pytest
 import torch
 
@@ -20,3 +22,17 @@ def tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
 def reference(model, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy decoding of one request alone, through the model's own forward."""
     return greedy_generate(model, [prompt], max_tokens, stop_token_ids=())[0]
+
+
+@pytest.fixture(scope="session")
+def steady(tiny):
+    """`tiny` whose routers always pick the same experts: the score correction bias of expert e
+    is 2e, larger than any spread of the sigmoid scores, so no two experts ever tie."""
+    model = copy.deepcopy(tiny)
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert gates
+    with torch.no_grad():
+        for gate in gates:
+            bias = gate.e_score_correction_bias
+            bias.copy_(2.0 * torch.arange(len(bias), dtype=bias.dtype))
+    return model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenspeed import LLM, SamplingParams
-from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingError
+from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingError, StepError
 from tokenspeed.runtime.async_engine import AsyncEngine
 
 from .conftest import reference, tokens
@@ -34,6 +34,32 @@ def test_generate_returns_one_output_per_prompt_in_order():
         assert out.finished and len(out.token_ids) == 6
         assert out.token_ids == reference(model, out.prompt_token_ids, 6)
         assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_a_failed_step_ends_generate_and_leaves_the_engine_clean():
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=2, max_model_len=256, page_size=16)
+    engine = llm.engine
+    idle = engine.cache.available_pages
+    real, calls = engine.runner.decode, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the third decode step: two requests mid-way, one waiting
+            raise RuntimeError("injected: device error")
+        return real(*args, **kwargs)
+
+    engine.runner.decode = failing
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], [9, 10, 11], [12, 13])]
+    with pytest.raises(StepError, match="injected") as failed:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert len(failed.value.aborted) == 2 and isinstance(failed.value.__cause__, RuntimeError)
+    # Nothing of the failed call keeps running, holds cache or waits to be reported.
+    assert not engine.has_unfinished() and engine.cache.available_pages == idle
+    engine.check_integrity()
+    outs = llm.generate(prompts, params, use_tqdm=False)  # the device works again
+    for out in outs:
+        assert out.token_ids == reference(engine.model, out.prompt_token_ids, 8)
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch():

@@ -1,7 +1,7 @@
 """The runtime: model runner, CUDA graphs, sampler, engine loop, offline API."""
 
 from .config import EngineConfig, EngineConfigError
-from .engine import Engine, RequestError
+from .engine import Engine, RequestError, StepError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingError, SamplingParams
 
@@ -15,4 +15,5 @@ __all__ = [
     "RequestOutput",
     "SamplingError",
     "SamplingParams",
+    "StepError",
 ]

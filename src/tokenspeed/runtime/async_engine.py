@@ -8,16 +8,23 @@
 One background task steps the engine while any request is unfinished; each request gets a queue
 of its outputs. The engine's step runs in the event loop's thread (compute-bound work released
 between steps), so an `await` in a handler lets other requests join the next step.
+
+A step that fails costs only the requests of its batch: the engine aborts them and their
+consumers get a final output with finish_reason "abort" and the error in `abort_reason`; the
+others go on. Any other failure of the loop reaches every consumer as the exception.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
 
-from .engine import Engine
+from .engine import Engine, StepError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenspeed.runtime")
 
 
 class AsyncEngine:
@@ -66,12 +73,22 @@ class AsyncEngine:
     async def _run(self) -> None:
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                for out in self._step():
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
                 await asyncio.sleep(0)  # let handlers consume and new requests arrive
-        except Exception as exc:  # a failing step must not leave consumers waiting forever
+        except Exception as exc:  # a failing loop must not leave consumers waiting forever
             for queue in self._queues.values():
                 queue.put_nowait(exc)
             raise
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except StepError as exc:
+            if not exc.aborted:
+                raise  # nothing was given up, so the next step would fail the same way
+            # Those requests end aborted with the next step's outputs; the others go on.
+            logger.error("%s", exc, exc_info=exc.__cause__)
+            return []

@@ -49,6 +49,15 @@ class RequestError(ValueError):
     """A request the engine cannot take; raised before any work starts for it."""
 
 
+class StepError(RuntimeError):
+    """A step failed (the cause is chained). `aborted`: the requests of its batch, which the
+    engine aborted because their state on the device is unknown; the next step reports them."""
+
+    def __init__(self, message: str, aborted: list[Hashable]) -> None:
+        super().__init__(message)
+        self.aborted = aborted
+
+
 @attrs.define(eq=False)
 class _Record:
     """The engine's side of one request: its tokens, keys and outputs."""
@@ -243,10 +252,24 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; returns outputs of the requests that moved."""
+        """Run one scheduled forward; returns outputs of the requests that moved.
+
+        If the step fails (the forward raises: out of memory, a device error), the requests of
+        its batch are aborted, their state on the device being unknown, and the next step reports
+        them (finish_reason "abort", the error in abort_reason); the other requests go on as if
+        nothing happened. The step raises `StepError`, naming the aborted requests."""
         plan = self.scheduler.schedule(max_decode_steps=self.config.decode_steps)
         moved: dict[Hashable, _Record] = {r.rid: r for r in self._aborted}
         self._aborted.clear()
+        try:
+            return self._step(plan, moved)
+        except Exception as exc:
+            aborted = self._abort_batch(plan, moved, f"step failed: {exc!r}")
+            raise StepError(
+                f"step failed ({exc!r}); {len(aborted)} requests of its batch aborted", aborted
+            ) from exc
+
+    def _step(self, plan, moved: dict[Hashable, _Record]) -> list[RequestOutput]:
         finished: set[Hashable] = set()
         self._stash.clear()
         start = time.monotonic()
@@ -281,6 +304,26 @@ class Engine:
                 self._boundary.pop(record.rid, None)
                 self.sampler.forget(record.rid)
         return outputs
+
+    def _abort_batch(self, plan, moved: dict[Hashable, _Record], reason: str) -> list[Hashable]:
+        """After a failed step: abort the requests of its batch that the scheduler still holds,
+        and leave everything the step would have reported (those aborts, the aborts it was to
+        deliver, requests that moved or ended before the failure) for the next step."""
+        batch = [c.request for c in plan.prefill.chunks] if plan.prefill is not None else []
+        batch += list(plan.decode.requests) if plan.decode is not None else []
+        aborted = []
+        for req in batch:
+            record = self._records.get(req.rid)
+            if record is None or req.done:
+                continue  # ended (and released) before the failure: its output still comes
+            self.scheduler.abort(req.rid, reason)
+            self._finish(record, "abort", abort_reason=reason)
+            moved[req.rid] = record
+            aborted.append(req.rid)
+        self._stash.clear()
+        pending = {r.rid for r in self._aborted}
+        self._aborted.extend(r for r in moved.values() if r.rid not in pending)
+        return aborted
 
     def _run_prefill(self, batch, moved, finished) -> None:
         chunks = list(batch.chunks)

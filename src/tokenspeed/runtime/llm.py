@@ -110,7 +110,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in prompt order."""
+        """One finished output per prompt, in prompt order. A failed step raises `StepError`
+        (see `Engine.step`) after the call's other requests are aborted too."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -149,6 +150,14 @@ class LLM:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:
+            # A failed step (or an interrupt) ends the call: none of its requests may keep
+            # running into the next one.
+            for rid in ids:
+                engine.abort(rid, "generate() failed")
+            while engine.has_unfinished():
+                engine.step()  # reports the aborts; nothing is left to compute
+            raise
         finally:
             if bar is not None:
                 bar.close()
