@@ -85,6 +85,53 @@ def test_pages_without_a_checkpoint_at_their_end_are_never_a_hit():
     cache.check_integrity()
 
 
+def test_a_checkpoint_whose_state_was_never_written_can_be_withdrawn():
+    """checkpoint(from_live=False) hands out a slot the caller fills; when that copy fails the
+    caller withdraws it, and the prefix is a hit only up to the checkpoint before it."""
+    cache = make_manager(pages=32)
+    tokens = token_stream(3, 41)
+    keys = KeyChain(P).append_tokens(tokens)
+    h = cache.allocate("a", keys, 41)
+    write_pages(cache, h, 0, 10)
+    slot16 = cache.checkpoint(h, 16, from_live=False)
+    write_checkpoint_slot(cache, slot16, prefix_seed(tokens[:16]))
+    slot40 = cache.checkpoint(h, 40, kind=CheckpointKind.ROLLING, from_live=False)
+    assert not cache.discard_checkpoint(h, 40, slot16)  # not the slot of that checkpoint
+    assert not cache.discard_checkpoint(h, 17, slot40)  # not a page boundary
+    assert cache.discard_checkpoint(h, 40, slot40)  # the copy into slot40 failed
+    assert not cache.has_checkpoint(h, 40) and cache.has_checkpoint(h, 16)
+    assert cache.stats().counters.checkpoints_discarded == 1
+    cache.check_integrity()
+    cache.release(h)
+    m = cache.match(keys, len(tokens))
+    assert m.num_tokens == 16
+    h = cache.allocate("b", keys, len(tokens))
+    assert live_state_matches(cache, h, prefix_seed(tokens[:16]))
+    cache.release(h)
+    cache.check_integrity()
+
+
+def test_a_failed_snapshot_of_the_live_state_leaves_no_checkpoint(monkeypatch):
+    cache = make_manager(pages=32)
+    tokens = token_stream(4, 41)
+    keys = KeyChain(P).append_tokens(tokens)
+    h = cache.allocate("a", keys, 41)
+    write_pages(cache, h, 0, 10)
+    write_live_state(cache, h, prefix_seed(tokens[:40]))
+
+    def failing(live_slot, slot):
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(cache.storage, "save_checkpoint", failing)
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        cache.checkpoint(h, 40)
+    assert not cache.has_checkpoint(h, 40)
+    cache.check_integrity()
+    cache.release(h)
+    assert cache.match(keys, len(tokens)).num_tokens == 0
+    cache.check_integrity()
+
+
 def test_no_checkpoint_no_hit_whatever_the_page_coverage():
     cache = make_manager()
     tokens = token_stream(2, 33)

@@ -155,20 +155,22 @@ class Scenario:
 
 
 def inject_failures(engine: Engine, rng: random.Random, rate: float) -> dict[str, int]:
-    """Make the engine's forward passes raise at random (as an out-of-memory error would), each
-    call with probability `rate`: half of them before the pass, half after it has written the
-    rows' cache and state; returns the count of failures, updated as they happen."""
+    """Make the engine's device work raise at random (as an out-of-memory or a device error
+    would), each call with probability `rate`: forward passes (half of them before the pass,
+    half after it has written the rows' cache and state) and the copies of KDA states out of the
+    live slots and into checkpoint slots. Returns the count of failures, kept up to date."""
     count = {"failures": 0}
-    for name in ("forward", "decode"):
+    for name in ("forward", "decode", "read_live_state", "write_checkpoint"):
         real = getattr(engine.runner, name)
+        forward = name in ("forward", "decode")
 
-        def failing(*args, _real=real, **kwargs):
+        def failing(*args, _real=real, _forward=forward, **kwargs):
             if rng.random() >= rate:
                 return _real(*args, **kwargs)
             count["failures"] += 1
-            if rng.random() < 0.5:
+            if _forward and rng.random() < 0.5:
                 _real(*args, **kwargs)  # the state moved on; then something failed
-            raise RuntimeError("injected: CUDA out of memory")
+            raise RuntimeError("injected: CUDA error")
 
         setattr(engine.runner, name, failing)  # the instance attribute shadows the method
     return count

@@ -8,9 +8,10 @@ once with the tokens it gets alone, the caches check out after every step, and e
 requests held is back when the engines are idle.
 
 Failing steps (`inject_failures`: a forward pass raises, before or after writing the batch's
-cache and state) may only cost the requests of that batch: they end aborted with a prefix of
-their tokens, every other request gets exactly its own, and a request sent again after a failure
-gets them too.
+cache and state, or a copy of a KDA state into or out of a checkpoint slot raises) may only cost
+the requests of that batch (a preemption that cannot save its state: that request): they end
+aborted with a prefix of their tokens, every other request gets exactly its own, and a request
+sent again after a failure gets them too, whatever cache the failed one left behind.
 """
 
 import random

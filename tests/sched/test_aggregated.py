@@ -104,3 +104,28 @@ def test_a_prefill_whose_first_token_stops_finishes_without_decoding():
     done = sched.complete(plan, finished={"a"})
     assert done == [req] and req.state is RequestState.FINISHED and req.num_output == 1
     assert not sched.has_work
+
+
+def test_a_failing_state_copy_leaves_every_request_somewhere_it_can_be_aborted():
+    """The engine's save_state raises (a device copy failed) while a step's prefill chunks are
+    completed: chunks before it are done with (their requests decode), the failing one is still
+    running its prefill, and aborting it frees its cache; nothing is stranded in between."""
+    sched, cache = _sched(budget=512)
+    a, b = make_request("a", 32, max_new_tokens=5), make_request("b", 200, max_new_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    # a's only checkpoint is its chunk's end (from the live state); b's first is inside its chunk.
+    assert [(c.request.rid, c.checkpoints[0] < c.end) for c in plan.prefill.chunks] == [
+        ("a", False), ("b", True)
+    ]
+
+    def failing(req, pos, slot):
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        sched.complete(plan, save_state=failing)
+    assert a.state is RequestState.DECODING and "a" in sched.decode.running
+    assert b.state is RequestState.PREFILLING and "b" in sched.prefill.running
+    assert sched.abort("b", "step failed") is b and not cache.holds("b")
+    assert b.state is RequestState.ABORTED

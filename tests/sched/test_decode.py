@@ -213,3 +213,38 @@ def test_aggregated_decode_rejects_pd_admission():
     sched, _ = _sched(disaggregated=False)
     with pytest.raises(RuntimeError, match="P/D"):
         sched.add(_prefilled("r", 16, 2))
+
+
+def test_a_failing_state_copy_at_a_finish_leaves_the_row_to_abort():
+    """save_state raises for a finishing row that needs its turn end copied: the row stays
+    running (not half removed), so an abort frees its cache."""
+    sched, cache = _sched()
+    a = _prefilled("a", 47, 50)
+    _join(sched, a)
+    batch = sched.schedule(max_steps=5)
+
+    def failing(req, pos, slot):
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        sched.complete(batch, finished={"a"}, live_state=False, save_state=failing)
+    assert "a" in sched.running and cache.holds("a")
+    assert sched.abort("a", "step failed") is a and not cache.holds("a")
+    assert a.state is RequestState.ABORTED
+
+
+def test_a_preemption_that_cannot_save_its_state_aborts_the_victim():
+    sched, cache = _sched()
+    a, b = _prefilled("a", 40, 30), _prefilled("b", 40, 30)
+    _join(sched, a, b)
+    for _ in range(9):  # 49 tokens computed: the last full page ends at 48, behind the live state
+        sched.complete(sched.schedule())
+
+    def failing(req, pos, slot):
+        raise RuntimeError("copy failed")
+
+    sched.save_state_on_preempt = failing
+    assert sched.preempt("b") is b
+    assert b.state is RequestState.ABORTED and "could not save its state" in b.abort_reason
+    assert sched.aborted == [b] and sched.preempted == [] and not cache.holds("b")
+    assert [r.rid for r in sched.schedule().requests] == ["a"]

@@ -447,12 +447,40 @@ class CacheManager:
             return None
         self.counters.checkpoints_taken += 1
         if self._storage is not None and from_live:
-            self._storage.save_checkpoint(handle.live_slot, entry.slot)
+            try:
+                self._storage.save_checkpoint(handle.live_slot, entry.slot)
+            except BaseException:
+                self._ckpts.remove(entry)  # never let a request match a state never written
+                raise
         if kind is CheckpointKind.ROLLING:
             self._paths.set_rolling(handle, entry)
         self._paths.note(handle, n)
         self._paths.enforce_cap(handle, newest=n)
         return entry.slot
+
+    def discard_checkpoint(self, handle: RequestCache, num_tokens: int, slot: SlotId) -> bool:
+        """Undo `checkpoint(handle, num_tokens, from_live=False)` whose state could not be
+        written into the returned `slot` (the copy failed): the entry goes, so no request ever
+        matches a state that was never written. Returns False, changing nothing, when the
+        checkpoint at that prefix is not in `slot` (there is nothing of this write to undo)."""
+        self._check_live(handle)
+        n, rest = divmod(num_tokens, self.page_size)
+        if rest or not 0 < n <= len(handle._keys):
+            return False
+        entry = self._ckpts.get(handle._keys[n - 1])
+        if entry is None or entry.slot != slot:
+            return False
+        if handle._rolling is entry:
+            handle._rolling = None
+            self._ckpts.unpin(entry)
+        if entry.refcount:
+            raise IntegrityError(
+                f"checkpoint slot {slot} of request {handle.request_id!r} is held by another "
+                "request: it cannot be a state this request has just failed to write"
+            )
+        self._ckpts.remove(entry)
+        self.counters.checkpoints_discarded += 1
+        return True
 
     def has_checkpoint(self, handle: RequestCache, num_tokens: int) -> bool:
         """Whether a KDA checkpoint exists at exactly `num_tokens` of this request's prefix."""

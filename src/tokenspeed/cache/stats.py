@@ -32,6 +32,7 @@ class CacheCounters:
     checkpoints_taken: int = 0
     checkpoints_thinned: int = 0  # removed by the per-path cap
     checkpoints_dropped: int = 0  # not taken: every checkpoint slot was pinned
+    checkpoints_discarded: int = 0  # taken, but the caller could not write their state
     checkpoints_promoted: int = 0  # L2 checkpoints also kept in the device tier after a load
     pages_evicted: int = 0
     checkpoints_evicted: int = 0

@@ -431,7 +431,7 @@ class Engine:
             handle, position, kind=CheckpointKind.ROLLING, from_live=state is None
         )
         if slot is not None and state is not None:
-            self.runner.write_checkpoint(slot, state)
+            self._write_checkpoint(handle, position, slot, state)
         if self.cache.has_checkpoint(handle, position):
             self._boundary.pop(record.rid, None)
         else:
@@ -474,9 +474,20 @@ class Engine:
         kept = self._boundary.get(req.rid)
         if state is None and kept is not None and kept[0] == position:
             state = kept[1]
+        handle = self.port.handle(req.rid)
         if state is None:
+            self.cache.discard_checkpoint(handle, position, slot)
             raise RuntimeError(f"no KDA state kept for request {req.rid!r} at position {position}")
-        self.runner.write_checkpoint(slot, state)
+        self._write_checkpoint(handle, position, slot, state)
+
+    def _write_checkpoint(self, handle, position: int, slot: int, state) -> None:
+        """Write a checkpoint's state into the slot the cache handed out; if the write fails,
+        the checkpoint is withdrawn, so no request ever starts from a state never written."""
+        try:
+            self.runner.write_checkpoint(slot, state)
+        except BaseException:
+            self.cache.discard_checkpoint(handle, position, slot)
+            raise
 
     def _finish(self, record: _Record, reason: str, abort_reason: str | None = None) -> None:
         if record.finish_reason is None or reason == "abort":

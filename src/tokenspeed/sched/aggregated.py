@@ -78,7 +78,12 @@ class AggregatedScheduler:
                 )
             )
         if plan.prefill is not None:
-            for req in self.prefill.complete(plan.prefill, save_state, finished):
+            # Chunk by chunk: a request whose prefill ended joins the decode batch at once, so
+            # that if a later chunk's completion raises, no request is left between the two.
+            for chunk in plan.prefill.chunks:
+                req = self.prefill.complete_chunk(chunk, save_state, finished)
+                if req is None:
+                    continue
                 if req.state is RequestState.DECODING:
                     self.decode.start(req)
                 else:

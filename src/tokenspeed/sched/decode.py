@@ -166,8 +166,9 @@ class DecodeScheduler:
             req.num_computed += steps
             req.num_output += steps
             if req.num_output >= req.max_new_tokens or req.rid in finished:
-                del running[req.rid]
                 self._publish_history(req, save_state, live_state)
+                # Only now: if publishing raised, the request is still here to be aborted.
+                del running[req.rid]
                 self.cache.release(req)
                 req.move(RequestState.FINISHED)
                 done.append(req)
@@ -189,14 +190,16 @@ class DecodeScheduler:
 
     # ---- removal -------------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
-        del self.running[req.rid]
         if req.preemptions >= self.config.max_preemptions:
-            self._joined_at.pop(req.rid, None)
-            self.cache.release(req)
-            req.abort(f"preempted {req.preemptions} times without finishing")
-            self.aborted.append(req)
+            self._abort_here(req, f"preempted {req.preemptions} times without finishing")
             return
-        self._publish_history(req, self.save_state_on_preempt)
+        try:
+            self._publish_history(req, self.save_state_on_preempt)
+        except Exception as exc:  # e.g. the device copy of its state failed
+            # Its progress is not saved, so it cannot resume: it ends here, and the batch goes on.
+            self._abort_here(req, f"preemption could not save its state: {exc!r}")
+            return
+        del self.running[req.rid]
         self.cache.release(req)
         req.preempt()
         self.preempted.append(req)

@@ -192,34 +192,47 @@ class PrefillScheduler:
         first output token counted.
         """
         done = []
-        page = self.config.page_size
         for chunk in batch.chunks:
-            req = chunk.request
-            if req.state is not RequestState.PREFILLING or req.rid not in self.running:
-                continue  # aborted while the forward ran
-            req.num_computed = chunk.end
-            turn_end = chunk.end - chunk.end % page if chunk.is_last else -1
-            for pos in chunk.checkpoints:
-                live = pos == chunk.end
-                slot = self.cache.checkpoint(req, pos, turn_end=pos == turn_end, from_live=live)
-                if slot is not None and not live and save_state is not None:
-                    save_state(req, pos, slot)
-            if not chunk.is_last:
-                continue
-            del self.running[req.rid]
-            if turn_end > req.num_cached:
-                self.cache.publish(req, turn_end)
-            req.num_output += 1
-            if req.output_remaining <= 0 or req.rid in finished:
-                req.move(RequestState.FINISHED)
-                self.cache.release(req)
-            elif self.disaggregated:
-                req.move(RequestState.TRANSFERRING)
-                self.pinned[req.rid] = req
-            else:
-                req.move(RequestState.DECODING)
-            done.append(req)
+            req = self.complete_chunk(chunk, save_state, finished)
+            if req is not None:
+                done.append(req)
         return done
+
+    def complete_chunk(
+        self,
+        chunk: PrefillChunk,
+        save_state: SaveState | None = None,
+        finished: Collection[Hashable] = (),
+    ) -> Request | None:
+        """`complete` of one chunk: its request if that ended its prefill, else None. If it
+        raises (a state copy failed), the request is still running here, for the caller to
+        abort; chunks completed before it are done with."""
+        req = chunk.request
+        if req.state is not RequestState.PREFILLING or req.rid not in self.running:
+            return None  # aborted while the forward ran
+        page = self.config.page_size
+        req.num_computed = chunk.end
+        turn_end = chunk.end - chunk.end % page if chunk.is_last else -1
+        for pos in chunk.checkpoints:
+            live = pos == chunk.end
+            slot = self.cache.checkpoint(req, pos, turn_end=pos == turn_end, from_live=live)
+            if slot is not None and not live and save_state is not None:
+                save_state(req, pos, slot)
+        if not chunk.is_last:
+            return None
+        if turn_end > req.num_cached:
+            self.cache.publish(req, turn_end)
+        del self.running[req.rid]  # only now: had anything above raised, it is still here
+        req.num_output += 1
+        if req.output_remaining <= 0 or req.rid in finished:
+            req.move(RequestState.FINISHED)
+            self.cache.release(req)
+        elif self.disaggregated:
+            req.move(RequestState.TRANSFERRING)
+            self.pinned[req.rid] = req
+        else:
+            req.move(RequestState.DECODING)
+        return req
 
     def release(self, req: Request) -> None:
         """The transfer of a pinned request has landed on its decode rank: free it here."""
