@@ -5,8 +5,10 @@ integrity checks after the drain, and the run is reproducible."""
 
 import random
 
+import attrs
 import pytest
 
+from tests.cache.l2.chaos import ChaosL2
 from tests.sim.cluster.helpers import (
     PAGE,
     PAGE_BYTES,
@@ -18,7 +20,7 @@ from tests.sim.cluster.helpers import (
 )
 from tokenspeed.cache import CheckpointPolicy
 from tokenspeed.sched import SchedulerConfig
-from tokenspeed.sim.cluster import simulate
+from tokenspeed.sim.cluster import L2Mode, ranks, simulate
 from tokenspeed.sim.workload import AgentXWorkload
 
 
@@ -81,3 +83,43 @@ def test_many_random_clusters_account_for_every_request(seed):
     for key in ("wall_s", "cpu_s", "events_per_s"):
         first.pop(key), again.pop(key)
     assert first == again  # reproducible
+
+
+def play_over_failing_tiers(seed: int, monkeypatch) -> list[ChaosL2]:
+    """A random cluster whose host tiers (shared or rank-local) fail at random: they may cost
+    hits, never a request. Returns the tiers."""
+    config, workload = random_scenario(seed)
+    rng = random.Random(seed)
+    config = attrs.evolve(config, l2=rng.choice([L2Mode.SHARED, L2Mode.LOCAL]))
+    rates = {"raise": 0.02, "nonsense": 0.02, "overclaim": 0.02, "drop": 0.05, "vanish": 0.1}
+    scale = rng.choice([0.5, 1.0, 3.0])
+    tiers = []
+
+    def chaos(*, capacity_bytes, metadata_only):
+        tier = ChaosL2(
+            random.Random(rng.randrange(1 << 30)),
+            capacity_bytes=capacity_bytes,
+            rates={k: min(1.0, v * scale) for k, v in rates.items()},
+            metadata_only=metadata_only,
+        )
+        tiers.append(tier)
+        return tier
+
+    monkeypatch.setattr(ranks, "LocalHostCache", chaos)
+    res = simulate(config, workload, TOY_COST)
+    assert_nothing_lost(res)
+    for tier in tiers:
+        tier.check_integrity()
+    return tiers
+
+
+def test_random_clusters_over_failing_host_tiers(monkeypatch):
+    tiers = [t for seed in range(6) for t in play_over_failing_tiers(seed, monkeypatch)]
+    faults = {k: sum(t.faults[k] for t in tiers) for k in tiers[0].faults}
+    assert all(faults[k] > 0 for k in ("raise", "nonsense", "overclaim", "drop", "vanish")), faults
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6, 60))
+def test_many_random_clusters_over_failing_host_tiers(seed, monkeypatch):
+    play_over_failing_tiers(seed, monkeypatch)
