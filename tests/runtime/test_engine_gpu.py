@@ -1,4 +1,5 @@
-"""On a GPU: captured decode graphs give the same tokens as eager steps."""
+"""On a GPU: captured decode graphs give the same tokens as eager steps, and failing steps under
+graphs cost only their batch."""
 
 import pytest
 import torch
@@ -60,3 +61,60 @@ def test_multi_step_decoding_gives_the_single_step_tokens():
     assert multi == single
     for i, (stop,) in stops.items():
         assert multi[i][-1] == stop and len(multi[i]) < 24
+
+
+@pytest.mark.parametrize("decode_steps", [1, 5])
+def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
+    """Forward passes and state copies fail at random while captured graphs run (single and
+    multi-step): every request ends exactly once, the failed ones aborted with the error, the
+    cache checks out after every step and is whole when the engine is idle, and the engine goes
+    on serving with its graphs."""
+    import random
+
+    from tokenspeed.runtime import StepError
+
+    from .scenarios import inject_failures
+
+    model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to(
+        "cuda", torch.float32
+    )
+    engine = Engine(model, None, EngineConfig(
+        device="cuda", page_size=16, max_num_seqs=8, max_model_len=512,
+        prefill_token_budget=128, enable_cuda_graph=True, decode_steps=decode_steps,
+    ))
+    idle = engine.cache.available_pages
+    injected = inject_failures(engine, random.Random(decode_steps), 0.1)
+    prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9, 50, 33)]
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    done, failed = {}, set()
+    while engine.has_unfinished():
+        try:
+            outputs = engine.step()
+        except StepError as err:
+            assert err.aborted
+            failed.update(err.aborted)
+            outputs = []
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out
+        engine.check_integrity()
+    assert injected["failures"] > 0 and failed
+    assert set(done) == set(range(len(prompts)))
+    for i, out in done.items():
+        if i in failed:
+            assert out.outputs[0].finish_reason == "abort" and "step failed" in out.abort_reason
+        else:
+            assert len(out.token_ids) == 24
+    assert engine.cache.available_pages == idle
+    # The same engine, failures off, serves a request to its end with its graphs.
+    for name in ("forward", "decode", "read_live_state", "write_checkpoint"):
+        del vars(engine.runner)[name]  # the runner's own methods again
+    engine.add_request("after", prompts[0], SamplingParams(temperature=0, max_tokens=24,
+                                                           ignore_eos=True))
+    while engine.has_unfinished():
+        outputs = engine.step()
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 24
+    assert engine.cache.available_pages == idle
+    engine.check_integrity()
