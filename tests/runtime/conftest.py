@@ -1,7 +1,5 @@
 """Engine fixtures: the tiny model, and a reference of what each request alone must produce."""
 
-import copy
-
 import pytest
 import torch
 
@@ -10,9 +8,13 @@ from tokenspeed.model.generate import greedy_generate
 from tokenspeed.model.init import init_random_weights
 
 
+def tiny_model() -> KimiForCausalLM:
+    return init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=21).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny():
-    return init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=21).eval()
+    return tiny_model()
 
 
 def tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -25,10 +27,11 @@ def reference(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def steady(tiny):
+def steady():
     """`tiny` whose routers always pick the same experts: the score correction bias of expert e
-    is 2e, larger than any spread of the sigmoid scores, so no two experts ever tie."""
-    model = copy.deepcopy(tiny)
+    is 2e, larger than any spread of the sigmoid scores, so no two experts ever tie. (A model of
+    its own: an engine on a GPU moves `tiny` there, and its CUDA stream cannot be copied.)"""
+    model = tiny_model()
     gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     assert gates
     with torch.no_grad():

@@ -22,6 +22,7 @@ def make_engine(model, rng: random.Random, l2=None, tight: float = 0.6) -> Engin
     none, at random); `tight`: the chance of a device tier of a few requests' worth."""
     seqs = rng.choice([2, 3, 4])
     options = dict(
+        device="cpu",  # the same engine on every machine (a GPU one is tested on its own)
         page_size=PAGE,
         max_num_seqs=seqs,
         max_model_len=rng.choice([400, 400, 130]),  # 130: outputs cut at the model's limit
@@ -48,7 +49,9 @@ def sampled(max_tokens: int, seed: int) -> SamplingParams:
 
 def alone(model, prompt: list[int], params: SamplingParams) -> list[int]:
     """The tokens of one request served alone by a fresh engine (single steps, a roomy cache)."""
-    engine = Engine(model, None, EngineConfig(page_size=PAGE, max_num_seqs=1, max_model_len=400))
+    engine = Engine(
+        model, None, EngineConfig(device="cpu", page_size=PAGE, max_num_seqs=1, max_model_len=400)
+    )
     engine.add_request("alone", prompt, params)
     while engine.has_unfinished():
         for out in engine.step():
