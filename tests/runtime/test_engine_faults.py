@@ -19,7 +19,7 @@ import pytest
 from tests.cache.l2.chaos import ChaosL2
 from tokenspeed.runtime.engine import cache_geometry
 
-from .scenarios import PAGE, play, play_async, play_shared_l2
+from .scenarios import PAGE, Scenario, make_engine, play, play_async, play_shared_l2
 
 READ_FAULTS = ("vanish", "corrupt", "short")
 # Small device tiers and mostly follow-up turns: histories leave the device tier and come back
@@ -104,3 +104,36 @@ def test_many_scenarios_with_failing_steps(steady, seed):
 @pytest.mark.parametrize("seed", range(2, 20))
 def test_many_async_clients_with_failing_steps(steady, seed):
     play_async(steady, seed, failures=random.Random(seed).choice([0.03, 0.1, 0.3]))
+
+
+def test_an_interrupted_step_aborts_its_batch_and_stays_an_interrupt(steady):
+    """Ctrl-C in the middle of a forward: the interrupt propagates as it is, the batch it cut
+    is aborted, and a caller that steps on gets the other requests' exact tokens."""
+    rng = random.Random(5)
+    scenario = Scenario(steady, rng)
+    engine = make_engine(steady, rng, tight=0.0)
+    requests = [scenario.make_request(n) for n in range(3)]
+    for rid, prompt, params in requests[:2]:
+        engine.add_request(rid, prompt, params)
+    real = engine.runner.forward
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)  # the state moved on; then the interrupt
+        raise KeyboardInterrupt
+
+    engine.runner.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()  # the first prefill (r0, and r1 if the budget lets it in)
+    del vars(engine.runner)["forward"]
+    engine.add_request(*requests[2])
+    while engine.has_unfinished():
+        scenario.record(engine.step())
+        engine.check_integrity()
+    assert set(scenario.finished) == {r[0] for r in requests}
+    cut = {rid for rid, out in scenario.finished.items()
+           if (out.abort_reason or "").startswith("step failed: KeyboardInterrupt")}  # fmt: skip
+    assert "r0" in cut and "r2" not in cut
+    scenario.aborted.update(cut)
+    for rid, out in scenario.finished.items():
+        scenario.check(rid, out)
+        assert rid not in cut or not out.token_ids

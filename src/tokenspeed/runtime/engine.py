@@ -257,14 +257,17 @@ class Engine:
         If the step fails (the forward raises: out of memory, a device error), the requests of
         its batch are aborted, their state on the device being unknown, and the next step reports
         them (finish_reason "abort", the error in abort_reason); the other requests go on as if
-        nothing happened. The step raises `StepError`, naming the aborted requests."""
+        nothing happened. The step raises `StepError`, naming the aborted requests (an interrupt,
+        such as KeyboardInterrupt, aborts the batch the same way and is raised as it is)."""
         plan = self.scheduler.schedule(max_decode_steps=self.config.decode_steps)
         moved: dict[Hashable, _Record] = {r.rid: r for r in self._aborted}
         self._aborted.clear()
         try:
             return self._step(plan, moved)
-        except Exception as exc:
+        except BaseException as exc:
             aborted = self._abort_batch(plan, moved, f"step failed: {exc!r}")
+            if not isinstance(exc, Exception):
+                raise  # an interrupt stays one; the batch is aborted all the same
             raise StepError(
                 f"step failed ({exc!r}); {len(aborted)} requests of its batch aborted", aborted
             ) from exc
