@@ -181,7 +181,7 @@ def inject_failures(engine: Engine, rng: random.Random, rate: float) -> dict[str
 
 class Played(NamedTuple):
     engine: Engine  # idle
-    failures: int  # forward passes that were made to fail
+    failures: int  # device calls made to fail (`inject_failures`)
 
 
 def play(
@@ -190,7 +190,7 @@ def play(
 ) -> Played:
     """One engine (its host tier `l2` when given) serving `num_requests` random requests that
     arrive while others run, some aborted. `tight`, `follow_ups`: as in `make_engine` and
-    `Scenario`; `failures`: the chance that a forward pass fails."""
+    `Scenario`; `failures`: the chance that a device call fails (`inject_failures`)."""
     rng = random.Random(seed)
     engine = make_engine(model, rng, l2=l2, tight=tight)
     injected = inject_failures(engine, random.Random(seed + 1), failures)
@@ -232,7 +232,8 @@ def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) 
     """`play`'s scenarios through `AsyncEngine`: consumers arrive at random moments; some read to
     the end, some walk away after a few outputs (their requests are aborted), some are aborted by
     another task. Every consumer ends (no hang), and the engine ends idle with its cache intact.
-    `failures`: the chance that a forward pass fails. Returns the failures made."""
+    `failures`: the chance that a device call fails (`inject_failures`). Returns the failures
+    made."""
     rng = random.Random(seed)
     engine = make_engine(model, rng)
     injected = inject_failures(engine, random.Random(seed + 1), failures)
