@@ -230,10 +230,10 @@ def play(
 
 def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) -> int:
     """`play`'s scenarios through `AsyncEngine`: consumers arrive at random moments; some read to
-    the end, some walk away after a few outputs (their requests are aborted), some are aborted by
-    another task. Every consumer ends (no hang), and the engine ends idle with its cache intact.
-    `failures`: the chance that a device call fails (`inject_failures`). Returns the failures
-    made."""
+    the end, some walk away after a few outputs or have their task cancelled (their requests are
+    aborted), some are aborted by another task. Every consumer ends (no hang), and the engine
+    ends idle with its cache intact. `failures`: the chance that a device call fails
+    (`inject_failures`). Returns the failures made."""
     rng = random.Random(seed)
     engine = make_engine(model, rng)
     injected = inject_failures(engine, random.Random(seed + 1), failures)
@@ -241,27 +241,39 @@ def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) 
     server = AsyncEngine(engine)
     scenario = Scenario(model, rng, engine.config.max_model_len)
     requests = [scenario.make_request(n) for n in range(num_requests)]
-    plans = [(rng.randint(0, 30), rng.choice(["read", "read", "leave", "abort"]),
+    plans = [(rng.randint(0, 30), rng.choice(["read", "read", "leave", "abort", "cancel"]),
               rng.randint(1, 4)) for _ in requests]  # fmt: skip
+
+    async def consume(rid, prompt, params, how, after, seen):
+        async for out in server.generate(rid, prompt, params):
+            seen.append(out)
+            if out.finished:
+                scenario.finished[rid] = out
+                if (out.abort_reason or "").startswith("step failed"):
+                    assert failures, out.abort_reason
+                    scenario.aborted.add(rid)
+            elif how == "leave" and len(seen) == after:
+                scenario.aborted.add(rid)  # the consumer goes away: the request is aborted
+                return
+            elif how == "abort" and len(seen) == after and await server.abort(rid):
+                scenario.aborted.add(rid)  # its final output (an abort) still comes
 
     async def client(request, plan):
         rid, prompt, params = request
         start, how, after = plan
         for _ in range(start):
             await asyncio.sleep(0)
-        seen = 0
-        async for out in server.generate(rid, prompt, params):
-            seen += 1
-            if out.finished:
-                scenario.finished[rid] = out
-                if (out.abort_reason or "").startswith("step failed"):
-                    assert failures, out.abort_reason
-                    scenario.aborted.add(rid)
-            elif how == "leave" and seen == after:
-                scenario.aborted.add(rid)  # the consumer goes away: the request is aborted
-                return
-            elif how == "abort" and seen == after and await server.abort(rid):
-                scenario.aborted.add(rid)  # its final output (an abort) still comes
+        seen: list = []
+        task = asyncio.ensure_future(consume(rid, prompt, params, how, after, seen))
+        if how == "cancel":  # the handler's task is cancelled (the client disconnected)
+            while not task.done() and len(seen) < after:
+                await asyncio.sleep(0)
+            if task.cancel():
+                scenario.aborted.add(rid)
+        try:
+            await task
+        except asyncio.CancelledError:
+            assert how == "cancel"
 
     async def main():
         clients = [client(r, p) for r, p in zip(requests, plans, strict=True)]
@@ -275,7 +287,7 @@ def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) 
     assert not engine.has_unfinished()
     for rid, out in scenario.finished.items():
         scenario.check(rid, out)
-    left = {r[0] for r, p in zip(requests, plans, strict=True) if p[1] == "leave"}
+    left = {r[0] for r, p in zip(requests, plans, strict=True) if p[1] in ("leave", "cancel")}
     assert set(scenario.finished) | left == {r[0] for r in requests}
     for rid, _, _ in requests:
         assert engine.cache.get(rid) is None, rid
