@@ -53,6 +53,19 @@ def test_failed_step_fails_its_event_and_the_rest(make):
     engine.close()
 
 
+def test_drain_returns_once_everything_submitted_has_run():
+    engine = ThreadCopyEngine("test-drain")
+    engine.drain()  # nothing submitted yet: returns at once, starts no thread
+    gate, ran = threading.Event(), []
+    engine.submit([lambda: (gate.wait(10), ran.append(0))])
+    engine.submit([lambda: ran.append(1), lambda: 1 / 0, lambda: ran.append(2)])
+    threading.Timer(0.2, gate.set).start()
+    engine.drain()  # a failed step does not stop it either
+    assert ran == [0, 1]
+    engine.close()
+    InlineCopyEngine().drain()
+
+
 def test_each_engine_owns_its_thread():
     a, b = ThreadCopyEngine("a"), ThreadCopyEngine("b")
     names = []

@@ -112,6 +112,49 @@ def test_failed_copy_raises_on_wait_and_its_pages_are_never_matched():
     cache.close()
 
 
+@pytest.mark.parametrize(
+    "device, async_loads",
+    [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=pytest.mark.gpu)],
+)
+@pytest.mark.parametrize("fault", ["page_load_steps", "state_load_steps", "zero_live"])
+def test_a_load_that_cannot_start_gives_everything_back(device, async_loads, fault):
+    """Starting the L2 load raises (a device error while setting up the copies, or while
+    zeroing the live state of a miss): allocate raises it, and every page, slot and checkpoint
+    it took is back; nothing it registered stays matchable; a later request loads correctly."""
+    cache = make_manager(
+        l2=LocalHostCache(capacity_bytes=1 << 20), async_loads=async_loads, device=device
+    )
+    tokens = token_stream(4, 33)
+    keys = _published_then_evicted(cache, tokens)
+    other = KeyChain(P).append_tokens(token_stream(5, 9))  # a miss: its live state is zeroed
+    before = cache.stats()
+    real = getattr(cache.storage, fault)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fault")
+
+    setattr(cache.storage, fault, broken)
+    with pytest.raises(RuntimeError, match="device fault"):
+        if fault == "zero_live":
+            cache.allocate("r", other, 9)
+        else:
+            cache.allocate("r", keys, 33)
+    after = cache.stats()
+    assert cache.get("r") is None and after.requests == 0
+    assert after.live_slots == before.live_slots and after.checkpoints == before.checkpoints
+    assert cache.available_pages == before.pages.total - before.pages.used  # all free again
+    assert cache.match(keys, 33).l1_tokens == 0  # the pages that never arrived are not indexed
+    cache.check_integrity()
+    setattr(cache.storage, fault, real)
+    h = cache.allocate("again", keys, 33)
+    h.load.synchronize()
+    assert h.num_cached_tokens == 32 and pages_match(cache, h, 0, 8)
+    assert live_state_matches(cache, h, prefix_seed(tokens[:32]))
+    cache.release(h)
+    cache.check_integrity()
+    cache.close()
+
+
 @pytest.mark.gpu
 def test_cuda_load_runs_on_a_copy_stream_with_per_layer_events():
     l2 = LocalHostCache(capacity_bytes=1 << 20)  # pinned payloads on a CUDA machine

@@ -26,6 +26,10 @@ class CopyEngine(ABC):
         """Run `steps` in order; the i-th event completes once steps 0..i have run. A step that
         raises fails its event and every later one (they do not run)."""
 
+    def drain(self) -> None:
+        """Return once every step submitted so far has run (or failed)."""
+        return None
+
     def close(self) -> None:
         """Finish queued work and release threads / streams."""
         return None
@@ -72,6 +76,13 @@ class ThreadCopyEngine(CopyEngine):
         self._queue.put((list(steps), events))
         return list(events)
 
+    def drain(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                return  # nothing was ever submitted
+        (marker,) = self.submit([lambda: None])  # runs after everything queued before it
+        marker.synchronize()
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()
@@ -111,6 +122,9 @@ class CudaCopyEngine(CopyEngine):
                 step()
                 events.append(CudaEvent(self._stream))
         return events
+
+    def drain(self) -> None:
+        self._stream.synchronize()
 
     def close(self) -> None:
         self._stream.synchronize()

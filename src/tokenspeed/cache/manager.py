@@ -271,7 +271,8 @@ class CacheManager:
         asynchronously, signalled per layer by `handle.load`.
 
         Raises DuplicateRequestError, InvalidRequestError, BudgetTooSmallError (the request can
-        never fit), CacheFullError (not now); nothing is changed when it raises.
+        never fit), CacheFullError (not now); nothing is changed when it raises. If starting the
+        load fails (a device error), that error propagates and everything taken is given back.
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request {request_id!r} already holds cache")
@@ -313,42 +314,58 @@ class CacheManager:
             if source_ckpt is not None:
                 self._ckpts.unpin(source_ckpt)
             raise
-        slot = self._live.acquire(request_id)
+        slot, l2_pids, promoted = None, _NO_SOURCES, None
+        try:
+            slot = self._live.acquire(request_id)
 
-        # Page table: the hit's L1 pages in place, fresh pages for L2 pages and the rest.
-        table = np.empty(total, dtype=np.int64)
-        table[:hit] = plan.sources
-        l2_pids = _NO_SOURCES
-        if all_l1:
-            table[hit:] = fresh
-        else:
-            # The L2 part of the hit takes the first fresh pages, in order.
-            at = np.flatnonzero(from_l2)
-            l2_pids = fresh[: len(at)]
-            table[at] = l2_pids
-            table[hit:] = fresh[len(at) :]
-            # Matchable at once: their content arrives with this load.
-            self._pages.register_at(l2_pids, arr[at], at)
+            # Page table: the hit's L1 pages in place, fresh pages for L2 pages and the rest.
+            table = np.empty(total, dtype=np.int64)
+            table[:hit] = plan.sources
+            if all_l1:
+                table[hit:] = fresh
+            else:
+                # The L2 part of the hit takes the first fresh pages, in order.
+                at = np.flatnonzero(from_l2)
+                table[at] = fresh[: len(at)]
+                table[hit:] = fresh[len(at) :]
+                # Matchable at once: their content arrives with this load.
+                self._pages.register_at(fresh[: len(at)], arr[at], at)
+                l2_pids = fresh[: len(at)]
 
-        handle = RequestCache(
-            owner=self._token,
-            request_id=request_id,
-            keys=keys,
-            page_ids=table,
-            num_tokens=max(reserve, hit * P),
-            num_cached_tokens=hit * P,
-            l2_cached_tokens=len(l2_pids) * P,
-            live_slot=slot,
-            load=LoadHandle((), ()),
-        )
-        handle._registered = hit
-        promoted = None
-        if plan.checkpoint_tier == "l2":
-            promoted = self._tiering.promote_checkpoint(keys[hit - 1], hit * P)
+            handle = RequestCache(
+                owner=self._token,
+                request_id=request_id,
+                keys=keys,
+                page_ids=table,
+                num_tokens=max(reserve, hit * P),
+                num_cached_tokens=hit * P,
+                l2_cached_tokens=len(l2_pids) * P,
+                live_slot=slot,
+                load=LoadHandle((), ()),
+            )
+            handle._registered = hit
+            if plan.checkpoint_tier == "l2":
+                promoted = self._tiering.promote_checkpoint(keys[hit - 1], hit * P)
+                if promoted is not None:
+                    self._ckpts.pin(promoted)
+                    handle._held.append(promoted)
+            handle.load = self._loader.start(slot, plan, l1_hit, l2_pids, source_ckpt, promoted)
+        except BaseException:
+            # Starting the load failed (a device error): give everything back, as if never
+            # allocated, once no copy of it can still be landing in what is given back.
+            self._loader.copier.drain()
+            for pid in l2_pids.tolist():
+                self._pages.unregister(pid)  # their content never arrived
             if promoted is not None:
-                self._ckpts.pin(promoted)
-                handle._held.append(promoted)
-        handle.load = self._loader.start(slot, plan, l1_hit, l2_pids, source_ckpt, promoted)
+                self._ckpts.unpin(promoted)
+                if promoted.refcount == 0:
+                    self._ckpts.remove(promoted)
+            self._pages.unpin(np.concatenate((l1_hit, fresh)))
+            if slot is not None:
+                self._live.release(slot)
+            if source_ckpt is not None:
+                self._ckpts.unpin(source_ckpt)
+            raise
         if source_ckpt is not None:
             self._ckpts.unpin(source_ckpt)
             self._ckpts.touch(source_ckpt)
