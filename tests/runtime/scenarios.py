@@ -179,6 +179,15 @@ def inject_failures(engine: Engine, rng: random.Random, rate: float) -> dict[str
     return count
 
 
+def assert_idle(engine: Engine, idle_pages: int, rids=()) -> None:
+    """The engine holds nothing for `rids`, every page the requests held is free or cached
+    (evictable) again, and the cache checks out."""
+    for rid in rids:
+        assert engine.cache.get(rid) is None, rid
+    assert engine.cache.available_pages == idle_pages
+    engine.check_integrity()
+
+
 class Played(NamedTuple):
     engine: Engine  # idle
     failures: int  # device calls made to fail (`inject_failures`)
@@ -221,10 +230,7 @@ def play(
     assert set(scenario.finished) == set(scenario.prompts)
     for rid, out in scenario.finished.items():
         scenario.check(rid, out)
-        assert engine.cache.get(rid) is None, rid
-    # Idle again: every page the requests held is free or cached (evictable).
-    assert engine.cache.available_pages == idle_pages
-    engine.check_integrity()
+    assert_idle(engine, idle_pages, scenario.prompts)
     return Played(engine, injected["failures"])
 
 
@@ -289,10 +295,7 @@ def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) 
         scenario.check(rid, out)
     left = {r[0] for r, p in zip(requests, plans, strict=True) if p[1] in ("leave", "cancel")}
     assert set(scenario.finished) | left == {r[0] for r in requests}
-    for rid, _, _ in requests:
-        assert engine.cache.get(rid) is None, rid
-    assert engine.cache.available_pages == idle_pages
-    engine.check_integrity()
+    assert_idle(engine, idle_pages, [r[0] for r in requests])
     return injected["failures"]
 
 
@@ -337,7 +340,6 @@ def play_shared_l2(
             if prev != rid and len(p) >= PAGE
         )
     for engine, pages in zip(engines, idle, strict=True):
-        assert engine.cache.available_pages == pages
-        engine.check_integrity()
+        assert_idle(engine, pages)
     shared.check_integrity()
     return crossed
