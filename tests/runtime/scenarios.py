@@ -155,28 +155,52 @@ class Scenario:
             if out.finished:
                 assert out.request_id not in self.finished, f"{out.request_id} finished twice"
                 self.finished[out.request_id] = out
+                if (out.abort_reason or "").startswith("admission failed"):
+                    # Its admission failed (no StepError: the step went on without it).
+                    self.aborted.add(out.request_id)
+                    self.failed.add(out.request_id)
 
 
-def inject_failures(engine: Engine, rng: random.Random, rate: float) -> dict[str, int]:
+def inject_failures(
+    engine: Engine, rng: random.Random, rate: float, kinds=("step", "admission")
+) -> dict[str, int]:
     """Make the engine's device work raise at random (as an out-of-memory or a device error
     would), each call with probability `rate`: forward passes (half of them before the pass,
-    half after it has written the rows' cache and state) and the copies of KDA states out of the
-    live slots and into checkpoint slots. Returns the count of failures, kept up to date."""
-    count = {"failures": 0}
-    for name in ("forward", "decode", "read_live_state", "write_checkpoint"):
-        real = getattr(engine.runner, name)
+    half after it has written the rows' cache and state), the copies of KDA states out of the
+    live slots and into checkpoint slots, and the device work of admitting a request (zeroing or
+    restoring its live state, setting up the copies of its host-tier hit); `kinds` picks "step"
+    and / or "admission". Returns the counts of failures ("failures" in all, "admissions" of
+    them while admitting), kept up to date."""
+    count = {"failures": 0, "admissions": 0}
+    targets = []
+    if "step" in kinds:
+        targets += [(engine.runner, name) for name in ("forward", "decode", "read_live_state",
+                                                        "write_checkpoint")]
+    if "admission" in kinds:
+        targets += [(engine.cache.storage, name) for name in (
+            "zero_live", "restore_checkpoint", "page_load_steps", "state_load_steps")]
+    for owner, name in targets:
+        real = getattr(owner, name)
         forward = name in ("forward", "decode")
+        admission = owner is engine.cache.storage
 
-        def failing(*args, _real=real, _forward=forward, **kwargs):
+        def failing(*args, _real=real, _forward=forward, _admission=admission, **kwargs):
             if rng.random() >= rate:
                 return _real(*args, **kwargs)
             count["failures"] += 1
+            count["admissions"] += _admission
             if _forward and rng.random() < 0.5:
                 _real(*args, **kwargs)  # the state moved on; then something failed
             raise RuntimeError("injected: CUDA error")
 
-        setattr(engine.runner, name, failing)  # the instance attribute shadows the method
+        setattr(owner, name, failing)  # the instance attribute shadows the method
     return count
+
+
+def failed_by_injection(out) -> bool:
+    """Whether a final output is an abort caused by a failing step or admission."""
+    reason = out.abort_reason or ""
+    return reason.startswith(("step failed", "admission failed"))
 
 
 def assert_idle(engine: Engine, idle_pages: int, rids=()) -> None:
@@ -191,18 +215,19 @@ def assert_idle(engine: Engine, idle_pages: int, rids=()) -> None:
 class Played(NamedTuple):
     engine: Engine  # idle
     failures: int  # device calls made to fail (`inject_failures`)
+    admissions: int  # of them, while admitting a request
 
 
 def play(
     model, seed: int, num_requests: int = 12, l2=None, tight: float = 0.6,
-    follow_ups: float = 0.5, failures: float = 0.0,
+    follow_ups: float = 0.5, failures: float = 0.0, kinds=("step", "admission"),
 ) -> Played:
     """One engine (its host tier `l2` when given) serving `num_requests` random requests that
     arrive while others run, some aborted. `tight`, `follow_ups`: as in `make_engine` and
-    `Scenario`; `failures`: the chance that a device call fails (`inject_failures`)."""
+    `Scenario`; `failures`: the chance that a device call fails, of `kinds` (`inject_failures`)."""
     rng = random.Random(seed)
     engine = make_engine(model, rng, l2=l2, tight=tight)
-    injected = inject_failures(engine, random.Random(seed + 1), failures)
+    injected = inject_failures(engine, random.Random(seed + 1), failures, kinds)
     idle_pages = engine.cache.available_pages
     scenario = Scenario(model, rng, engine.config.max_model_len, follow_ups)
     added = 0
@@ -231,7 +256,7 @@ def play(
     for rid, out in scenario.finished.items():
         scenario.check(rid, out)
     assert_idle(engine, idle_pages, scenario.prompts)
-    return Played(engine, injected["failures"])
+    return Played(engine, injected["failures"], injected["admissions"])
 
 
 def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) -> int:
@@ -255,7 +280,7 @@ def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) 
             seen.append(out)
             if out.finished:
                 scenario.finished[rid] = out
-                if (out.abort_reason or "").startswith("step failed"):
+                if failed_by_injection(out):
                     assert failures, out.abort_reason
                     scenario.aborted.add(rid)
             elif how == "leave" and len(seen) == after:

@@ -9,7 +9,9 @@ Failing steps (`inject_failures`: a forward pass raises, before or after writing
 cache and state, or a copy of a KDA state into or out of a checkpoint slot raises) may only cost
 the requests of that batch (a preemption that cannot save its state: that request): they end
 aborted with a prefix of their tokens, every other request gets exactly its own, and a request
-sent again after a failure gets them too, whatever cache the failed one left behind.
+sent again after a failure gets them too, whatever cache the failed one left behind. A failure
+while admitting a request (zeroing or restoring its state, starting its host-tier load) costs
+only that request: it ends aborted, and the step goes on without it.
 """
 
 import random
@@ -17,6 +19,7 @@ import random
 import pytest
 
 from tests.cache.l2.chaos import ChaosL2
+from tokenspeed.cache import LocalHostCache
 from tokenspeed.runtime.engine import cache_geometry
 
 from .scenarios import PAGE, Scenario, make_engine, play, play_async, play_shared_l2
@@ -86,6 +89,17 @@ def test_a_failing_step_aborts_only_its_batch(steady, seed):
     failure (the same prompt, reusing whatever cache the failed one left) get theirs too."""
     played = play(steady, seed, num_requests=16, failures=0.1)
     assert played.failures > 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_failing_admission_aborts_only_that_request(steady, seed):
+    """The device work of admitting a request fails at random (zeroing or restoring its state,
+    starting its host-tier load): that request ends aborted with the error, gives back what it
+    took, and the step goes on without it (no StepError); every other request gets exactly its
+    tokens."""
+    played = play(steady, seed, num_requests=16, failures=0.3, kinds=("admission",),
+                  l2=LocalHostCache(capacity_bytes=1 << 30), **BUSY_L2)
+    assert played.admissions > 0
 
 
 @pytest.mark.parametrize("seed", range(2))

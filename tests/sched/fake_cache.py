@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from tokenspeed.sched.cache_port import AdmissionError
 from tokenspeed.sched.request import Request
 
 
@@ -21,6 +22,7 @@ class FakeCache:
         self.checkpointed: set[Hashable] = set()  # key of the page ending at a checkpoint
         self.log: list[tuple] = []
         self.kinds: list[tuple] = []  # (rid, length, turn_end, from_live) per checkpoint
+        self.failing: set[Hashable] = set()  # requests whose acquire fails (a device error)
 
     # -- helpers for tests
     @property
@@ -44,6 +46,8 @@ class FakeCache:
     def acquire(self, req: Request, limit: int) -> int | None:
         if req.rid in self.pages:
             raise AssertionError(f"{req.rid} acquired twice")
+        if req.rid in self.failing:
+            raise AdmissionError("could not set up its cache: RuntimeError('device fault')")
         if len(self.pages) >= self.live_slots:
             return None
         hit = self.lookup(req, limit)

@@ -1,5 +1,7 @@
 """The schedulers over the real `CacheManager` (metadata-only) through `CacheManagerPort`."""
 
+import pytest
+
 from tokenspeed.cache import (
     CacheConfig,
     CacheGeometry,
@@ -8,8 +10,10 @@ from tokenspeed.cache import (
     KeyChain,
     LocalHostCache,
 )
+from tokenspeed.cache.errors import IntegrityError
 from tokenspeed.sched import Request, RequestState, SchedulerConfig
 from tokenspeed.sched.cache_adapter import CacheManagerPort
+from tokenspeed.sched.cache_port import AdmissionError
 from tokenspeed.sched.decode import DecodeScheduler
 from tokenspeed.sched.prefill import PrefillScheduler
 
@@ -191,3 +195,33 @@ def test_sync_keys_hands_the_cache_keys_of_pages_completed_after_the_reservation
     port.sync_keys(req)  # nothing new: a no-op
     assert handle.num_keys == 2
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error"), MemoryError()])
+def test_a_device_failure_in_acquire_is_an_admission_error_holding_nothing(error):
+    cache = _cache()
+    port = CacheManagerPort(cache)
+    chain = KeyChain(P)
+    req = _request(1, chain, [1], 40)
+    free = cache.available_pages
+
+    def failing(*args, **kwargs):
+        raise error
+
+    cache.allocate = failing
+    with pytest.raises(AdmissionError, match=type(error).__name__) as info:
+        port.acquire(req, 0)
+    assert info.value.__cause__ is error
+    assert not port.holds(1) and cache.available_pages == free
+
+
+def test_a_cache_bug_in_acquire_is_not_an_admission_error():
+    cache = _cache()
+    port = CacheManagerPort(cache)
+
+    def failing(*args, **kwargs):
+        raise IntegrityError("bookkeeping")
+
+    cache.allocate = failing
+    with pytest.raises(IntegrityError):
+        port.acquire(_request(1, KeyChain(P), [1], 20), 0)

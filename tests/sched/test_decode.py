@@ -248,3 +248,14 @@ def test_a_preemption_that_cannot_save_its_state_aborts_the_victim():
     assert b.state is RequestState.ABORTED and "could not save its state" in b.abort_reason
     assert sched.aborted == [b] and sched.preempted == [] and not cache.holds("b")
     assert [r.rid for r in sched.schedule().requests] == ["a"]
+
+
+def test_a_failing_admission_aborts_that_request_and_admits_the_next():
+    sched, cache = _sched(pages=20)
+    a, b = _prefilled("a", 40, 4), _prefilled("b", 40, 4)
+    sched.add(a)
+    sched.add(b)
+    cache.failing.add("a")
+    assert sched.admit_pending() == [b]
+    assert a.state is RequestState.ABORTED and "admission failed" in a.abort_reason
+    assert sched.aborted == [a] and not sched.pending and not cache.holds("a")

@@ -230,3 +230,17 @@ def test_batch_holds_at_most_max_prefill_requests():
     assert list(sched.waiting) == [reqs[2]]
     sched.complete(batch)
     assert [c.request.rid for c in sched.schedule().chunks] == ["r2"]
+
+
+def test_a_failing_admission_aborts_that_request_and_admits_the_next():
+    sched, cache = _sched(budget=128)
+    a, b = make_request("a", 40), make_request("b", 30)
+    sched.add(a)
+    sched.add(b)
+    cache.failing.add("a")
+    batch = sched.schedule()
+    assert [c.request.rid for c in batch.chunks] == ["b"]
+    assert a.state is RequestState.ABORTED and "admission failed" in a.abort_reason
+    assert "device fault" in a.abort_reason
+    assert sched.aborted == [a] and not cache.holds("a") and not sched.waiting
+    assert sched.outstanding_tokens() == 30  # a's estimate went with it

@@ -106,6 +106,13 @@ def cache_geometry(model: KimiForCausalLM, page_size: int) -> CacheGeometry:
 
 
 class Engine:
+    """One rank serving requests step by step: scheduler, two-tier cache, runner and sampler.
+
+    The engine takes the model over: it moves it to `config.device` and into eval mode in place
+    (as `nn.Module.to` does; no copy is made, so a model too big for two copies still fits), and
+    on CUDA runs its shared experts on a second stream. Engines on one device may share a model.
+    """
+
     def __init__(
         self,
         model: KimiForCausalLM,

@@ -18,7 +18,7 @@ from tokenspeed.sched.batch import (
     StepPlan,
     pad_batch_size,
 )
-from tokenspeed.sched.cache_port import CachePort
+from tokenspeed.sched.cache_port import AdmissionError, CachePort
 from tokenspeed.sched.chunking import checkpoint_positions, chunk_end
 from tokenspeed.sched.config import AdmissionPolicy, RouterConfig, RoutingPolicy, SchedulerConfig
 from tokenspeed.sched.decode import DecodeScheduler
@@ -28,6 +28,7 @@ from tokenspeed.sched.request import LifecycleError, Request, RequestState
 from tokenspeed.sched.router import DecodeLoad, Router
 
 __all__ = [
+    "AdmissionError",
     "AdmissionPolicy",
     "AggregatedScheduler",
     "CachePort",

@@ -3,22 +3,29 @@
 The manager hands out one opaque `RequestCache` per request; this port keeps them by request id,
 so an engine gets page tables and live slots through `handle(rid)`. Capacity errors
 (`CacheFullError`, and `BudgetTooSmallError` for a request that can never fit) become the
-port's "not now" answers; any other cache error is a bug and propagates.
+port's "not now" answers; any other cache error is a bug and propagates. Any other failure of
+`allocate` (a device error while it set the request up; it gives everything back first) becomes
+`AdmissionError`, so that the scheduler aborts that request and goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 
 from tokenspeed.cache import (
     BudgetTooSmallError,
+    CacheError,
     CacheFullError,
     CacheManager,
     CheckpointKind,
     PrefixMatch,
     RequestCache,
 )
+from tokenspeed.sched.cache_port import AdmissionError
 from tokenspeed.sched.request import Request
+
+logger = logging.getLogger("tokenspeed.sched")
 
 _CAPACITY_ERRORS = (CacheFullError, BudgetTooSmallError)
 
@@ -55,6 +62,11 @@ class CacheManagerPort:
             handle = self.cache.allocate(req.rid, req.keys, limit + 1, reserve_tokens=1, match=m)
         except _CAPACITY_ERRORS:
             return None
+        except CacheError:
+            raise
+        except Exception as exc:
+            logger.warning("request %r could not be admitted: %r", req.rid, exc)
+            raise AdmissionError(f"could not set up its cache: {exc!r}") from exc
         self._handles[req.rid] = handle
         return handle.num_cached_tokens
 

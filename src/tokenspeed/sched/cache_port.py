@@ -10,7 +10,9 @@ Contract (lengths are token counts; `req.keys` are the request's page keys):
   hold; used to estimate outstanding work. May be stale by the time the request is admitted.
 - `acquire(req, limit)`: start holding the request on this rank: hold the reusable prefix (at most
   `limit` tokens) and a live state slot restored from its checkpoint. Returns the prefix length, or
-  None when the device tier cannot take one more request now (nothing is held then).
+  None when the device tier cannot take one more request now (nothing is held then). Raises
+  `AdmissionError` when setting the request up failed (a device error while restoring its state or
+  starting its load; nothing is held then either): the scheduler aborts that request alone.
 - `reserve(req, length)`: make the request's pages cover [0, length). False (and nothing changed)
   when the device tier cannot, even after evicting unused cached pages.
 - `covered(req)`: tokens the request's pages can hold without another `reserve`.
@@ -31,6 +33,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from tokenspeed.sched.request import Request
+
+
+class AdmissionError(Exception):
+    """`acquire` failed for this request (not for want of room) and holds nothing for it."""
 
 
 class CachePort(Protocol):

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Collection, Hashable
 
 from tokenspeed.sched.batch import DecodeBatch, pad_batch_size
-from tokenspeed.sched.cache_port import CachePort
+from tokenspeed.sched.cache_port import AdmissionError, CachePort
 from tokenspeed.sched.config import SchedulerConfig
 from tokenspeed.sched.prefill import SaveState
 from tokenspeed.sched.request import Request, RequestState
@@ -57,7 +57,15 @@ class DecodeScheduler:
             if len(self.running) + len(self.admitted) >= self.config.max_decode_batch:
                 break
             req = self.pending[0]
-            if not self._try_admit(req):
+            try:
+                fits = self._try_admit(req)
+            except AdmissionError as exc:
+                # It holds nothing here: it ends, and the requests behind it go on.
+                self.pending.popleft()
+                req.abort(f"admission failed: {exc}")
+                self.aborted.append(req)
+                continue
+            if not fits:
                 if self.running or self.admitted:
                     break  # wait for pages to free up
                 # Nothing else holds this rank's pages, so the request can never fit here.

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Hashable
 
 from tokenspeed.sched.batch import PrefillBatch, PrefillChunk
-from tokenspeed.sched.cache_port import CachePort
+from tokenspeed.sched.cache_port import AdmissionError, CachePort
 from tokenspeed.sched.chunking import checkpoint_positions, chunk_end
 from tokenspeed.sched.config import SchedulerConfig
 from tokenspeed.sched.request import Request, RequestState
@@ -114,7 +114,15 @@ class PrefillScheduler:
             and len(chunks) < cfg.max_prefill_requests
         ):
             req = self.waiting[0]
-            hit = self.cache.acquire(req, self._hit_limit(req))
+            try:
+                hit = self.cache.acquire(req, self._hit_limit(req))
+            except AdmissionError as exc:
+                # It holds nothing: it ends here, and the requests behind it go on.
+                self.waiting.popleft()
+                self._set_estimate(req.rid, None)
+                req.abort(f"admission failed: {exc}")
+                self.aborted.append(req)
+                continue
             if hit is None:
                 return chunks, False  # no room for another live request; keep FIFO order
             req.num_computed = req.num_cached = hit
