@@ -65,10 +65,10 @@ def test_multi_step_decoding_gives_the_single_step_tokens():
 
 @pytest.mark.parametrize("decode_steps", [1, 5])
 def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
-    """Forward passes and state copies fail at random while captured graphs run (single and
-    multi-step): every request ends exactly once, the failed ones aborted with the error, the
-    cache checks out after every step and is whole when the engine is idle, and the engine goes
-    on serving with its graphs."""
+    """Forward passes, state copies and the device work of admissions fail at random while
+    captured graphs run (single and multi-step): every request ends exactly once, the failed
+    ones aborted with the error, the cache checks out after every step and is whole when the
+    engine is idle, and the engine goes on serving with its graphs."""
     import random
 
     from tokenspeed.runtime import StepError
@@ -87,7 +87,7 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9, 50, 33)]
     for i, p in enumerate(prompts):
         engine.add_request(i, p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    done, failed = {}, set()
+    done, failed, admissions = {}, set(), set()
     while engine.has_unfinished():
         try:
             outputs = engine.step()
@@ -99,18 +99,24 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
             if out.finished:
                 assert out.request_id not in done
                 done[out.request_id] = out
+                if (out.abort_reason or "").startswith("admission failed"):
+                    admissions.add(out.request_id)
         engine.check_integrity()
     assert injected["failures"] > 0 and failed
     assert set(done) == set(range(len(prompts)))
     for i, out in done.items():
         if i in failed:
             assert out.outputs[0].finish_reason == "abort" and "step failed" in out.abort_reason
+        elif i in admissions:
+            assert out.outputs[0].finish_reason == "abort" and out.token_ids == []
         else:
             assert len(out.token_ids) == 24
     assert engine.cache.available_pages == idle
     # The same engine, failures off, serves a request to its end with its graphs.
     for name in ("forward", "decode", "read_live_state", "write_checkpoint"):
         del vars(engine.runner)[name]  # the runner's own methods again
+    for name in ("zero_live", "restore_checkpoint", "page_load_steps", "state_load_steps"):
+        del vars(engine.cache.storage)[name]
     engine.add_request("after", prompts[0], SamplingParams(temperature=0, max_tokens=24,
                                                            ignore_eos=True))
     while engine.has_unfinished():
