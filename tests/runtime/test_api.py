@@ -136,6 +136,16 @@ def test_bad_input_fails_before_any_work():
         SamplingParams(max_tokens=0)
     with pytest.raises(RequestError, match="a string or"):
         llm.generate([42])
+    # Refused by the engine itself, after the first prompt was queued: that one goes too.
+    for bad in ([1.5, 2], [999]):
+        with pytest.raises(RequestError):
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": bad}], use_tqdm=False)
+        assert not llm.engine.has_unfinished()
+    with pytest.raises(RequestError, match="logprobs"):
+        llm.generate(["ok", "ok"], [SamplingParams(), SamplingParams(logprobs=10**6)])
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=3))
+    assert len(out[0].token_ids) == 3
 
 
 @pytest.mark.parametrize("decode_steps", [1, 3])

@@ -1,6 +1,8 @@
 """The engine against the model's own greedy decoding of each request alone."""
 
+import numpy as np
 import pytest
+import torch
 
 from tokenspeed.cache import CacheConfig
 from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingParams
@@ -150,10 +152,19 @@ def test_bad_requests_are_refused_before_any_work(tiny):
         engine.add_request("x", [5] * 400, GREEDY)
     with pytest.raises(RequestError, match="stop strings need a tokenizer"):
         engine.add_request("x", [5], SamplingParams(stop=["\n"]))
+    for ids in ([1.5, 2], "hello", 7):
+        with pytest.raises(RequestError, match="sequence of integers"):
+            engine.add_request("x", ids, GREEDY)
+    with pytest.raises(RequestError, match="logprobs=513 exceeds the vocabulary"):
+        engine.add_request("x", [5], SamplingParams(logprobs=513))
     engine.add_request("x", [5], GREEDY)
+    engine.add_request("y", np.array([5, 6]), SamplingParams(max_tokens=2, logprobs=512))
+    engine.add_request("z", torch.tensor([5, 6]), GREEDY)
     with pytest.raises(RequestError, match="already in use"):
         engine.add_request("x", [6], GREEDY)
-    assert engine.num_unfinished == 1
+    assert engine.num_unfinished == 3
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_a_stop_token_as_the_first_output_ends_the_request(tiny):

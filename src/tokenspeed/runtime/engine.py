@@ -15,6 +15,7 @@ scheduler preempts requests (their progress checkpointed and published) and they
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Hashable, Sequence
 
@@ -199,7 +200,12 @@ class Engine:
             raise RequestError(f"request {request_id!r}: params must be SamplingParams")
         if request_id in self._records:
             raise RequestError(f"request id {request_id!r} is already in use")
-        ids = [int(t) for t in prompt_token_ids]
+        try:  # ints, numpy ints, one-element integer tensors; not floats or strings
+            ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise RequestError(
+                f"request {request_id!r}: prompt token ids must be a sequence of integers"
+            ) from None
         vocab = self.model.config.vocab_size
         if not ids:
             raise RequestError(f"request {request_id!r}: the prompt is empty")
@@ -214,6 +220,11 @@ class Engine:
             raise RequestError(
                 f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room under "
                 f"max_model_len={limit}"
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise RequestError(
+                f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary "
+                f"({vocab} tokens)"
             )
         if params.stop and self.tokenizer is None:
             raise RequestError(f"request {request_id!r}: stop strings need a tokenizer")

@@ -110,8 +110,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in prompt order. A failed step raises `StepError`
-        (see `Engine.step`) after the call's other requests are aborted too."""
+        """One finished output per prompt, in prompt order. A prompt the engine refuses raises
+        `RequestError`, and a failed step `StepError` (see `Engine.step`), after the call's
+        other requests are aborted: nothing of a failed call runs on."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -139,11 +140,11 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise RequestError(f"sampling params must be SamplingParams, got {p!r}")
         ids = [next(self._ids) for _ in prompts]
-        for rid, (text, tokens), p in zip(ids, encoded, params, strict=True):
-            engine.add_request(rid, tokens, p, prompt=text)
         results: dict[int, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)
         try:
+            for rid, (text, tokens), p in zip(ids, encoded, params, strict=True):
+                engine.add_request(rid, tokens, p, prompt=text)  # may refuse one: RequestError
             while len(results) < len(ids):
                 for out in engine.step():
                     if out.finished and out.request_id not in results:
@@ -151,8 +152,8 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            # A failed step (or an interrupt) ends the call: none of its requests may keep
-            # running into the next one.
+            # A refused request, a failed step or an interrupt ends the call: none of its
+            # requests may keep running into the next one.
             for rid in ids:
                 engine.abort(rid, "generate() failed")
             while engine.has_unfinished():
