@@ -4,6 +4,7 @@ import asyncio
 import itertools
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -168,10 +169,7 @@ def test_async_engine_streams_and_aborts(tiny, decode_steps):
 
         a, b = tokens(20, seed=1), tokens(9, seed=2)
         outs = await asyncio.gather(consume("a", a), consume("b", b), abandon("c", tokens(5, 3)))
-        for _ in range(100):
-            if not engine.engine.has_unfinished():
-                break
-            await asyncio.sleep(0)
+        await engine.wait_idle()
         engine.engine.check_integrity()
         return outs, seen, engine
 
@@ -185,6 +183,69 @@ def test_async_engine_streams_and_aborts(tiny, decode_steps):
         assert streamed[-1] == 6 and len(streamed) < 6
         assert all(0 < b - a <= 3 for a, b in itertools.pairwise(streamed))
     assert not engine.engine.has_unfinished()  # "c" was aborted when its consumer left
+
+
+def test_async_engine_steps_off_the_event_loop(tiny):
+    """While a step computes, the event loop keeps running other tasks (a server's I/O), and a
+    request added or abandoned meanwhile waits for the step's end, never overlapping it."""
+
+    async def main():
+        engine = Engine(tiny, None, EngineConfig(max_num_seqs=4, max_model_len=256, page_size=16))
+        # Warm up first: one-time set-up in the first steps (loading compiled loops, say) holds
+        # the GIL for a while, which no thread can help.
+        engine.add_request("warm-up", tokens(30, seed=30), SamplingParams(max_tokens=3))
+        while engine.has_unfinished():
+            engine.step()
+        real_step, in_step, overlaps = engine.step, [0], []
+
+        def slow_step():
+            in_step[0] += 1
+            time.sleep(0.2)  # a step that takes a while (the GIL is free meanwhile)
+            try:
+                return real_step()
+            finally:
+                in_step[0] -= 1
+
+        for name in ("add_request", "abort"):
+            real = getattr(engine, name)
+
+            def guarded(*args, _real=real, **kwargs):
+                overlaps.append(in_step[0])
+                return _real(*args, **kwargs)
+
+            setattr(engine, name, guarded)
+        engine.step = slow_step
+        server = AsyncEngine(engine)
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.001)
+
+        async def consume(rid, n):
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            return [out async for out in server.generate(rid, tokens(n, seed=n), params)][-1]
+
+        async def abandon(rid):
+            async for _ in server.generate(rid, tokens(7, seed=7), SamplingParams(max_tokens=50)):
+                break
+
+        tick = asyncio.ensure_future(ticker())
+        first = asyncio.ensure_future(consume("a", 20))
+        await asyncio.sleep(0.05)  # the first step is running now
+        outs = await asyncio.gather(first, consume("b", 9), abandon("c"))
+        await server.wait_idle()
+        tick.cancel()
+        return outs, ticks, overlaps, engine
+
+    (out_a, out_b, _), ticks, overlaps, engine = asyncio.run(main())
+    assert out_a.token_ids == reference(tiny, tokens(20, seed=20), 4)
+    assert out_b.token_ids == reference(tiny, tokens(9, seed=9), 4)
+    # Steps of 200 ms and more, yet the ticker never waited half as long.
+    assert max(b - a for a, b in itertools.pairwise(ticks)) < 0.1
+    assert overlaps and not any(overlaps)  # every add and abort ran between steps
+    assert not engine.has_unfinished() and engine.cache.get("c") is None
 
 
 @pytest.mark.parametrize("index", range(2))
