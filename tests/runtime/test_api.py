@@ -186,8 +186,9 @@ def test_async_engine_streams_and_aborts(tiny, decode_steps):
 
 
 def test_async_engine_steps_off_the_event_loop(tiny):
-    """While a step computes, the event loop keeps running other tasks (a server's I/O), and a
-    request added or abandoned meanwhile waits for the step's end, never overlapping it."""
+    """With `step_thread`, the event loop keeps running other tasks (a server's I/O) while a step
+    computes, and a request added or abandoned meanwhile waits for the step's end, never
+    overlapping it."""
 
     async def main():
         engine = Engine(tiny, None, EngineConfig(max_num_seqs=4, max_model_len=256, page_size=16))
@@ -215,7 +216,7 @@ def test_async_engine_steps_off_the_event_loop(tiny):
 
             setattr(engine, name, guarded)
         engine.step = slow_step
-        server = AsyncEngine(engine)
+        server = AsyncEngine(engine, step_thread=True)
         ticks = []
 
         async def ticker():

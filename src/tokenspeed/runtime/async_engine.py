@@ -6,12 +6,15 @@
     await engine.abort("req-2")
 
 One background task steps the engine while any request is unfinished; each request gets a queue
-of its outputs. Each step runs on a worker thread of its own, so the event loop stays free for
-the server's I/O while the model computes (a step may take tens of milliseconds, a long prefill
-more); requests that arrive meanwhile join the next step. The engine itself is touched only
-under one lock: by the step, by `generate` adding a request and by `abort`, so none of them
-ever overlaps a step. A consumer that goes away while a step runs has its request aborted right
-after that step.
+of its outputs. By default a step runs in the event loop's thread: the loop waits for it, and
+requests that arrive meanwhile join the next step. With `step_thread=True` each step runs on a
+worker thread instead, so that the loop keeps serving the server's I/O while the model computes
+(a step may take tens of milliseconds, a long prefill more). The two threads still share the
+GIL: a loop that is busy in Python slows the step down, since every kernel launch has to win the
+GIL back (a CPU engine beside a busy loop is the worst case). The engine itself is touched only
+under one lock: by the step, by `generate` adding a request and by `abort`, so none of them ever
+overlaps a step. A consumer that goes away while a step runs has its request aborted right after
+that step.
 
 A step that fails costs only the requests of its batch: the engine aborts them and their
 consumers get a final output with finish_reason "abort" and the error in `abort_reason`; the
@@ -36,21 +39,23 @@ logger = logging.getLogger("tokenspeed.runtime")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, step_thread: bool = False):
         self.engine = engine
         self._queues: dict[Hashable, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # held while the engine is in use (a step, an add, an abort)
         self._leaving: list[Hashable] = []  # consumers gone during a step: abort after it
-        # One thread, always the same: torch keeps some state per thread (the current device
-        # and stream), set once for it here.
-        self._worker = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="tokenspeed-step",
-            initializer=_use_device,
-            initargs=(engine.device,),
-        )
-        weakref.finalize(self, self._worker.shutdown, wait=False)
+        self._worker: ThreadPoolExecutor | None = None
+        if step_thread:
+            # One thread, always the same: torch keeps some state per thread (the current
+            # device and stream), set once for it here.
+            self._worker = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="tokenspeed-step",
+                initializer=_use_device,
+                initargs=(next(engine.model.parameters()).device,),  # "cuda" with its index
+            )
+            weakref.finalize(self, self._worker.shutdown, wait=False)
 
     async def generate(
         self,
@@ -126,6 +131,8 @@ class AsyncEngine:
             raise
 
     async def _step_on_worker(self) -> list[RequestOutput]:
+        if self._worker is None:
+            return self._step()
         step = asyncio.get_running_loop().run_in_executor(self._worker, self._step)
         try:
             return await asyncio.shield(step)
