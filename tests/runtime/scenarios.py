@@ -259,17 +259,20 @@ def play(
     return Played(engine, injected["failures"], injected["admissions"])
 
 
-def play_async(model, seed: int, num_requests: int = 10, failures: float = 0.0) -> int:
+def play_async(
+    model, seed: int, num_requests: int = 10, failures: float = 0.0, step_thread: bool = False
+) -> int:
     """`play`'s scenarios through `AsyncEngine`: consumers arrive at random moments; some read to
     the end, some walk away after a few outputs or have their task cancelled (their requests are
     aborted), some are aborted by another task. Every consumer ends (no hang), and the engine
     ends idle with its cache intact. `failures`: the chance that a device call fails
-    (`inject_failures`). Returns the failures made."""
+    (`inject_failures`); `step_thread`: steps on `AsyncEngine`'s worker thread, so consumers
+    come and go while a step runs. Returns the failures made."""
     rng = random.Random(seed)
     engine = make_engine(model, rng)
     injected = inject_failures(engine, random.Random(seed + 1), failures)
     idle_pages = engine.cache.available_pages
-    server = AsyncEngine(engine)
+    server = AsyncEngine(engine, step_thread=step_thread)
     scenario = Scenario(model, rng, engine.config.max_model_len)
     requests = [scenario.make_request(n) for n in range(num_requests)]
     plans = [(rng.randint(0, 30), rng.choice(["read", "read", "leave", "abort", "cancel"]),

@@ -15,6 +15,8 @@ keeps such ties out of this test, whose subject is the engine, the cache and the
 tests in test_engine.py use the plain model on prompts without such ties).
 """
 
+import random
+
 import pytest
 
 from .scenarios import play, play_async, play_shared_l2
@@ -28,6 +30,12 @@ def test_random_scenarios_end_every_request_exactly(steady, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_async_clients_all_end_and_leave_the_engine_idle(steady, seed):
     play_async(steady, seed)
+
+
+def test_random_async_clients_with_the_step_on_a_worker_thread(steady):
+    """Consumers arrive, leave, cancel and abort while steps run on the worker thread (and the
+    engine's device work fails at random): every consumer ends, the others' tokens are exact."""
+    assert play_async(steady, 1, failures=0.1, step_thread=True) > 0
 
 
 def test_two_engines_sharing_an_l2_hand_turns_to_each_other(steady):
@@ -45,6 +53,13 @@ def test_many_pairs_of_engines_sharing_an_l2(steady, seed):
 @pytest.mark.parametrize("seed", range(3, 30))
 def test_many_random_async_clients_all_end_and_leave_the_engine_idle(steady, seed):
     play_async(steady, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 12))
+def test_many_random_async_clients_with_the_step_on_a_worker_thread(steady, seed):
+    play_async(steady, seed, failures=random.Random(seed).choice([0.0, 0.03, 0.1]),
+               step_thread=True)
 
 
 @pytest.mark.slow
