@@ -161,6 +161,12 @@ class Scenario:
                     self.failed.add(out.request_id)
 
 
+# The device calls `inject_failures` makes fail: the runner's, of a step; the cache storage's, of
+# an admission.
+STEP_CALLS = ("forward", "decode", "read_live_state", "write_checkpoint")
+ADMISSION_CALLS = ("zero_live", "restore_checkpoint", "page_load_steps", "state_load_steps")
+
+
 def inject_failures(
     engine: Engine, rng: random.Random, rate: float, kinds=("step", "admission")
 ) -> dict[str, int]:
@@ -174,11 +180,9 @@ def inject_failures(
     count = {"failures": 0, "admissions": 0}
     targets = []
     if "step" in kinds:
-        targets += [(engine.runner, name) for name in ("forward", "decode", "read_live_state",
-                                                        "write_checkpoint")]
+        targets += [(engine.runner, name) for name in STEP_CALLS]
     if "admission" in kinds:
-        targets += [(engine.cache.storage, name) for name in (
-            "zero_live", "restore_checkpoint", "page_load_steps", "state_load_steps")]
+        targets += [(engine.cache.storage, name) for name in ADMISSION_CALLS]
     for owner, name in targets:
         real = getattr(owner, name)
         forward = name in ("forward", "decode")

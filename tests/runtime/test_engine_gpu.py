@@ -73,7 +73,7 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
 
     from tokenspeed.runtime import StepError
 
-    from .scenarios import inject_failures
+    from .scenarios import ADMISSION_CALLS, STEP_CALLS, inject_failures
 
     model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to(
         "cuda", torch.float32
@@ -113,9 +113,9 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
             assert len(out.token_ids) == 24
     assert engine.cache.available_pages == idle
     # The same engine, failures off, serves a request to its end with its graphs.
-    for name in ("forward", "decode", "read_live_state", "write_checkpoint"):
+    for name in STEP_CALLS:
         del vars(engine.runner)[name]  # the runner's own methods again
-    for name in ("zero_live", "restore_checkpoint", "page_load_steps", "state_load_steps"):
+    for name in ADMISSION_CALLS:
         del vars(engine.cache.storage)[name]
     engine.add_request("after", prompts[0], SamplingParams(temperature=0, max_tokens=24,
                                                            ignore_eos=True))

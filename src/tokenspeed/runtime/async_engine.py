@@ -119,7 +119,7 @@ class AsyncEngine:
                         self.engine.abort(self._leaving.pop())
                     if not self.engine.has_unfinished():
                         return
-                    outputs = await self._step_on_worker()
+                    outputs = await self._run_step()
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
@@ -130,7 +130,8 @@ class AsyncEngine:
                 queue.put_nowait(exc)
             raise
 
-    async def _step_on_worker(self) -> list[RequestOutput]:
+    async def _run_step(self) -> list[RequestOutput]:
+        """One step, inline or on the worker thread."""
         if self._worker is None:
             return self._step()
         step = asyncio.get_running_loop().run_in_executor(self._worker, self._step)
