@@ -135,6 +135,11 @@ def test_bad_input_fails_before_any_work():
         SamplingParams(top_p=0)
     with pytest.raises(SamplingError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    for seed in (1 << 64, -(1 << 63) - 1, 1.5):
+        with pytest.raises(SamplingError, match="seed"):
+            SamplingParams(seed=seed)
+    SamplingParams(seed=(1 << 64) - 1)
+    SamplingParams(seed=-(1 << 63))
     with pytest.raises(RequestError, match="a string or"):
         llm.generate([42])
     # Refused by the engine itself, after the first prompt was queued: that one goes too.

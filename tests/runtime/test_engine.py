@@ -167,6 +167,24 @@ def test_bad_requests_are_refused_before_any_work(tiny):
         engine.step()
 
 
+def test_a_request_that_cannot_be_queued_leaves_nothing_behind(tiny):
+    engine = small_engine(tiny)
+    real = engine.scheduler.add
+
+    def failing(req):
+        raise RuntimeError("queue fault")
+
+    engine.scheduler.add = failing
+    with pytest.raises(RuntimeError, match="queue fault"):
+        engine.add_request("x", [5, 6], SamplingParams(seed=3, max_tokens=2))
+    assert not engine.has_unfinished() and engine.num_unfinished == 0
+    assert "x" not in engine.sampler._request_generators
+    engine.scheduler.add = real
+    engine.add_request("x", [5, 6], SamplingParams(seed=3, max_tokens=2))  # the id is free
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_a_stop_token_as_the_first_output_ends_the_request(tiny):
     prompt = tokens(23, seed=9)
     first = reference(tiny, prompt, 1)[0]

@@ -243,9 +243,14 @@ class Engine:
             stop=StopChecker(params, self.tokenizer, self._eos),
             metrics=RequestMetrics(arrival_time=now),
         )
-        self._records[request_id] = record
+        # Nothing is kept of a request that cannot be queued.
         self.sampler.register(request_id, params)
-        self.scheduler.add(sched)
+        try:
+            self.scheduler.add(sched)
+        except BaseException:
+            self.sampler.forget(request_id)
+            raise
+        self._records[request_id] = record
 
     def abort(self, request_id: Hashable, reason: str = "aborted by the caller") -> bool:
         """Stop a request and free its cache. Returns False for an unknown or finished one."""

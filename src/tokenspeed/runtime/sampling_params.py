@@ -68,8 +68,9 @@ class SamplingParams:
             f"SamplingParams.stop_token_ids must hold token ids, got {self.stop_token_ids!r}",
         )
         _check(
-            self.seed is None or isinstance(self.seed, int),
-            f"SamplingParams.seed must be an int or None, got {self.seed!r}",
+            self.seed is None
+            or (isinstance(self.seed, int) and -(1 << 63) <= self.seed < (1 << 64)),
+            f"SamplingParams.seed must be None or an int in [-2^63, 2^64), got {self.seed!r}",
         )
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
