@@ -16,9 +16,18 @@ under one lock: by the step, by `generate` adding a request and by `abort`, so n
 overlaps a step. A consumer that goes away while a step runs has its request aborted right after
 that step.
 
+Outputs are cumulative (each holds every token so far), so a consumer that falls behind gets
+the newest one when it asks again, never a backlog: a stalled client costs one output's memory,
+not one per step. A request id may be used again once its request has ended.
+
 A step that fails costs only the requests of its batch: the engine aborts them and their
 consumers get a final output with finish_reason "abort" and the error in `abort_reason`; the
 others go on. Any other failure of the loop reaches every consumer as the exception.
+
+An `AsyncEngine` serves one event loop at a time. Used from a new loop once the old one has
+stopped (a second `asyncio.run`, say), it waits for a step still running on its worker thread and
+aborts the requests the old loop's consumers held: nobody can read them any more. `close()`
+aborts everything, delivers the last outputs and stops the worker thread.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ import asyncio
 import logging
 import weakref
 from collections.abc import AsyncIterator, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
 
+import attrs
 import torch
 
 from .engine import Engine, StepError
@@ -38,14 +49,53 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("tokenspeed.runtime")
 
 
+class AsyncEngineClosed(RuntimeError):
+    """`generate` on an `AsyncEngine` after `close()`."""
+
+
+@attrs.frozen
+class _LoopFailure:
+    """The exception that ended the stepping task, with its traceback as caught: every consumer
+    raises it from there, not from the frames the other consumers' raises added."""
+
+    error: Exception
+    traceback: TracebackType | None
+
+
+class _Stream:
+    """What one consumer has not read yet: the newest output (a newer one replaces it, as outputs
+    are cumulative; a final one is never replaced) or the loop's failure."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | _LoopFailure | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | _LoopFailure) -> None:
+        held = self._item
+        if isinstance(held, _LoopFailure) or (held is not None and held.finished):
+            return
+        self._item = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | _LoopFailure:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, *, step_thread: bool = False):
         self.engine = engine
-        self._queues: dict[Hashable, asyncio.Queue] = {}
-        self._loop_task: asyncio.Task | None = None
+        self._streams: dict[Hashable, _Stream] = {}
+        # Per event loop (see `_bind`): the loop served, its lock and its stepping task.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = asyncio.Lock()  # held while the engine is in use (a step, an add, an abort)
+        self._loop_task: asyncio.Task | None = None
         self._leaving: list[Hashable] = []  # consumers gone during a step: abort after it
+        self._closed = False
         self._worker: ThreadPoolExecutor | None = None
+        self._running_step: Future | None = None  # the worker thread's current step
         if step_thread:
             # One thread, always the same: torch keeps some state per thread (the current
             # device and stream), set once for it here.
@@ -65,25 +115,38 @@ class AsyncEngine:
         prompt: str | None = None,
         session: Hashable | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it progresses; the last one has `finished` set."""
-        queue: asyncio.Queue = asyncio.Queue()
+        """Outputs of one request as it progresses; the last one has `finished` set. A consumer
+        that stops early aborts the request once the iterator is closed: `break` out of
+        `async for` closes it only when it is garbage collected, so wrap the iterator in
+        `contextlib.aclosing` to abort at once."""
+        await self._bind()
+        if self._closed:
+            raise AsyncEngineClosed("this AsyncEngine is closed")
+        stream = _Stream()
         async with self._lock:
             self.engine.add_request(
                 request_id, prompt_token_ids, params, prompt=prompt, session=session
             )
-            self._queues[request_id] = queue
+            self._streams[request_id] = stream
         self._ensure_loop()
+        ended = False
         try:
             while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
+                out = await stream.get()
+                if isinstance(out, _LoopFailure):
+                    ended = True
+                    raise out.error.with_traceback(out.traceback)
+                ended = out.finished
                 yield out
-                if out.finished:
+                if ended:
                     return
         finally:
-            if self._queues.pop(request_id, None) is not None:
-                self._consumer_left(request_id)
+            # The id may already name a newer request (ours ended, a retry reused it): that one
+            # is not ours to forget or abort.
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                if not ended:
+                    self._consumer_left(request_id)
 
     def _consumer_left(self, request_id: Hashable) -> None:
         """Abort the request of a consumer that stopped listening (no await: this runs in a
@@ -95,6 +158,7 @@ class AsyncEngine:
         self._ensure_loop()  # report the abort (or apply it after the step)
 
     async def abort(self, request_id: Hashable) -> bool:
+        await self._bind()
         async with self._lock:
             aborted = self.engine.abort(request_id)
         if aborted:
@@ -104,37 +168,86 @@ class AsyncEngine:
     async def wait_idle(self) -> None:
         """Wait until the engine has nothing left to run or report: every request has ended and
         its last output is in its consumer's queue (for a graceful shutdown, say)."""
+        await self._bind()
         while self._loop_task is not None and not self._loop_task.done():
             await asyncio.wait([self._loop_task])
 
+    async def close(self) -> None:
+        """Stop serving: abort every request (their consumers get a final "abort" output), wait
+        until that is reported, and stop the worker thread. Later `generate` calls raise
+        `AsyncEngineClosed`. The `Engine` itself stays usable (and open: `engine.close()`)."""
+        await self._bind()
+        self._closed = True
+        async with self._lock:
+            for request_id in list(self._streams):
+                self.engine.abort(request_id, "the AsyncEngine was closed")
+        self._ensure_loop()
+        await self.wait_idle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+    async def _bind(self) -> None:
+        """Serve the running event loop. On a new loop (the old one has stopped), first let a
+        step of the old loop finish on the worker thread, and abort the requests whose consumers
+        lived on the old loop: they can never read again, and their streams belong to it."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        old = self._loop
+        if old is not None and old.is_running():
+            raise RuntimeError("this AsyncEngine serves another event loop, which is running")
+        self._loop = loop
+        self._lock = asyncio.Lock()
+        self._loop_task = None
+        async with self._lock:  # the new loop's other callers wait for this
+            if self._running_step is not None:
+                await asyncio.wait([asyncio.wrap_future(self._running_step)])
+            orphans = [*self._leaving, *self._streams]
+            self._leaving, self._streams = [], {}
+            for request_id in orphans:
+                self.engine.abort(request_id, "its event loop ended")
+        if self.engine.has_unfinished():
+            self._ensure_loop()
+
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        """Start the stepping task if none runs. Not from outside the loop served (a consumer
+        closed by the garbage collector after its loop ended): the next loop steps then."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if loop is self._loop and (self._loop_task is None or self._loop_task.done()):
+            self._loop_task = loop.create_task(self._run())
 
     async def _run(self) -> None:
         try:
             while True:
                 async with self._lock:
                     while self._leaving:
-                        self.engine.abort(self._leaving.pop())
+                        request_id = self._leaving.pop()
+                        if request_id not in self._streams:  # else a new request took the id
+                            self.engine.abort(request_id)
                     if not self.engine.has_unfinished():
                         return
                     outputs = await self._run_step()
                 for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
                 await asyncio.sleep(0)  # let handlers consume and new requests arrive
         except Exception as exc:  # a failing loop must not leave consumers waiting forever
-            for queue in self._queues.values():
-                queue.put_nowait(exc)
-            raise
+            logger.error("the AsyncEngine loop failed: %r", exc, exc_info=exc)
+            failure = _LoopFailure(exc, exc.__traceback__)
+            for stream in self._streams.values():
+                stream.put(failure)
+            # Not re-raised: every consumer gets it, and nobody awaits this task's result.
 
     async def _run_step(self) -> list[RequestOutput]:
         """One step, inline or on the worker thread."""
         if self._worker is None:
             return self._step()
-        step = asyncio.get_running_loop().run_in_executor(self._worker, self._step)
+        self._running_step = self._worker.submit(self._step)
+        step = asyncio.wrap_future(self._running_step)
         try:
             return await asyncio.shield(step)
         except asyncio.CancelledError:
