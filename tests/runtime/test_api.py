@@ -73,6 +73,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     assert mixed[1].token_ids == alone
 
 
+def test_temperatures_too_small_to_divide_by_sample_greedily():
+    """Logits divided by 1e-40 overflow fp32 into NaN probabilities, which failed the step and
+    every request batched with it; below 1e-5 a request samples greedily instead."""
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=2, max_model_len=64, page_size=16)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+    tiny = SamplingParams(temperature=1e-40, max_tokens=4, ignore_eos=True)
+    greedy = tiny.evolve(temperature=0)
+    assert tiny.greedy and not SamplingParams(temperature=1e-4).greedy
+    got = llm.generate(prompts, [tiny, SamplingParams(max_tokens=4, seed=1)], use_tqdm=False)
+    want = llm.generate(prompts[:1], greedy, use_tqdm=False)
+    assert got[0].token_ids == want[0].token_ids and len(got[1].token_ids) == 4
+
+
 def test_stop_token_ids_and_strings():
     llm = LLM(model="tiny", dtype="float32", max_num_seqs=2, max_model_len=256, page_size=16)
     base = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10,
@@ -129,8 +142,12 @@ def test_bad_input_fails_before_any_work():
     with pytest.raises(RequestError, match="max_model_len=64"):
         llm.generate(["ok", {"prompt_token_ids": [5] * 64}])
     assert llm.engine.num_unfinished == 0  # the valid first prompt was not queued either
-    with pytest.raises(SamplingError, match="temperature"):
-        SamplingParams(temperature=-1)
+    for temperature in (-1, float("inf"), float("nan"), 10**400, True, "1"):
+        with pytest.raises(SamplingError, match="temperature"):
+            SamplingParams(temperature=temperature)
+    for top_k in (1 << 63, -(1 << 63) - 1, 2.0):
+        with pytest.raises(SamplingError, match="top_k"):
+            SamplingParams(top_k=top_k)
     with pytest.raises(SamplingError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(SamplingError, match="max_tokens"):
@@ -144,7 +161,7 @@ def test_bad_input_fails_before_any_work():
         llm.generate([42])
     # Refused by the engine itself, after the first prompt was queued: that one goes too.
     for bad in ([1.5, 2], [999]):
-        with pytest.raises(RequestError):
+        with pytest.raises(RequestError, match="^prompt 1: "):  # its place, not our own id
             llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": bad}], use_tqdm=False)
         assert not llm.engine.has_unfinished()
     with pytest.raises(RequestError, match="logprobs"):

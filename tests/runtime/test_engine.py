@@ -269,3 +269,42 @@ def test_logprobs_are_the_same_in_multi_step_runs(tiny):
         assert [t for t, _ in got] == [t for t, _ in want]
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
     assert multi["a"][1] is None  # a did not ask
+
+
+class FailsOn:
+    """Bytes as text, but decoding any output holding `poison` raises (as tiktoken does for an
+    id past its encoding)."""
+
+    eos_token_ids = ()
+
+    def __init__(self, poison: int):
+        self.poison = poison
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        if self.poison in ids:
+            raise KeyError(f"Invalid token for decoding: {self.poison}")
+        return bytes(i % 256 for i in ids).decode(errors="replace")
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",)], ids=["text", "stop-strings"])
+def test_a_tokenizer_that_fails_on_one_request_costs_that_request_only(tiny, stop):
+    """Before, the failure escaped the step after its bookkeeping; every later step rendered the
+    aborted request again and failed again, for good."""
+    bad, good = tokens(15, seed=31), tokens(12, seed=32)
+    want_good = reference(tiny, good, 5)
+    poison = reference(tiny, bad, 1)[0]
+    assert poison not in want_good
+    engine = small_engine(tiny)
+    engine.tokenizer = FailsOn(poison)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop=stop)
+    done = run(engine, [("bad", bad, params), ("good", good, params)])
+    assert done["bad"].outputs[0].finish_reason == "abort"
+    assert done["bad"].abort_reason.startswith("tokenizer failed")
+    assert "Invalid token for decoding" in done["bad"].abort_reason
+    assert done["good"].token_ids == want_good and done["good"].outputs[0].finish_reason == "length"
+    assert engine.cache.get("bad") is None
+    again = run(engine, [("next", good, params)])  # the engine goes on serving
+    assert again["next"].token_ids == want_good

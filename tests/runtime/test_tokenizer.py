@@ -6,6 +6,7 @@ import json
 import pytest
 
 from tokenspeed.runtime.tokenizer import (
+    RESERVED_SPECIAL_TOKENS,
     ByteTokenizer,
     HFTokenizer,
     TiktokenTokenizer,
@@ -65,6 +66,17 @@ def test_kimi_tiktoken_files_round_trip(tmp_path):
     assert len(ids) < len(TEXT.encode())  # merges were applied
     assert tok.decode([*ids, base + 1]) == TEXT  # special tokens are not rendered
     assert tok.eos_token_ids == (base + 1,)
+
+
+def test_tiktoken_renders_ids_past_its_encoding_as_nothing(tmp_path):
+    """A model's vocabulary is often padded past its tokenizer's: an id there (which a model
+    with random or odd weights can sample) decodes to nothing rather than raising, like the
+    other tokenizers (`tiktoken` itself raises KeyError)."""
+    root, base = _tiktoken_dir(tmp_path)
+    tok = load_tokenizer(root)
+    ids = tok.encode(TEXT)
+    past = base + RESERVED_SPECIAL_TOKENS + 5
+    assert tok.decode([past, *ids, past + 1]) == TEXT
 
 
 def test_tiktoken_without_a_pattern_is_refused(tmp_path):

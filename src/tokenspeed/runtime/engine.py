@@ -15,6 +15,7 @@ scheduler preempts requests (their progress checkpointed and published) and they
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import time
 from collections.abc import Hashable, Sequence
@@ -44,6 +45,8 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .stop import StopChecker
 from .tokenizer import Tokenizer
+
+logger = logging.getLogger("tokenspeed.runtime")
 
 
 class RequestError(ValueError):
@@ -487,7 +490,12 @@ class Engine:
                 self.metrics.record_itl(now - m.last_token_time)
             m.last_token_time = now
             moved[record.rid] = record
-            reason = record.stop.check(record.output_ids)
+            try:
+                reason = record.stop.check(record.output_ids)
+            except Exception as exc:
+                self._abort_on_tokenizer_error(record, "checking stop strings", exc)
+                finished.add(record.rid)
+                continue
             if reason is not None:
                 record.stop_reason = reason
                 record.finish_reason = "stop"
@@ -515,6 +523,15 @@ class Engine:
             self.cache.discard_checkpoint(handle, position, slot)
             raise
 
+    def _abort_on_tokenizer_error(self, record: _Record, doing: str, exc: Exception) -> None:
+        """End `record` aborted because the tokenizer failed on its tokens; a running request
+        also leaves the scheduler (a finishing one is released by the step as it is)."""
+        reason = f"tokenizer failed {doing}: {exc!r}"
+        logger.error("request %r: %s", record.rid, reason, exc_info=exc)
+        if record.finish_reason is None and not record.sched.done:
+            self.scheduler.abort(record.rid, reason)
+        self._finish(record, "abort", abort_reason=reason)
+
     def _finish(self, record: _Record, reason: str, abort_reason: str | None = None) -> None:
         if record.finish_reason is None or reason == "abort":
             record.finish_reason = reason
@@ -522,7 +539,13 @@ class Engine:
         record.metrics.finished_time = time.monotonic()
 
     def _output(self, record: _Record) -> RequestOutput:
-        text = record.stop.text(record.output_ids) if self.tokenizer is not None else ""
+        try:
+            text = record.stop.text(record.output_ids) if self.tokenizer is not None else ""
+        except Exception as exc:
+            # A tokenizer that cannot render these tokens costs this request, not the engine:
+            # raising here would fail every later step too, as they report it again.
+            text = ""
+            self._abort_on_tokenizer_error(record, "rendering its text", exc)
         want_logprobs = record.params.logprobs is not None
         completion = CompletionOutput(
             index=0,

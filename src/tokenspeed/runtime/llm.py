@@ -143,8 +143,13 @@ class LLM:
         results: dict[int, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)
         try:
-            for rid, (text, tokens), p in zip(ids, encoded, params, strict=True):
-                engine.add_request(rid, tokens, p, prompt=text)  # may refuse one: RequestError
+            requests = zip(ids, encoded, params, strict=True)
+            for index, (rid, (text, tokens), p) in enumerate(requests):
+                try:
+                    engine.add_request(rid, tokens, p, prompt=text)
+                except RequestError as exc:  # named by its place in the call, not our id
+                    detail = str(exc).removeprefix(f"request {rid!r}: ")
+                    raise RequestError(f"prompt {index}: {detail}") from None
             while len(results) < len(ids):
                 for out in engine.step():
                     if out.finished and out.request_id not in results:

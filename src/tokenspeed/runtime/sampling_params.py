@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 from attrs import field, frozen
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily: dividing logits by less overflows fp32 into NaNs."""
 
 
 class SamplingError(ValueError):
@@ -13,6 +18,16 @@ class SamplingError(ValueError):
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise SamplingError(message)
+
+
+def _finite(value) -> bool:
+    """A real number that fits a float and is not inf or NaN (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past the float range
+        return False
 
 
 def _tuple(value) -> tuple:
@@ -25,11 +40,12 @@ def _tuple(value) -> tuple:
 
 @frozen(kw_only=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k <= 0 and top_p 1.0 disable those filters. max_tokens counts
-    generated tokens. stop: strings that end the output (not included in it); stop_token_ids:
-    token ids that end it (included in token_ids, like EOS). ignore_eos keeps generating past the
-    model's EOS. seed makes a sampled request reproducible whatever it is batched with.
-    logprobs: also return the log-probability of each sampled token and of the top `logprobs`.
+    """temperature 0 (or below 1e-5) is greedy. top_k <= 0 (or >= the vocabulary) and top_p 1.0
+    disable those filters. max_tokens counts generated tokens. stop: strings that end the output
+    (not included in it); stop_token_ids: token ids that end it (included in token_ids, like
+    EOS). ignore_eos keeps generating past the model's EOS. seed makes a sampled request
+    reproducible whatever it is batched with. logprobs: also return the log-probability of each
+    sampled token and of the top `logprobs`.
     """
 
     temperature: float = 1.0
@@ -44,16 +60,18 @@ class SamplingParams:
 
     def __attrs_post_init__(self) -> None:
         _check(
-            isinstance(self.temperature, int | float) and self.temperature >= 0,
-            f"SamplingParams.temperature must be >= 0, got {self.temperature!r}",
+            _finite(self.temperature) and self.temperature >= 0,
+            f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}",
         )
         _check(
             isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
             f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
-            f"SamplingParams.top_k must be an int, got {self.top_k!r}",
+            isinstance(self.top_k, int)
+            and not isinstance(self.top_k, bool)
+            and -(1 << 63) <= self.top_k < (1 << 63),
+            f"SamplingParams.top_k must be an int in [-2^63, 2^63), got {self.top_k!r}",
         )
         _check(
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -79,7 +97,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def evolve(self, **changes) -> SamplingParams:
         return attrs.evolve(self, **changes)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
+_UNSETTLED_CHARS = 3  # trailing characters of a decoded text that a later token may rewrite
+
 
 class StopChecker:
     """Checks a request's output after each new token; also renders its text.
@@ -24,16 +26,23 @@ class StopChecker:
         if not params.ignore_eos:
             self.stop_ids |= set(eos_token_ids)
         self._longest_stop = max((len(s) for s in params.stop), default=0)
+        self._checked_len = 0  # length of the text at the previous check
 
     def check(self, output_ids: Sequence[int]) -> str | int | None:
-        """The stop reason (a token id or a stop string) if the output just ended, else None."""
+        """The stop reason (a token id or a stop string) if the output just ended, else None.
+        Called once per new token, in order."""
         last = output_ids[-1]
         if last in self.stop_ids:
             return last
         if self.params.stop:
             text = self.tokenizer.decode(output_ids)
-            # Only the tail can hold a stop string completed by this token.
-            tail = text[-(self._longest_stop + 16) :]
+            # A stop string completed by this token ends in the text it added, however long
+            # (one token can be many characters). The previous text's last few characters may
+            # change too: an incomplete UTF-8 sequence decodes to up to 3 replacement
+            # characters until its last byte arrives.
+            start = max(0, self._checked_len - _UNSETTLED_CHARS - self._longest_stop + 1)
+            self._checked_len = len(text)
+            tail = text[start:]
             for stop in self.params.stop:
                 if stop in tail:
                     return stop

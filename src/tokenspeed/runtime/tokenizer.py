@@ -125,13 +125,16 @@ class TiktokenTokenizer:
             name=root.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special
         )
         self._special_ids = set(special.values())
+        self._ordinary_ids = frozenset(ranks.values())
         self.eos_token_ids = tuple(eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(text, disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._enc.decode([i for i in ids if i not in self._special_ids])
+        """Special tokens and ids the encoding does not have (a model's vocabulary is often
+        padded past its tokenizer's) render as nothing, as with the other tokenizers."""
+        return self._enc.decode([i for i in ids if i in self._ordinary_ids])
 
 
 def load_tokenizer(path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer | None:

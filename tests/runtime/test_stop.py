@@ -1,0 +1,58 @@
+"""Stop strings through the engine, with tokenizers whose tokens are long runs of text."""
+
+import pytest
+
+from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
+from tokenspeed.runtime.stop import StopChecker
+
+from .conftest import reference, tokens
+
+
+class LongTokens:
+    """Token t renders as "<t>" followed by 40 dots: a stop string ending a token's text sits
+    far from the end of the text, as "\\n" does in a code vocabulary's newline + indent token."""
+
+    eos_token_ids = ()
+
+    def encode(self, text):
+        raise NotImplementedError
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" + "." * 40 for i in ids)
+
+
+def test_a_stop_string_far_from_the_end_of_a_long_token_ends_the_output(tiny):
+    prompt = tokens(17, seed=4)
+    want = reference(tiny, prompt, 6)
+    stop = f"<{want[2]}>"
+    assert stop not in LongTokens().decode(want[:2])  # the third token brings it
+    engine = Engine(tiny, LongTokens(), EngineConfig(max_num_seqs=2, max_model_len=128,
+                                                     page_size=16))
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=6, stop=[stop]))
+    while engine.has_unfinished():
+        outs = engine.step()
+    (out,) = outs
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.token_ids == want[:3]
+    assert out.text == LongTokens().decode(want[:2])  # cut where the stop string starts
+
+
+@pytest.mark.parametrize("stop", ["é", "xé", "éy"])
+def test_a_stop_string_completed_by_the_last_byte_of_a_character_is_found(stop):
+    """Bytes as tokens: a character's first byte decodes to a replacement character that its
+    last byte rewrites, so the checker looks back over the previous text's last characters."""
+
+    class Bytes:
+        eos_token_ids = ()
+
+        def decode(self, ids):
+            return bytes(ids).decode(errors="replace")
+
+    checker = StopChecker(SamplingParams(stop=[stop]), Bytes(), ())
+    data = ("a" * 30 + stop + "z").encode()
+    ids, reasons = [], []
+    for byte in data:
+        ids.append(byte)
+        reasons.append(checker.check(ids))
+    end = len(("a" * 30 + stop).encode())
+    assert reasons[end - 1] == stop and not any(reasons[: end - 1])
