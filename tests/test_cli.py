@@ -51,3 +51,86 @@ def test_a_small_model_on_the_cpu_runs_single_threaded(monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "2", "--device", "cpu"]) == 0
     assert torch.get_num_threads() == 2  # the environment's choice stands
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Usage errors must come before any model loads: loading one fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("tokenspeed.LLM", refuse)
+    monkeypatch.setattr("tokenspeed.runtime.llm.load_model", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt-ids", "1,2,x"], "argument --prompt-ids: expected comma-separated"),
+        (["generate", "--prompt-ids", "3,-1"], "argument --prompt-ids: expected comma-separated"),
+        (["generate", "--prompt-ids", ""], "argument --prompt-ids: expected comma-separated"),
+        (["generate", "--prompt", ""], "argument --prompt: a prompt must not be empty"),
+        (["generate", "--threads", "0"], "argument --threads: expected a positive integer, got 0"),
+        (["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive"),
+        (["generate", "--max-num-seqs", "-3"], "argument --max-num-seqs: expected a positive"),
+        (["generate", "--max-model-len", "0"], "argument --max-model-len: expected a positive"),
+        (["generate", "--decode-steps", "two"], "argument --decode-steps: expected a positive"),
+        (["generate", "--temperature", "-1"], "argument --temperature: expected a finite number"),
+        (["generate", "--temperature", "nan"], "argument --temperature: expected a finite number"),
+        (["generate", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
+        (["generate", "--device", "bogus"], "argument --device: expected 'auto', 'cpu'"),
+        (["generate", "--device", "cuda:99"], "argument --device: 'cuda:99' is not available"),
+        (["generate", "--model", "/no/such/dir"], "argument --model: '/no/such/dir' is neither"),
+        (["bench", "agentx", "--concurrency", "0"], "argument --concurrency: expected a positive"),
+        (["bench", "agentx", "--concurrency", "-2"], "argument --concurrency: expected a positive"),
+        (["bench", "agentx", "--sessions", "0"], "argument --sessions: expected a positive"),
+        (["bench", "agentx", "--max-turns", "0"], "argument --max-turns: expected a positive"),
+        (["bench", "agentx", "--page-size", "0"], "argument --page-size: expected a positive"),
+        (["bench", "agentx", "--scale", "0"], "argument --scale: expected a finite number > 0"),
+        (["bench", "agentx", "--scale", "-1"], "argument --scale: expected a finite number > 0"),
+    ],
+)
+def test_bad_flags_are_usage_errors_naming_the_flag(no_model_loads, capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_workload_scale_too_small_is_refused_before_the_model_loads(no_model_loads, capsys):
+    assert main(["bench", "agentx", "--scale", "1e-6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenspeed bench agentx: error: scale 1e-06 leaves no usable")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # a RequestError from the engine
+        (["generate", "--prompt-ids", "100000"], "outside the vocabulary"),
+        (["generate", "--max-model-len", "4", "--prompt-ids", "5,6,7,8,9"], "max_model_len=4"),
+    ],
+)
+def test_inputs_the_library_refuses_end_in_one_line_and_status_2(capsys, argv, message):
+    assert main([*argv, "--device", "cpu", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenspeed generate: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_a_checkpoint_the_loader_refuses_ends_in_its_message_and_status_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "kimi_linear"}')
+    assert main(["generate", "--model", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenspeed generate: error: ") and "config.json lacks" in err
+
+
+def test_bugs_still_raise_with_their_traceback(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("tokenspeed.LLM", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate", "--device", "cpu"])

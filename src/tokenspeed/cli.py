@@ -9,6 +9,7 @@ tokenspeed sim ...                      # the cluster simulator (see `tokenspeed
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -19,6 +20,99 @@ DEFAULT_PROMPTS = (
     "def fibonacci(n):",
     "Agents call tools, wait, and come back with",
 )
+
+
+# argparse `type=` functions: a bad value is a usage error naming its flag (exit status 2),
+# caught before any model loads.
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _finite_float(text: str, low: float, low_included: bool) -> float:
+    bound = f">= {low:g}" if low_included else f"> {low:g}"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < low or (value == low and not low_included):
+        raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    return _finite_float(text, 0.0, low_included=True)
+
+
+def _scale(text: str) -> float:
+    return _finite_float(text, 0.0, low_included=False)
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids (integers >= 0), got {text!r}"
+        )
+    return ids
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a prompt must not be empty")
+    return text
+
+
+def _device(text: str) -> str:
+    """"auto", the CPU or a CUDA device this machine has."""
+    import torch
+
+    if text == "auto":
+        return text
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {text!r}"
+        )
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not available: this machine has {count} CUDA devices"
+        )
+    return text
+
+
+def _model(text: str) -> str:
+    from tokenspeed.model import PRESETS
+
+    if text not in PRESETS and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory"
+        )
+    return text
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -60,7 +154,7 @@ def generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, **_engine_options(args))
     _set_cpu_threads(args, llm.engine.model, llm.engine.device)
     if args.prompt_ids:
-        prompts = [{"prompt_token_ids": [int(t) for t in p.split(",")]} for p in args.prompt_ids]
+        prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
     else:
         prompts = list(args.prompt or DEFAULT_PROMPTS)
     params = SamplingParams(
@@ -102,6 +196,8 @@ def bench_agentx(args: argparse.Namespace) -> int:
     from tokenspeed.runtime.agentx_replay import agentx_sessions, replay
     from tokenspeed.runtime.llm import load_model
 
+    # The workload first: a scale too small for it is refused before the model loads.
+    sessions, block = agentx_sessions(args.sessions, args.seed, args.scale, args.max_turns)
     options = _engine_options(args)
     config = EngineConfig(
         device=options["device"],
@@ -117,7 +213,6 @@ def bench_agentx(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
     engine = Engine(model, tokenizer, config)
     _set_cpu_threads(args, engine.model, engine.device)
-    sessions, block = agentx_sessions(args.sessions, args.seed, args.scale, args.max_turns)
     result = replay(engine, sessions, args.concurrency, block)
     engine.check_integrity()
     print(
@@ -131,20 +226,22 @@ def bench_agentx(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
-    p.add_argument("--model", default="tiny", help="a preset name or a checkpoint directory")
+    p.add_argument(
+        "--model", type=_model, default="tiny", help="a preset name or a checkpoint directory"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16)
+    p.add_argument("--max-model-len", type=_positive_int, default=max_model_len)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
-        "--decode-steps", type=int, default=None,
+        "--decode-steps", type=_positive_int, default=None,
         help="decode steps per host round trip (EngineConfig.decode_steps; default: 8 for "
         "generate, 1 for bench agentx, whose latency metrics want every token as it comes)",
     )
     p.add_argument(
-        "--threads", type=int, default=None,
+        "--threads", type=_positive_int, default=None,
         help="torch CPU threads (default: 1 for a model under 100M parameters on the CPU, "
         "unless OMP_NUM_THREADS is set; else torch's default)",
     )
@@ -160,29 +257,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from a few prompts and print tokens/s")
     _common(gen, 2048)
-    gen.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
-    gen.add_argument("--prompt-ids", action="append", help="comma-separated token ids")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--prompt", type=_prompt, action="append", help="a text prompt (repeatable)")
+    gen.add_argument(
+        "--prompt-ids", type=_token_ids, action="append", help="comma-separated token ids"
+    )
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    gen.add_argument("--temperature", type=_temperature, default=0.0)
     gen.set_defaults(func=generate)
     bench = sub.add_parser("bench", help="benchmarks through the real engine")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     agentx = bench_sub.add_parser("agentx", help="replay a small AgentX workload")
     _common(agentx, 4096)
-    agentx.add_argument("--sessions", type=int, default=12)
-    agentx.add_argument("--concurrency", type=int, default=8)
-    agentx.add_argument("--max-turns", type=int, default=3)
+    agentx.add_argument("--sessions", type=_positive_int, default=12)
+    agentx.add_argument("--concurrency", type=_positive_int, default=8)
+    agentx.add_argument("--max-turns", type=_positive_int, default=3)
     agentx.add_argument(
         "--scale",
-        type=float,
+        type=_scale,
         default=1 / 128,
         help="token counts relative to AgentX (1/128 suits the tiny preset)",
     )
-    agentx.add_argument("--page-size", type=int, default=16)
+    agentx.add_argument("--page-size", type=_positive_int, default=16)
     agentx.set_defaults(func=bench_agentx)
     sub.add_parser("sim", help="the cluster simulator: tokenspeed sim --help")
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as err:
+        if not isinstance(err, _input_errors()):
+            raise  # a bug: its traceback is wanted
+        command = " ".join(filter(None, ["tokenspeed", args.command, getattr(args, "bench", None)]))
+        print(f"{command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """The library's errors for input it refuses (a bad checkpoint, request or setting): the
+    command reports their message, not a traceback. Imported here, when needed, because they
+    bring in torch."""
+    from tokenspeed.cache.errors import CacheConfigError
+    from tokenspeed.model.config import ConfigError
+    from tokenspeed.model.loader import CheckpointError
+    from tokenspeed.runtime.agentx_replay import ReplayError
+    from tokenspeed.runtime.config import EngineConfigError
+    from tokenspeed.runtime.engine import RequestError
+    from tokenspeed.runtime.sampling_params import SamplingError
+    from tokenspeed.runtime.tokenizer import TokenizerError
+
+    return (
+        CacheConfigError,
+        CheckpointError,
+        ConfigError,
+        EngineConfigError,
+        ReplayError,
+        RequestError,
+        SamplingError,
+        TokenizerError,
+    )
 
 
 if __name__ == "__main__":

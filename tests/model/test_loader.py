@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenspeed.model import ForwardBatch, KimiForCausalLM, get_preset
 from tokenspeed.model.checkpoint import save_checkpoint
+from tokenspeed.model.config import ConfigError
 from tokenspeed.model.init import init_random_weights
 from tokenspeed.model.layers.moe import MoE, Mxfp4Experts
 from tokenspeed.model.loader import INDEX_FILE, CheckpointError, load_checkpoint
@@ -225,3 +226,85 @@ def test_empty_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_linear"}))
     with pytest.raises(Exception, match="lacks|no \\*.safetensors"):
         load_checkpoint(tmp_path)
+
+
+def _sharded(tmp_path, tiny):
+    """Save tiny in several shards with an index; returns the directory and the shard files."""
+    save_checkpoint(tiny, tmp_path, max_shard_bytes=256 << 10)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2
+    return tmp_path, shards
+
+
+def _truncate(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def test_missing_and_truncated_shards_are_reported_together_by_file(tiny, tmp_path):
+    path, shards = _sharded(tmp_path, tiny)
+    shards[1].unlink()
+    _truncate(shards[2])
+    index = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    in_lost_shards = {n for n, f in index.items() if f in (shards[1].name, shards[2].name)}
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    err = info.value
+    assert f"{shards[1].name}: no such file (the index places" in str(err)
+    assert f"{shards[2].name}: unreadable" in str(err)
+    # the tensors those files hold are the model's missing ones
+    assert len(err.missing) == len(in_lost_shards)
+    assert all(f"language_model.{name}" in in_lost_shards for name in err.missing)
+
+
+def test_an_unreadable_shard_without_an_index_is_reported_by_file(tiny, tmp_path):
+    path, shards = _sharded(tmp_path, tiny)
+    (path / INDEX_FILE).unlink()
+    _truncate(shards[0])
+    with pytest.raises(CheckpointError, match=f"{shards[0].name}: unreadable"):
+        load_checkpoint(path)
+
+
+def test_an_index_placing_a_tensor_in_the_wrong_file_names_both(tiny, tmp_path):
+    path, shards = _sharded(tmp_path, tiny)
+    index = json.loads((path / INDEX_FILE).read_text())
+    name = "language_model.model.embed_tokens.weight"
+    wrong = next(s.name for s in shards if s.name != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert f"{name}: not in {wrong}, where the index places it" in str(info.value)
+    assert info.value.missing == ["model.embed_tokens.weight"]
+
+
+@pytest.mark.parametrize("index", [{"metadata": {}}, {"weight_map": [1, 2]}, [], "{not json"])
+def test_an_index_without_a_weight_map_is_a_checkpoint_error(tiny, tmp_path, index):
+    path, _ = _sharded(tmp_path, tiny)
+    text = index if isinstance(index, str) else json.dumps(index)
+    (path / INDEX_FILE).write_text(text)
+    with pytest.raises(CheckpointError, match=INDEX_FILE):
+        load_checkpoint(path)
+
+
+def test_integer_tensors_are_refused_for_floating_point_parameters(tiny, tmp_path):
+    def edit(tensors, config):
+        for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.A_log"):
+            tensors[name] = (tensors[name] * 1000).to(torch.int32)
+
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(_flat(tmp_path, tiny, edit))
+    assert info.value.other == [
+        "model.embed_tokens.weight: dtype int32, expected a floating-point tensor",
+        "model.layers.0.self_attn.A_log: dtype int32, expected a floating-point tensor",
+    ]
+
+
+def test_an_unsupported_dtype_in_config_json_is_a_config_error(tiny, tmp_path):
+    def edit(tensors, config):
+        config["dtype"] = "float64"
+
+    path = _flat(tmp_path, tiny, edit)
+    with pytest.raises(ConfigError, match="config.json dtype 'float64' is not supported"):
+        load_checkpoint(path)
+    assert torch.equal(_logits(load_checkpoint(path, dtype="float32")), _logits(tiny))

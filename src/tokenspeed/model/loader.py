@@ -2,7 +2,10 @@
 Linear or Kimi K3 into `KimiForCausalLM`.
 
 All problems are collected before anything is loaded, and reported together: missing tensors,
-unexpected tensors and tensors of the wrong shape, each by its checkpoint name.
+unexpected tensors and tensors of the wrong shape, each by its checkpoint name, and shard files that
+are missing, unreadable or lack a tensor the index places in them. Tensors whose values turn out
+unusable (integer data for a floating-point parameter, say) are collected while loading and
+reported together before the model is built.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from pathlib import Path
 
 import attrs
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .hf_config import from_hf_config, load_config_json, text_config_of
 from .kimi import KimiForCausalLM
 from .layers.moe import use_mxfp4_experts
@@ -60,29 +63,54 @@ def normalize_name(name: str) -> str:
     return name
 
 
+def _read_index(index_path: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file name)."""
+    try:
+        with index_path.open() as f:
+            index = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(other=[f"{index_path.name}: unreadable ({err})"]) from err
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(file, str) for file in weight_map.values()
+    ):
+        raise CheckpointError(
+            other=[f"{index_path.name}: needs a 'weight_map' of tensor name -> shard file name"]
+        )
+    return weight_map
+
+
 @attrs.frozen
 class CheckpointIndex:
-    """Which file holds each tensor: normalised name -> (file, name inside the file)."""
+    """Which file holds each tensor: normalised name -> (file, name inside the file).
+
+    unreadable: problems with shard files found while listing them (missing, truncated, not
+    safetensors), reported by `shapes` with the rest.
+    """
 
     root: Path
     entries: dict[str, tuple[str, str]]
     ignored: tuple[str, ...]
+    unreadable: tuple[str, ...] = ()
 
     @classmethod
     def open(cls, root: str | Path) -> CheckpointIndex:
         root = Path(root)
         index_path = root / INDEX_FILE
+        unreadable = []
         if index_path.is_file():
-            with index_path.open() as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _read_index(index_path)
         else:
             files = sorted(root.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(other=[f"no *.safetensors files in {root}"])
             weight_map = {}
             for file in files:
-                with safe_open(file, "pt") as handle:
-                    weight_map.update(dict.fromkeys(handle.keys(), file.name))
+                try:
+                    with safe_open(file, "pt") as handle:
+                        weight_map.update(dict.fromkeys(handle.keys(), file.name))
+                except (OSError, SafetensorError) as err:
+                    unreadable.append(f"{file.name}: unreadable ({err})")
         entries, ignored = {}, []
         for name, file in weight_map.items():
             normal = normalize_name(name)
@@ -90,19 +118,36 @@ class CheckpointIndex:
                 ignored.append(name)
                 continue
             entries[normal] = (file, name)
-        return cls(root=root, entries=entries, ignored=tuple(ignored))
+        return cls(
+            root=root, entries=entries, ignored=tuple(ignored), unreadable=tuple(unreadable)
+        )
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every tensor, read from the safetensors headers only."""
+    def shapes(self) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+        """Shape of every tensor that can be read, from the safetensors headers only, and the
+        problems that kept the others out (a tensor kept out is then reported missing too)."""
         by_file: dict[str, list[str]] = {}
         for normal, (file, _) in self.entries.items():
             by_file.setdefault(file, []).append(normal)
-        shapes = {}
+        shapes, problems = {}, list(self.unreadable)
         for file, names in by_file.items():
-            with safe_open(self.root / file, "pt") as handle:
-                for normal in names:
-                    shapes[normal] = tuple(handle.get_slice(self.entries[normal][1]).get_shape())
-        return shapes
+            path = self.root / file
+            if not path.is_file():
+                problems.append(
+                    f"{file}: no such file (the index places {len(names)} tensors there)"
+                )
+                continue
+            try:
+                with safe_open(path, "pt") as handle:
+                    stored = set(handle.keys())
+                    for normal in names:
+                        name = self.entries[normal][1]
+                        if name not in stored:
+                            problems.append(f"{name}: not in {file}, where the index places it")
+                            continue
+                        shapes[normal] = tuple(handle.get_slice(name).get_shape())
+            except (OSError, SafetensorError) as err:
+                problems.append(f"{file}: unreadable ({err})")
+        return shapes, problems
 
 
 @attrs.frozen
@@ -113,7 +158,7 @@ class _Plan:
 
 
 def _plan(specs: Iterable[TensorSpec], index: CheckpointIndex, strict: bool) -> _Plan:
-    shapes = index.shapes()
+    shapes, file_problems = index.shapes()
     missing, mis_shaped, used, sources = [], [], set(), {}
     for spec in specs:
         names = []
@@ -130,8 +175,8 @@ def _plan(specs: Iterable[TensorSpec], index: CheckpointIndex, strict: bool) -> 
                 )
         sources[spec.target] = names
     unexpected = sorted(set(shapes) - used) if strict else []
-    if missing or mis_shaped or unexpected:
-        raise CheckpointError(missing, unexpected, mis_shaped)
+    if missing or mis_shaped or unexpected or file_problems:
+        raise CheckpointError(missing, unexpected, mis_shaped, file_problems)
     return _Plan(sources)
 
 
@@ -161,7 +206,13 @@ def resolve_dtype(dtype: torch.dtype | str | None, raw: dict) -> torch.dtype:
         return dtype
     if dtype in (None, "auto"):
         text = text_config_of(raw)
-        dtype = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "float32"
+        stored = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "float32"
+        if not isinstance(stored, str) or stored not in _DTYPES:
+            raise ConfigError(
+                f"config.json dtype {stored!r} is not supported: pass a dtype, one of "
+                f"{sorted(_DTYPES)}"
+            )
+        return _DTYPES[stored]
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
     return _DTYPES[dtype]
@@ -198,9 +249,14 @@ def load_checkpoint(
             parts = []
             for name in plan.sources[spec.target]:
                 file, stored = index.entries[name]
-                if file not in handles:
-                    handles[file] = safe_open(root / file, "pt", device="cpu")
-                parts.append(handles[file].get_tensor(stored))
+                try:
+                    if file not in handles:
+                        handles[file] = safe_open(root / file, "pt", device="cpu")
+                    parts.append(handles[file].get_tensor(stored))
+                except (OSError, SafetensorError) as err:  # e.g. the file changed since _plan
+                    problems.append(f"{name}: unreadable from {file} ({err})")
+            if len(parts) < len(plan.sources[spec.target]):
+                continue
             if spec.combine == "a_log":
                 padding = parts[0].reshape(-1)[spec.shape[0] :]
                 if padding.numel() and bool(padding.ne(0).any()):
@@ -217,6 +273,14 @@ def load_checkpoint(
                 problems += [f"{n}: packed MXFP4 must be uint8" for n in bad]
                 target_dtype = torch.uint8
             else:
+                # A cast would turn integer data into floats silently; such a tensor is not
+                # the weight the parameter expects.
+                problems += [
+                    f"{n}: dtype {str(t.dtype).removeprefix('torch.')}, expected a "
+                    "floating-point tensor"
+                    for n, t in zip(plan.sources[spec.target], parts, strict=True)
+                    if not t.dtype.is_floating_point
+                ]
                 target_dtype = torch.float32 if spec.keep_fp32 else dtype
             tensors[spec.target] = combine_parts(spec, parts).to(device=device, dtype=target_dtype)
     finally:

@@ -11,6 +11,7 @@ measures the engine, not the clock). Subagents run as sessions of their own.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -21,6 +22,15 @@ from tokenspeed.sim.workload import AgentXConfig, AgentXWorkload, Session
 
 from .engine import Engine
 from .sampling_params import SamplingParams
+
+
+class ReplayError(ValueError):
+    """Replay arguments that cannot work; the message names the argument."""
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ReplayError(f"{name} must be a positive integer, got {value!r}")
 
 
 def small_agentx(scale: float = 1 / 64) -> AgentXConfig:
@@ -62,6 +72,10 @@ def replay(
     engine: Engine, sessions: list[Session], concurrency: int, block_size: int
 ) -> dict[str, float | int | None]:
     """Run every turn of `sessions` (subagents included); returns throughput and latency."""
+    # With no session allowed to run, nothing is ever submitted and the loop below would step an
+    # idle engine forever.
+    _check_positive_int("concurrency", concurrency)
+    _check_positive_int("block_size", block_size)
     vocab = engine.model.config.vocab_size
     limit = engine.config.max_model_len
     queue = deque(sessions)
@@ -124,6 +138,14 @@ def replay(
 
 
 def agentx_sessions(num_sessions: int, seed: int, scale: float, max_turns: int) -> tuple:
-    config = attrs.evolve(small_agentx(scale), max_turns=max_turns)
+    """`num_sessions` sessions of `small_agentx(scale)`, and the block size their ids stand for."""
+    _check_positive_int("num_sessions", num_sessions)
+    _check_positive_int("max_turns", max_turns)
+    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        raise ReplayError(f"scale must be a finite number > 0, got {scale!r}")
+    try:
+        config = attrs.evolve(small_agentx(scale), max_turns=max_turns)
+    except ValueError as err:  # token counts rounded down to nothing
+        raise ReplayError(f"scale {scale:g} leaves no usable AgentX workload: {err}") from err
     workload = AgentXWorkload(config, seed=seed)
     return [workload.session(i) for i in range(num_sessions)], config.block_size
