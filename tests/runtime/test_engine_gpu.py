@@ -1,12 +1,16 @@
 """On a GPU: captured decode graphs give the same tokens as eager steps, and failing steps under
 graphs cost only their batch."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from tokenspeed.model import KimiForCausalLM, get_preset
 from tokenspeed.model.init import init_random_weights
 from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
+from tokenspeed.runtime.graphs import DecodeGraphs
 from tokenspeed.runtime.llm import _keep_fp32
 
 from .conftest import tokens
@@ -43,6 +47,37 @@ def test_graph_and_eager_give_identical_greedy_tokens(dtype):
     eager = _generate(model, graphs=False)
     graph = _generate(model, graphs=True)
     assert graph == eager
+
+
+def test_no_garbage_collection_runs_inside_a_graph_capture(monkeypatch):
+    """A collection during capture runs the finalizers of whatever it frees, such as a dropped
+    engine's copy stream synchronising, which a capturing stream refuses: the capture failed
+    (seen when tests built engines one after another). Here every forward under capture leaves
+    such garbage behind, and collections run at every allocation."""
+    model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to("cuda")
+    _keep_fp32(model)
+    stream, real = torch.cuda.Stream(), DecodeGraphs._forward
+
+    class Junk:
+        pass
+
+    def forward(self, size):
+        if torch.cuda.is_current_stream_capturing():
+            junk = Junk()
+            junk.cycle = junk  # only the cyclic collector frees it
+            weakref.finalize(junk, stream.synchronize)
+        return real(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", forward)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        engine = Engine(model, None, EngineConfig(device="cuda", page_size=16, max_num_seqs=4,
+                                                  max_model_len=128))
+    finally:
+        gc.set_threshold(*thresholds)
+    assert engine.runner.graphs.captured
+    gc.collect()  # the junk goes now, outside any capture
 
 
 def test_multi_step_decoding_gives_the_single_step_tokens():

@@ -8,6 +8,7 @@ and sink slot, so whatever they compute lands where nobody reads.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -84,13 +85,22 @@ class DecodeGraphs:
             for size in self.sizes:
                 self._forward(size)
         torch.cuda.current_stream().wait_stream(side)
-        pool = None
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        # No garbage collection during capture: collecting another engine runs its finalizers
+        # (a copy stream's synchronize), which a capturing stream forbids: the capture fails.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            pool = None
+            for size in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size] = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
 
     def fits(self, batch_size: int, prefix_lens: Sequence[int]) -> bool:
