@@ -106,6 +106,8 @@ def test_budget_too_small_names_the_field():
         ("num_checkpoint_slots", -2),
         ("device", "not-a-device"),
         ("checkpoint_policy", 3),
+        ("async_loads", "no"),  # truthy: must not switch async loads on
+        ("prefix_caching", 1),
     ],
 )
 def test_config_validation_names_the_field(field, value):

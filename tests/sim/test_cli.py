@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from tokenspeed.sim import cli
 
 
@@ -143,3 +145,59 @@ def _run_quiet(tmp_path, capsys) -> str:
     args = ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "1"]
     assert cli.main([*args, "--duration", "5", "--out", str(tmp_path / "q"), "--no-progress"]) == 0
     return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device-cache-gib", "0.5"], "device_cache_bytes is too small for prefill ranks"),
+        (["--device-cache-gib", "inf"], "--device-cache-gib must be a finite number of GiB"),
+        (["--l2-gib-per-rank", "inf"], "--l2-gib-per-rank must be a finite number of GiB"),
+        (["--l2-gib-per-rank", "nan"], "--l2-gib-per-rank must be a finite number of GiB"),
+        (["--concurrency", ","], "--concurrency needs at least one value"),
+        (["--concurrency", "4,x"], "--concurrency must be comma-separated integers"),
+        (["--seed", "-1"], "seed must be a non-negative integer"),
+        (["--duration", "0"], "--duration 0 runs the whole workload, but the agentx workload"),
+        (["--duration", "inf"], "duration_s must be a finite positive number"),
+        (["--workload", "aiperf"], "--workload aiperf needs --trace PATH"),
+    ],
+)
+def test_cli_rejects_bad_input_with_status_2_and_one_line(tmp_path, capsys, args, message):
+    out = tmp_path / "r"
+    assert cli.main(["--concurrency", "2", *args, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not out.exists()  # rejected before anything ran
+
+
+def test_cli_rejects_a_bad_cost_table_or_out_path_before_running(tmp_path, capsys):
+    table = tmp_path / "cost.json"
+    table.write_text("[1, 2]")
+    args = ["--concurrency", "2", "--duration", "5", "--no-progress"]
+    assert cli.main([*args, "--cost-table", str(table), "--out", str(tmp_path / "r")]) == 2
+    assert "cost.json: a cost table is a JSON object, got list" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    assert cli.main([*args, "--out", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {taken} exists and is not a directory" in err
+    assert "concurrency 2:" not in err  # no simulation ran first
+
+
+def test_cli_duration_0_runs_a_trace_to_its_end_with_a_progress_bar(tmp_path, capsys):
+    """'--duration 0: whole workload', progress bar on; scores no request has (one-token
+    outputs have no inter-token latency) are null in summary.json, which must stay valid JSON."""
+    trace = tmp_path / "dataset.jsonl"
+    trace.write_text(
+        '{"session_id": "a", "input_length": 3000, "output_length": 1, "hash_ids": [1],'
+        ' "timestamp": 0.0}\n'
+    )
+    out = tmp_path / "r"
+    args = ["--workload", "aiperf", "--trace", str(trace), "--duration", "0", "--out", str(out)]
+    args += ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "1"]
+    assert cli.main(args) == 0
+    assert "c=1 " in capsys.readouterr().err
+    (summary,) = json.loads(
+        (out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}")
+    )
+    assert summary["requests_finished"] == 1 and summary["p90_interactivity"] is None

@@ -83,3 +83,55 @@ def test_arithmetic_run_ends_are_the_listed_series_exactly():
         total += model.decode_step_time(30, 32, 123_456 + i * 30)
         stepwise.append(total)
     assert max(abs(a - b) for a, b in zip(ends, stepwise, strict=True)) < 1e-9 * total
+
+
+_SECONDS = [[1, 2], [3, 4]]
+_GOOD_TABLE = {
+    "prefill": {"tokens": [1024, 16384], "mean_context": [0, 131072], "seconds": _SECONDS},
+    "decode": {"padded_rows": [1, 128], "mean_history": [4096, 200000], "seconds": _SECONDS},
+}
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        # A NaN or infinite entry would make every time after it NaN and the run "succeed".
+        (
+            {**_GOOD_TABLE, "decode": {**_GOOD_TABLE["decode"], "seconds": [[1, "NaN"], [3, 4]]}},
+            r"decode: cost table seconds\[0\]\[1\] must be finite and >= 0, got nan",
+        ),
+        (
+            {**_GOOD_TABLE, "prefill": {**_GOOD_TABLE["prefill"], "seconds": [[1, 2], [-3, 4]]}},
+            r"prefill: cost table seconds\[1\]\[0\] must be finite and >= 0, got -3",
+        ),
+        (
+            {**_GOOD_TABLE, "decode": {**_GOOD_TABLE["decode"], "mean_history": [1, "Infinity"]}},
+            "axis must hold finite numbers",
+        ),
+        ({**_GOOD_TABLE, "transfer_latency_s": "NaN"}, "transfer_latency_s must be finite"),
+        # Wrong shapes are reported, not TypeErrors.
+        ([1, 2], "a cost table is a JSON object, got list"),
+        ({**_GOOD_TABLE, "prefill": 5}, "prefill: cost table section must be an object"),
+        (
+            {**_GOOD_TABLE, "prefill": {**_GOOD_TABLE["prefill"], "seconds": 5}},
+            "'seconds' must be a list",
+        ),
+        ({**_GOOD_TABLE, "load_bytes_per_s": "fast"}, "'load_bytes_per_s' must be a number"),
+    ],
+)
+def test_table_model_rejects_bad_tables_naming_the_file(tmp_path, table, message):
+    path = tmp_path / "cost.json"
+    # NaN / Infinity are written as the bare JSON extensions Python's json module reads.
+    path.write_text(json.dumps(table).replace('"NaN"', "NaN").replace('"Infinity"', "Infinity"))
+    with pytest.raises(ValueError, match=rf"cost.json: .*{message}"):
+        TableCostModel.from_file(path)
+
+
+def test_cost_values_must_be_finite():
+    with pytest.raises(ValueError, match="seconds"):
+        Grid((1.0,), (0.0,), ((float("inf"),),))
+    with pytest.raises(ValueError, match="decode_base_s must be finite"):
+        LinearCostModel(decode_base_s=float("nan"))
+    with pytest.raises(ValueError, match="prefill_per_token_s must be finite"):
+        LinearCostModel(prefill_per_token_s=float("inf"))
+    assert LinearCostModel(load_bytes_per_s=float("inf")).load_time(10**12) == 0  # free copies

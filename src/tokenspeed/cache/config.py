@@ -271,10 +271,12 @@ class CacheConfig:
     async_loads: bool = attrs.field(default=True)
     prefix_caching: bool = attrs.field(default=True)
 
+    @async_loads.validator
     @prefix_caching.validator
-    def _check_prefix_caching(self, attribute: attrs.Attribute, value: object) -> None:
+    def _check_bool(self, attribute: attrs.Attribute, value: object) -> None:
+        # A string such as "no" is truthy: take only a real bool.
         if not isinstance(value, bool):
-            raise CacheConfigError(f"prefix_caching must be a bool, got {value!r}")
+            raise CacheConfigError(f"{attribute.name} must be a bool, got {value!r}")
 
     @checkpoint_fraction.validator
     def _check_fraction(self, attribute: attrs.Attribute, value: object) -> None:

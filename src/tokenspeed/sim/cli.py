@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
 
 from tokenspeed.cache import CheckpointPolicy
 from tokenspeed.sched import SchedulerConfig
-from tokenspeed.sim.cluster import ClusterConfig, SimResult, k3_geometry, simulate
+from tokenspeed.sim.cluster import ClusterConfig, SimResult, check_load, k3_geometry, simulate
 from tokenspeed.sim.cost import LinearCostModel, TableCostModel
 from tokenspeed.sim.plots import plot_hit_rate_over_time, plot_throughput_vs_interactivity
 from tokenspeed.sim.report import results_table, scenario_line
@@ -45,7 +46,7 @@ def build_parser(prog: str = "python -m tokenspeed.sim") -> argparse.ArgumentPar
         "--duration",
         type=float,
         default=3600.0,
-        help="seconds of load; in-flight requests then drain (0: whole workload)",
+        help="seconds of load; in-flight requests then drain (0: the whole workload, traces only)",
     )
     p.add_argument("--workload", choices=("agentx", "aiperf", "mooncake"), default="agentx")
     p.add_argument("--trace", type=Path, help="dataset.jsonl / trace file for aiperf|mooncake")
@@ -70,6 +71,23 @@ def build_parser(prog: str = "python -m tokenspeed.sim") -> argparse.ArgumentPar
     return p
 
 
+def _gib_to_bytes(option: str, gib: float) -> int:
+    if not 0 <= gib < math.inf:
+        raise ValueError(f"{option} must be a finite number of GiB >= 0, got {gib}")
+    return int(gib * (1 << 30))
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    """'64,128' -> [64, 128]; raises ValueError naming --concurrency."""
+    try:
+        values = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"--concurrency needs at least one value, got {text!r}")
+    return values
+
+
 def config_from_args(args: argparse.Namespace, concurrency: int) -> ClusterConfig:
     aggregated = args.mode == "aggregated"
     return ClusterConfig(
@@ -86,8 +104,8 @@ def config_from_args(args: argparse.Namespace, concurrency: int) -> ClusterConfi
             prefill_token_budget=args.prefill_budget,
             checkpoint_interval_pages=args.checkpoint_interval_pages,
         ),
-        device_cache_bytes=int(args.device_cache_gib * (1 << 30)),
-        l2_bytes_per_rank=int(args.l2_gib_per_rank * (1 << 30)),
+        device_cache_bytes=_gib_to_bytes("--device-cache-gib", args.device_cache_gib),
+        l2_bytes_per_rank=_gib_to_bytes("--l2-gib-per-rank", args.l2_gib_per_rank),
         concurrency=concurrency,
         duration_s=args.duration or None,
     )
@@ -97,12 +115,23 @@ def load_workload(args: argparse.Namespace):
     if args.workload == "agentx":
         return AgentXWorkload(AgentXConfig(), seed=args.seed)
     if args.trace is None:
-        raise SystemExit(f"--workload {args.workload} needs --trace PATH")
+        raise ValueError(f"--workload {args.workload} needs --trace PATH")
     loader = load_aiperf_dataset if args.workload == "aiperf" else load_mooncake_trace
     workload = loader(args.trace, on_error=args.on_error)
     for issue in workload.issues:
         print(f"{args.trace}: skipped {issue}", file=sys.stderr)
     return workload
+
+
+def _json_safe(value: object) -> object:
+    """NaN and infinities (a score with no requests behind it) as null: JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def write_report(out: Path, results: list[SimResult], command: str) -> Path:
@@ -124,14 +153,17 @@ def write_report(out: Path, results: list[SimResult], command: str) -> Path:
     (out / "summary.json").write_text(
         json.dumps(
             [
-                {
-                    "concurrency": r.config.concurrency,
-                    **r.summary.as_dict(),
-                    "abort_reasons": r.abort_reasons,
-                }
+                _json_safe(
+                    {
+                        "concurrency": r.config.concurrency,
+                        **r.summary.as_dict(),
+                        "abort_reasons": r.abort_reasons,
+                    }
+                )
                 for r in results
             ],
             indent=2,
+            allow_nan=False,
         )
     )
     lines = [
@@ -156,16 +188,22 @@ def write_report(out: Path, results: list[SimResult], command: str) -> Path:
 def main(argv: list[str] | None = None, prog: str = "python -m tokenspeed.sim") -> int:
     """prog: how the command was invoked (help text and the report's command line)."""
     args = build_parser(prog).parse_args(argv)
+    # Every bad input fails here, before the first simulation: configs (cache errors included,
+    # they are ValueErrors), the cost table, the workload, a load that would never end, --out.
     try:
-        concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
-        configs = [config_from_args(args, c) for c in concurrencies]
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+        configs = [config_from_args(args, c) for c in parse_concurrencies(args.concurrency)]
+        if args.duration == 0 and args.workload == "agentx":
+            raise ValueError(
+                "--duration 0 runs the whole workload, but the agentx workload is endless"
+            )
+        if args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"--out {args.out} exists and is not a directory")
         cost = TableCostModel.from_file(args.cost_table) if args.cost_table else LinearCostModel()
         workload = load_workload(args)
-    except (OSError, ValueError) as exc:  # TraceError is a ValueError
+        for cfg in configs:
+            check_load(cfg, workload)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:  # TraceError is a ValueError; OSError: unreadable file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -79,11 +80,13 @@ def attention_pairs(spans: Sequence[tuple[int, int]]) -> float:
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+    # A NaN or infinite cost would turn every time after it into NaN / inf, silently.
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and >= 0, got {value}")
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    # A rate may be infinite (a free copy); NaN fails this test.
     if not value > 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
@@ -148,6 +151,19 @@ def _interp1(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _list(value: object, name: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"cost table {name!r} must be a list, got {value!r}")
+    return value
+
+
+def _numbers(value: object, name: str) -> tuple[float, ...]:
+    items = _list(value, name)
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in items):
+        raise ValueError(f"cost table {name!r} must hold numbers, got {value!r}")
+    return tuple(map(float, items))
+
+
 @attrs.frozen
 class Grid:
     """seconds[i][j] measured at (xs[i], ys[j]); bilinear inside, linear extension outside."""
@@ -160,6 +176,8 @@ class Grid:
         if not self.xs or not self.ys:
             raise ValueError("a cost table needs at least one point on each axis")
         for axis in (self.xs, self.ys):
+            if not all(math.isfinite(v) for v in axis):
+                raise ValueError(f"cost table axis must hold finite numbers, got {axis}")
             if any(b <= a for a, b in itertools.pairwise(axis)):
                 raise ValueError(f"cost table axis must be strictly increasing, got {axis}")
         if len(self.seconds) != len(self.xs) or any(len(r) != len(self.ys) for r in self.seconds):
@@ -167,14 +185,22 @@ class Grid:
                 f"cost table has {len(self.seconds)} rows for {len(self.xs)} x values; each row "
                 f"needs {len(self.ys)} entries"
             )
+        for i, row in enumerate(self.seconds):
+            for j, value in enumerate(row):
+                if not 0 <= value < math.inf:
+                    raise ValueError(
+                        f"cost table seconds[{i}][{j}] must be finite and >= 0, got {value}"
+                    )
 
     @classmethod
-    def from_json(cls, obj: dict, x: str, y: str) -> Grid:
+    def from_json(cls, obj: object, x: str, y: str) -> Grid:
+        if not isinstance(obj, dict):
+            raise ValueError(f"cost table section must be an object, got {type(obj).__name__}")
         try:
             return cls(
-                tuple(map(float, obj[x])),
-                tuple(map(float, obj[y])),
-                tuple(tuple(map(float, row)) for row in obj["seconds"]),
+                _numbers(obj[x], x),
+                _numbers(obj[y], y),
+                tuple(_numbers(row, "seconds") for row in _list(obj["seconds"], "seconds")),
             )
         except KeyError as exc:
             raise ValueError(f"cost table section lacks {exc.args[0]!r}") from None
@@ -202,21 +228,36 @@ class TableCostModel:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TableCostModel:
-        obj = json.loads(Path(path).read_text())
-        extra = {
-            k: float(obj[k])
-            for k in ("transfer_latency_s", "transfer_bytes_per_s", "load_bytes_per_s")
-            if k in obj
-        }
+        """Raises ValueError, naming the file, for a table that is not as docs/sim.md lays out."""
         try:
-            prefill, decode = obj["prefill"], obj["decode"]
-        except KeyError as exc:
-            raise ValueError(f"{path}: cost table lacks the {exc.args[0]!r} section") from None
-        return cls(
-            prefill=Grid.from_json(prefill, "tokens", "mean_context"),
-            decode=Grid.from_json(decode, "padded_rows", "mean_history"),
-            **extra,
-        )
+            return cls._from_json(json.loads(Path(path).read_text()))
+        except (ValueError, OverflowError) as exc:  # JSONDecodeError; an integer past float
+            raise ValueError(f"{path}: {exc}") from None
+
+    @classmethod
+    def _from_json(cls, obj: object) -> TableCostModel:
+        if not isinstance(obj, dict):
+            raise ValueError(f"a cost table is a JSON object, got {type(obj).__name__}")
+        extra = {}
+        for name in ("transfer_latency_s", "transfer_bytes_per_s", "load_bytes_per_s"):
+            value = obj.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"cost table {name!r} must be a number, got {value!r}")
+            extra[name] = float(value)
+        grids = {}
+        for section, x, y in (
+            ("prefill", "tokens", "mean_context"),
+            ("decode", "padded_rows", "mean_history"),
+        ):
+            if section not in obj:
+                raise ValueError(f"cost table lacks the {section!r} section")
+            try:
+                grids[section] = Grid.from_json(obj[section], x, y)
+            except ValueError as exc:
+                raise ValueError(f"{section}: {exc}") from None
+        return cls(**grids, **extra)
 
     def prefill_time(self, spans: Sequence[tuple[int, int]]) -> float:
         tokens = sum(end - start for start, end in spans)

@@ -5,6 +5,7 @@ reason, or a cache still holds one after the drain; each test also checks the co
 """
 
 import json
+import re
 
 import attrs
 import pytest
@@ -143,7 +144,7 @@ def test_impossible_cluster_configs_are_rejected():
         ClusterConfig(mode="aggregated", prefill_ranks=4, decode_ranks=2)
     with pytest.raises(ValueError, match="prefill_ranks must be a non-negative integer"):
         ClusterConfig(prefill_ranks=-1)
-    with pytest.raises(ValueError, match="concurrency must be positive"):
+    with pytest.raises(ValueError, match="concurrency must be a positive integer"):
         ClusterConfig(concurrency=0)
     with pytest.raises(ValueError, match=r"scheduler.page_size \(64\) must equal geometry"):
         toy_config(scheduler=attrs.evolve(toy_config().scheduler, page_size=64))
@@ -189,3 +190,53 @@ def test_requests_join_a_running_decode_batch_at_the_next_step(mode):
     assert waits and max(waits) <= longest_step
     if mode == "pd":
         assert sum(w > 0 for w in waits) > len(waits) // 4  # many landed mid-run
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        # Counts must be integers: a fractional one fails (or misbehaves) deep in a run.
+        ("concurrency", 2.5),
+        ("max_decode_steps", 0.5),
+        ("prefill_live_requests", 1.5),
+        ("decode_live_requests", True),
+        ("device_cache_bytes", 1.5e10),
+        ("decode_device_cache_bytes", True),
+        # duration_s=True is 1 s; inf never stops an endless workload.
+        ("duration_s", True),
+        ("duration_s", float("inf")),
+        ("duration_s", "10"),
+        ("device_checkpoint_fraction", False),
+        ("hit_rate_bucket_s", float("inf")),
+    ],
+)
+def test_cluster_config_rejects_values_that_fail_deep_in_a_run(field, value):
+    with pytest.raises(ValueError, match=field):
+        ClusterConfig(**{field: value})
+
+
+def test_device_cache_too_small_for_the_live_states_fails_at_construction():
+    from tokenspeed.cache import BudgetTooSmallError
+
+    with pytest.raises(
+        BudgetTooSmallError, match="device_cache_bytes is too small for prefill ranks"
+    ):
+        ClusterConfig(device_cache_bytes=1 << 30)  # 24 K3 states are 10.8 GB
+    with pytest.raises(BudgetTooSmallError, match="decode_device_cache_bytes is too small"):
+        ClusterConfig(decode_device_cache_bytes=20 << 30)  # 64 states do not fit
+    with pytest.raises(BudgetTooSmallError, match="too small for aggregated ranks"):
+        ClusterConfig(mode="aggregated", decode_ranks=0, device_cache_bytes=20 << 30)
+    toy_config(pages=1)  # one usable page is enough
+
+
+def test_whole_workload_runs_need_a_finite_workload(capsys):
+    """duration_s=None runs the workload to its end: an endless generator is refused before the
+    run starts (it would never end); a trace runs to its end, progress bar included."""
+    with pytest.raises(ValueError, match="is endless"):
+        build_simulator(toy_config(duration_s=None), toy_workload(seed=0), TOY_COST)
+    workload = toy_workload(seed=0).take(6)
+    res = simulate(toy_config(duration_s=None), workload, TOY_COST, progress=True)
+    assert_nothing_lost(res)
+    assert res.summary.requests_finished == sum(s.num_requests for s in workload)
+    # No end time to count up to: the bar shows simulated seconds so far.
+    assert re.search(r"c=8 [1-9]\d* sim-s \[.*0 in flight", capsys.readouterr().err)

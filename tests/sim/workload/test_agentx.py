@@ -104,3 +104,61 @@ def test_take_and_max_turns():
     w = AgentXWorkload(AgentXConfig(max_turns=3, subagent_probability=0.0), seed=1).take(20)
     assert len(w) == 20 and all(len(s.turns) <= 3 for s in w)
     assert not any(t.subagents for s in w for t in s.turns)
+
+
+def _prompts(session):
+    """Every prompt the session issues, its subagents' included."""
+    context = 0
+    for t in session.turns:
+        context += t.new_tokens
+        yield context
+        context += t.output_tokens
+        for sub in t.subagents:
+            yield from _prompts(sub)
+
+
+def test_no_prompt_reaches_the_cap_not_even_a_first_turn():
+    """Sampled first contexts (sessions' and subagents') far past the cap are cut to fit: the
+    session ends when its prompt would reach the cap, so its first prompt must stay under it."""
+    cfg = AgentXConfig(
+        shared_prefix_tokens=1000,
+        group_prefix_tokens=512,
+        max_prompt_tokens=12_000,
+        subagent_probability=1.0,
+    )
+    gen = AgentXWorkload(cfg, seed=0)
+    sessions = [gen.session(i) for i in range(100)]
+    prompts = [p for s in sessions for p in _prompts(s)]
+    assert max(prompts) == cfg.max_prompt_tokens - 1  # the cut leaves the longest prompt that fits
+    assert all(p < cfg.max_prompt_tokens for p in prompts)
+    assert any(t.subagents for s in sessions for t in s.turns)
+    assert sessions == [AgentXWorkload(cfg, seed=0).session(i) for i in range(100)]
+    # The default stream has such sessions too: seed 7's session 748 sampled a 264k first prompt.
+    assert max(_prompts(AgentXWorkload(seed=7).session(748))) < AgentXConfig().max_prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("subagent_turns_mean", 0.5),  # a geometric number of turns has a mean >= 1
+        ("num_groups", 2.5),
+        ("num_groups", True),
+        ("block_size", 1.5),
+        ("max_turns", 1.5),
+        ("subagents_per_burst", (1.5, 2)),
+        ("group_zipf_alpha", float("inf")),
+        ("shared_prefix_tokens", 0.5),
+    ],
+)
+def test_config_rejects_values_that_would_fail_while_generating(field, value):
+    with pytest.raises(ValueError, match=field):
+        AgentXConfig(**{field: value})
+
+
+def test_seed_is_a_non_negative_integer():
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        AgentXWorkload(seed=-1)
+    with pytest.raises(ValueError, match="seed"):
+        AgentXWorkload(seed=1.5)
+    with pytest.raises(ValueError, match="finite mean"):
+        LogNormal(float("inf"), 10)

@@ -8,11 +8,15 @@ from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
 from tokenspeed.sim.workload import (
     AgentXConfig,
     AgentXWorkload,
+    Session,
     TraceError,
+    Turn,
+    Workload,
     load_aiperf_dataset,
     load_mooncake_trace,
     write_aiperf_dataset,
 )
+from tokenspeed.sim.workload.traces import MAX_TOKENS
 
 # The layout `aiperf synthesize agentic-code` writes (DESIGN.md section 7): a session's first row
 # has timestamp and group_id and the whole initial context; later rows have delay (ms after the
@@ -164,3 +168,94 @@ def test_aiperf_turns_replay_as_growing_prompts_with_outputs_in_the_history(tmp_
     # Hash ids [0, 1] shared: 1024 tokens = 16 pages of 64 with identical keys; then they differ.
     assert keys_equal(first_b.keys[:16], reqs[0].keys[:16])
     assert key_at(first_b.keys, 16) != key_at(reqs[0].keys, 16)
+
+
+def _mooncake(timestamp=None, **fields):
+    row = {"input_length": 600, "output_length": 5, "hash_ids": [1, 2], **fields}
+    if timestamp is not None:
+        row["timestamp"] = timestamp
+    return row
+
+
+def test_timed_trace_rows_without_their_start_time_are_malformed(tmp_path):
+    """A Mooncake row or session with no timestamp would never be replayed: it is reported, not
+    dropped in silence, and a session whose first row was skipped starts at its first valid row
+    that has a timestamp (never at t=0)."""
+    rows = [
+        _mooncake(1000),
+        _mooncake(),  # a single-turn row without a start time
+        _mooncake(600_000, session_id="s", input_length=-5),  # malformed first row of "s"
+        _mooncake(session_id="s", delay=1000),  # now the first valid row: needs a timestamp
+        _mooncake(700_000, session_id="s"),  # the first valid row with one: "s" starts here
+        _mooncake(session_id="s", delay=2000),
+    ]
+    path = _write(tmp_path, rows, "trace.jsonl")
+    w = load_mooncake_trace(path)
+    assert [(i.line, i.message.split(" (")[0]) for i in w.issues] == [
+        (2, "missing 'timestamp'"),
+        (3, "'input_length' must be >= 1, got -5"),
+        (4, "missing 'timestamp' on the first valid row of session 's'"),
+    ]
+    assert [(s.sid, s.start_s, len(s.turns)) for s in w.sessions] == [
+        ("line1", 1.0, 1),
+        ("s", 700.0, 2),
+    ]
+    with pytest.raises(TraceError, match=r"trace.jsonl:2: missing 'timestamp'"):
+        load_mooncake_trace(path, on_error="raise")
+    # Replayed closed-loop, an aiperf dataset needs no timestamps.
+    assert not load_aiperf_dataset(_write(tmp_path, [_mooncake(session_id="a")])).issues
+
+
+def test_a_workload_is_timed_throughout_or_not_at_all():
+    timed = Session(sid="a", turns=(Turn(new_tokens=5, output_tokens=1),), start_s=1.0)
+    untimed = Session(sid="b", turns=(Turn(new_tokens=5, output_tokens=1),))
+    with pytest.raises(ValueError, match="1 of 2 lack it"):
+        Workload.of([timed, untimed])
+
+
+@pytest.mark.parametrize(
+    ("hash_ids", "message"),
+    [
+        # Negative ids are the simulator's own for content without an id (outputs).
+        ([5, -1], "'hash_ids' must be in [0, 2**63), got -1"),
+        # Page keys pack a block id as a signed 64-bit integer.
+        ([1, 2**63], f"'hash_ids' must be in [0, 2**63), got {2**63}"),
+    ],
+)
+def test_hash_ids_outside_the_trace_range_are_malformed(tmp_path, hash_ids, message):
+    rows = [AIPERF_ROWS[0], {**AIPERF_ROWS[1], "hash_ids": hash_ids}]
+    w = load_aiperf_dataset(_write(tmp_path, rows))
+    assert [(i.line, i.message) for i in w.issues] == [(2, message)]
+    assert [s.sid for s in w.sessions] == ["sess-a"]
+    ok = load_aiperf_dataset(_write(tmp_path, [{**AIPERF_ROWS[1], "hash_ids": [0, 2**63 - 1]}]))
+    assert not ok.issues
+
+
+def test_lengths_past_the_documented_bound_are_malformed(tmp_path):
+    rows = [
+        {**AIPERF_ROWS[0], "input_length": MAX_TOKENS + 1},
+        {**AIPERF_ROWS[0], "output_length": 10**30},
+        {**AIPERF_ROWS[0], "input_length": MAX_TOKENS, "output_length": MAX_TOKENS},
+    ]
+    w = load_aiperf_dataset(_write(tmp_path, rows))
+    assert [(i.line, i.message) for i in w.issues] == [
+        (1, f"'input_length' must be <= {MAX_TOKENS}, got {MAX_TOKENS + 1}"),
+        (2, f"'output_length' must be <= {MAX_TOKENS}, got {10**30}"),
+    ]
+    assert [t.new_tokens for s in w.sessions for t in s.turns] == [MAX_TOKENS]
+
+
+def test_a_non_utf8_byte_spoils_only_its_line_and_a_bom_is_ignored(tmp_path):
+    ok = json.dumps(AIPERF_ROWS[0]).encode()
+    path = tmp_path / "dataset.jsonl"
+    path.write_bytes(ok + b"\n" + b'{"session_id": "b", "input_length": 6\xff}\n' + ok + b"\n")
+    w = load_aiperf_dataset(path)
+    assert [(i.line, i.message) for i in w.issues] == [
+        (2, "not valid UTF-8 (invalid start byte at byte 37)")
+    ]
+    assert [len(s.turns) for s in w.sessions] == [2]
+    with pytest.raises(TraceError, match=r"dataset.jsonl:2: not valid UTF-8"):
+        load_aiperf_dataset(path, on_error="raise")
+    path.write_bytes(b"\xef\xbb\xbf" + ok + b"\r\n")
+    w = load_aiperf_dataset(path)
+    assert not w.issues and [s.sid for s in w.sessions] == ["sess-a"]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
-from tokenspeed.cache import CacheGeometry, CheckpointPolicy
+from tokenspeed.cache import BudgetTooSmallError, CacheConfig, CacheGeometry, CheckpointPolicy
 from tokenspeed.sched import AdmissionPolicy, RoutingPolicy, SchedulerConfig
 
 GiB = 1 << 30
@@ -38,14 +39,44 @@ class L2Mode(enum.Enum):
     NONE = "none"  # device tier only
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value!r}")
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _non_negative_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _optional_positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (not _is_int(value) or value <= 0):
+        raise ValueError(f"{attribute.name} must be a positive integer or None, got {value!r}")
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+
+
+def _positive_seconds(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not _is_real(value) or not 0 < value < math.inf:
+        raise ValueError(f"{attribute.name} must be a finite positive number, got {value!r}")
+
+
+def _optional_positive_seconds(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (not _is_real(value) or not 0 < value < math.inf):
+        raise ValueError(
+            f"{attribute.name} must be a finite positive number or None, got {value!r}"
+        )
+
+
+def _fraction(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not _is_real(value) or not 0 <= value < 1:
+        raise ValueError(f"{attribute.name} must be in [0, 1), got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -61,7 +92,8 @@ class ClusterConfig:
     l2_bytes_per_rank: host tier per rank; SHARED pools all ranks' share into one tier.
     concurrency: sessions in flight at once (closed loop); a finished session is replaced.
     duration_s: no turn is issued after this time; what is in flight drains (and counts).
-        None: run the workload to its end (finite workloads only).
+        None: run the workload to its end (finite workloads only; `simulate` refuses an
+        endless one).
     max_decode_steps: decode steps the simulator may take in one event when nothing changes.
     """
 
@@ -76,16 +108,18 @@ class ClusterConfig:
     geometry: CacheGeometry = attrs.field(factory=k3_geometry)
     checkpoints: CheckpointPolicy = attrs.field(factory=CheckpointPolicy)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
-    device_cache_bytes: int = attrs.field(default=80 * GiB, validator=_positive)
-    decode_device_cache_bytes: int | None = attrs.field(default=None)
-    prefill_live_requests: int = attrs.field(default=24, validator=_positive)
-    decode_live_requests: int = attrs.field(default=64, validator=_positive)
-    device_checkpoint_fraction: float = 0.1
+    device_cache_bytes: int = attrs.field(default=80 * GiB, validator=_positive_int)
+    decode_device_cache_bytes: int | None = attrs.field(
+        default=None, validator=_optional_positive_int
+    )
+    prefill_live_requests: int = attrs.field(default=24, validator=_positive_int)
+    decode_live_requests: int = attrs.field(default=64, validator=_positive_int)
+    device_checkpoint_fraction: float = attrs.field(default=0.1, validator=_fraction)
     l2_bytes_per_rank: int = attrs.field(default=512 * GiB, validator=_non_negative_int)
-    concurrency: int = attrs.field(default=64, validator=_positive)
-    duration_s: float | None = attrs.field(default=600.0)
-    max_decode_steps: int = attrs.field(default=512, validator=_positive)
-    hit_rate_bucket_s: float = attrs.field(default=60.0, validator=_positive)
+    concurrency: int = attrs.field(default=64, validator=_positive_int)
+    duration_s: float | None = attrs.field(default=600.0, validator=_optional_positive_seconds)
+    max_decode_steps: int = attrs.field(default=512, validator=_positive_int)
+    hit_rate_bucket_s: float = attrs.field(default=60.0, validator=_positive_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.mode is Mode.PD:
@@ -115,18 +149,44 @@ class ClusterConfig:
                 f"scheduler.checkpoint_interval_pages ({self.scheduler.checkpoint_interval_pages})"
                 f" must equal checkpoints.interval_pages ({self.checkpoints.interval_pages})"
             )
-        if self.decode_device_cache_bytes is not None and not self.decode_device_cache_bytes > 0:
-            raise ValueError(
-                f"decode_device_cache_bytes must be positive or None, got "
-                f"{self.decode_device_cache_bytes}"
-            )
-        if self.duration_s is not None and not self.duration_s > 0:
-            raise ValueError(f"duration_s must be positive or None, got {self.duration_s}")
-        if not 0 <= self.device_checkpoint_fraction < 1:
-            raise ValueError(
-                "device_checkpoint_fraction must be in [0, 1), got "
-                f"{self.device_checkpoint_fraction}"
-            )
+        self._check_device_budgets()
+
+    def _check_device_budgets(self) -> None:
+        """Every kind of rank must hold its live KDA states and a page: fail here rather than
+        when `simulate` builds the ranks."""
+        if self.mode is Mode.PD:
+            kinds = [
+                ("prefill", self.prefill_live_requests, False),
+                ("decode", self.decode_live_requests, True),
+            ]
+        else:
+            kinds = [("aggregated", self.decode_live_requests, False)]
+        for kind, live, decode in kinds:
+            try:
+                self.cache_config(live, decode=decode).pool_sizes(self.geometry)
+            except BudgetTooSmallError as exc:
+                field = "device_cache_bytes"
+                if decode and self.decode_device_cache_bytes is not None:
+                    field = "decode_device_cache_bytes"
+                raise BudgetTooSmallError(f"{field} is too small for {kind} ranks: {exc}") from None
+
+    def cache_config(self, live_requests: int, *, decode: bool = False) -> CacheConfig:
+        """The metadata-only cache of one rank with `live_requests` live KDA slots (a P/D decode
+        rank's when `decode`)."""
+        budget = self.device_cache_bytes
+        if decode and self.decode_device_cache_bytes is not None:
+            budget = self.decode_device_cache_bytes
+        return CacheConfig(
+            device_budget_bytes=budget,
+            max_live_requests=live_requests,
+            checkpoint_fraction=self.device_checkpoint_fraction,
+            checkpoint_policy=self.checkpoints,
+            metadata_only=True,
+            # A decode rank never looks a prefix up (its requests arrive with their whole cache,
+            # `DecodeScheduler` admits them with no prefix): indexing its pages would only cost
+            # bookkeeping. Its turns are still checkpointed and published to the host tier.
+            prefix_caching=not decode,
+        )
 
     @property
     def num_ranks(self) -> int:

@@ -17,7 +17,7 @@ import bisect
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 from tokenspeed.sched import Request
@@ -32,6 +32,16 @@ class LostRequestError(AssertionError):
     """A simulation ended with a request neither finished nor aborted with a reason."""
 
 
+def check_load(config: ClusterConfig, workload: SessionSource) -> None:
+    """Raise ValueError if the run would never end: `duration_s=None` (run the workload to its
+    end) needs a finite workload, one with a `len()` such as a loaded trace."""
+    if config.duration_s is None and not isinstance(workload, Sized):
+        name = getattr(workload, "name", type(workload).__name__)
+        raise ValueError(
+            f"duration_s=None runs the workload to its end, but {name} is endless; give a duration"
+        )
+
+
 class EventLoop:
     def __init__(
         self,
@@ -41,6 +51,7 @@ class EventLoop:
         *,
         progress: bool = False,
     ) -> None:
+        check_load(config, workload)
         self.config = config
         self.workload = workload
         self.cost = cost
@@ -99,19 +110,25 @@ class EventLoop:
             return None
         from tqdm import tqdm
 
+        if self.config.duration_s is None:  # the whole workload: its end is not known up front
+            bar_format = "{desc} {n:.0f} sim-s [{elapsed}]{postfix}"
+        else:
+            bar_format = (
+                "{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} sim-s "
+                "[{elapsed}<{remaining}]{postfix}"
+            )
         return tqdm(
             total=self.config.duration_s,
             desc=f"c={self.config.concurrency}",
             dynamic_ncols=True,
-            bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} sim-s "
-            "[{elapsed}<{remaining}]{postfix}",
+            bar_format=bar_format,
         )
 
     def _show_progress(self, bar) -> None:
         """Simulated time up to the end of the load; then the drain, as requests in flight."""
-        total = bar.total if bar.total is not None else self.now
-        bar.n = min(self.now, total)
-        phase = "draining, " if self.now >= total else ""
+        draining = bar.total is not None and self.now >= bar.total
+        bar.n = self.now if bar.total is None else min(self.now, bar.total)
+        phase = "draining, " if draining else ""
         bar.set_postfix_str(f"{phase}{len(self._requests)} in flight, {len(self.records)} issued")
 
     # ---- load generation ----------------------------------------------------------------------
@@ -122,9 +139,9 @@ class EventLoop:
     def _start_load(self) -> None:
         if getattr(self.workload, "timed", False):
             for session in self._sessions:
-                if session.start_s is not None and (
-                    self.config.duration_s is None or session.start_s < self.config.duration_s
-                ):
+                if session.start_s is None:  # it would never start
+                    raise ValueError(f"session {session.sid} of a timed workload has no start_s")
+                if self.config.duration_s is None or session.start_s < self.config.duration_s:
                     self._open_sessions += 1
                     self.at(session.start_s, self._issue_turn, Conversation(session))
             return

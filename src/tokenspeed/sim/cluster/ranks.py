@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenspeed.cache import CacheConfig, CacheManager, LocalHostCache
+from tokenspeed.cache import CacheManager, LocalHostCache
 from tokenspeed.sched import AggregatedScheduler, DecodeScheduler, PrefillScheduler
 from tokenspeed.sched.batch import DecodeBatch, PrefillBatch, StepPlan
 from tokenspeed.sched.cache_adapter import CacheManagerPort
@@ -32,21 +32,7 @@ def build_host_tiers(config: ClusterConfig) -> list[LocalHostCache | None]:
 def build_cache(
     config: ClusterConfig, live_requests: int, l2: LocalHostCache | None, *, decode: bool = False
 ) -> CacheManager:
-    budget = config.device_cache_bytes
-    if decode and config.decode_device_cache_bytes is not None:
-        budget = config.decode_device_cache_bytes
-    cache_config = CacheConfig(
-        device_budget_bytes=budget,
-        max_live_requests=live_requests,
-        checkpoint_fraction=config.device_checkpoint_fraction,
-        checkpoint_policy=config.checkpoints,
-        metadata_only=True,
-        # A decode rank never looks a prefix up (its requests arrive with their whole cache,
-        # `DecodeScheduler` admits them with no prefix): indexing its pages would only cost
-        # bookkeeping. Its turns are still checkpointed and published to the host tier.
-        prefix_caching=not decode,
-    )
-    return CacheManager(config.geometry, cache_config, l2=l2)
+    return CacheManager(config.geometry, config.cache_config(live_requests, decode=decode), l2=l2)
 
 
 class Rank:

@@ -4,6 +4,7 @@ from tokenspeed.sim.workload.agentx import AgentXConfig, AgentXWorkload
 from tokenspeed.sim.workload.distributions import LogNormal
 from tokenspeed.sim.workload.model import Session, SessionSource, TraceIssue, Turn, Workload
 from tokenspeed.sim.workload.traces import (
+    MAX_TOKENS,
     TraceError,
     load_aiperf_dataset,
     load_mooncake_trace,
@@ -11,6 +12,7 @@ from tokenspeed.sim.workload.traces import (
 )
 
 __all__ = [
+    "MAX_TOKENS",
     "AgentXConfig",
     "AgentXWorkload",
     "LogNormal",

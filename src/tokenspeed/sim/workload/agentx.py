@@ -6,9 +6,11 @@ prefix shared by every session (system prompt and tools), a prefix shared within
 appends lognormal new tokens (tool results, user messages) and asks for a short lognormal output,
 after an agentic delay (a tool call, ~seconds) or a human one (~tens of seconds). A session ends
 when its prompt would pass `max_prompt_tokens` (forced retire) or at a reset whose probability
-grows with the context. Now and then a turn launches a burst of subagents: short sessions that
-start from a fresh context (the shared prefix plus a task of their own) and run while the parent
-waits; the parent's next turn comes after the last of them has answered.
+grows with the context; a first context too long for the cap is cut to the longest prompt under
+it (an agent starts from what fits), so no prompt ever reaches the cap. Now and then a turn
+launches a burst of subagents: short sessions that start from a fresh context (the shared prefix
+plus a task of their own) and run while the parent waits; the parent's next turn comes after the
+last of them has answered.
 
 Session i depends only on (seed, i): streams are reproducible and can be cut anywhere.
 """
@@ -31,19 +33,39 @@ _SESSION_BASE = 1 << 40
 _SESSION_SPAN = 1 << 22  # block ids per session: 2M blocks = 1G tokens, far above any session
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and positive, got {value}")
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and >= 0, got {value}")
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
+
+
+def _at_least_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    # A geometric number of turns with this mean: success probability 1 / mean must be in (0, 1].
+    if not 1 <= value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and >= 1, got {value}")
 
 
 # aiperf 0.13 agentic-code defaults (DESIGN.md section 7); subagents are this module's own.
@@ -59,9 +81,9 @@ _SUBAGENT_CONTEXT = LogNormal(8_000, 4_000)
 class AgentXConfig:
     """Shape of the generated sessions. Token counts are tokens; delays seconds."""
 
-    shared_prefix_tokens: int = attrs.field(default=32_000, validator=_non_negative)
-    group_prefix_tokens: int = attrs.field(default=20_000, validator=_non_negative)
-    num_groups: int = attrs.field(default=50, validator=_positive)
+    shared_prefix_tokens: int = attrs.field(default=32_000, validator=_non_negative_int)
+    group_prefix_tokens: int = attrs.field(default=20_000, validator=_non_negative_int)
+    num_groups: int = attrs.field(default=50, validator=_positive_int)
     group_zipf_alpha: float = attrs.field(default=1.2, validator=_positive)
     session_context: LogNormal = _SESSION_CONTEXT
     new_tokens: LogNormal = _NEW_TOKENS
@@ -69,34 +91,50 @@ class AgentXConfig:
     agentic_fraction: float = attrs.field(default=0.7, validator=_fraction)
     agentic_delay_s: LogNormal = _AGENTIC_DELAY_S
     human_delay_s: LogNormal = _HUMAN_DELAY_S
-    max_prompt_tokens: int = attrs.field(default=200_000, validator=_positive)
+    max_prompt_tokens: int = attrs.field(default=200_000, validator=_positive_int)
     reset_probability: float = attrs.field(default=0.02, validator=_fraction)
     reset_context_scaling: float = attrs.field(default=2.0, validator=_non_negative)
     subagent_probability: float = attrs.field(default=0.03, validator=_fraction)
     subagents_per_burst: tuple[int, int] = attrs.field(default=(2, 4), converter=tuple)
     subagent_context: LogNormal = _SUBAGENT_CONTEXT
-    subagent_turns_mean: float = attrs.field(default=4.0, validator=_positive)
+    subagent_turns_mean: float = attrs.field(default=4.0, validator=_at_least_one)
     max_turns: int | None = attrs.field(default=None)
-    block_size: int = attrs.field(default=512, validator=_positive)
+    block_size: int = attrs.field(default=512, validator=_positive_int)
 
     @subagents_per_burst.validator
     def _check_burst(self, attribute: attrs.Attribute, value: tuple[int, int]) -> None:
-        if len(value) != 2 or not 1 <= value[0] <= value[1]:
+        if len(value) != 2 or not all(map(_is_int, value)) or not 1 <= value[0] <= value[1]:
             raise ValueError(
-                f"subagents_per_burst must be (low, high) with 1 <= low <= high, got {value}"
+                f"subagents_per_burst must be integers (low, high) with 1 <= low <= high, got "
+                f"{value}"
             )
 
     @max_turns.validator
     def _check_max_turns(self, attribute: attrs.Attribute, value: int | None) -> None:
-        if value is not None and value < 1:
-            raise ValueError(f"max_turns must be >= 1 or None, got {value}")
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"max_turns must be an integer >= 1 or None, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
-        if self.max_prompt_tokens <= self.shared_prefix_tokens + self.group_prefix_tokens:
+        # A first prompt is the prefixes, in whole blocks, plus at least one token of its own,
+        # and every prompt stays under the cap.
+        prefixes = self.prefix_tokens
+        if self.max_prompt_tokens < prefixes + 2:
             raise ValueError(
                 f"max_prompt_tokens ({self.max_prompt_tokens}) leaves no room after the shared "
-                f"and group prefixes ({self.shared_prefix_tokens} + {self.group_prefix_tokens})"
+                f"and group prefixes ({self.shared_prefix_tokens} + {self.group_prefix_tokens}, "
+                f"{prefixes} tokens in whole blocks of {self.block_size})"
             )
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens of the shared and group prefixes, each rounded up to whole blocks."""
+        blocks = self.whole_blocks(self.shared_prefix_tokens)
+        return (blocks + self.whole_blocks(self.group_prefix_tokens)) * self.block_size
+
+    def first_context(self, prefix_tokens: int, sampled: int) -> int:
+        """A first turn's own context after `prefix_tokens` of prefix: the sample, cut so that
+        the first prompt stays under `max_prompt_tokens`."""
+        return min(sampled, self.max_prompt_tokens - 1 - prefix_tokens)
 
     def whole_blocks(self, tokens: int) -> int:
         """Shared prefixes are whole trace blocks (a partial block is only ever a prompt's tail)."""
@@ -120,6 +158,8 @@ class AgentXWorkload:
     """An endless, reproducible stream of AgentX-style sessions."""
 
     def __init__(self, config: AgentXConfig | None = None, *, seed: int = 0) -> None:
+        if not _is_int(seed) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.config = config or AgentXConfig()
         self.seed = seed
         self.block_size = self.config.block_size
@@ -147,7 +187,7 @@ class AgentXWorkload:
         group_blocks = cfg.whole_blocks(cfg.group_prefix_tokens)
         group_ids = tuple(_GROUP_BASE + group * _SESSION_SPAN + j for j in range(group_blocks))
         prefix = self._shared + group_ids
-        own = cfg.session_context.sample_int(rng)
+        own = cfg.first_context(len(prefix) * cfg.block_size, cfg.session_context.sample_int(rng))
         first_tokens = len(prefix) * cfg.block_size + own
         turns = [
             Turn(
@@ -196,9 +236,10 @@ class AgentXWorkload:
     def _subagent(self, rng: np.random.Generator, blocks: _Blocks, sid: str) -> Session:
         """A short session from a fresh context: the shared prefix plus its own task."""
         cfg = self.config
-        task = cfg.subagent_context.sample_int(rng)
+        shared = len(self._shared) * cfg.block_size
+        task = cfg.first_context(shared, cfg.subagent_context.sample_int(rng))
         first = Turn(
-            new_tokens=len(self._shared) * cfg.block_size + task,
+            new_tokens=shared + task,
             output_tokens=cfg.output_tokens.sample_int(rng),
             blocks=self._shared + blocks.take(task, cfg.block_size),
         )

@@ -18,8 +18,10 @@ class LogNormal:
     high: float = math.inf
 
     def __attrs_post_init__(self) -> None:
-        if not self.mean > self.median > 0:
-            raise ValueError(f"lognormal needs mean > median > 0, got {self.mean}, {self.median}")
+        if not math.inf > self.mean > self.median > 0:
+            raise ValueError(
+                f"lognormal needs finite mean > median > 0, got {self.mean}, {self.median}"
+            )
 
     @property
     def mu(self) -> float:

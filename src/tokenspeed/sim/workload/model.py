@@ -81,6 +81,15 @@ class Workload:
     name: str = "trace"
     issues: tuple[TraceIssue, ...] = ()  # lines skipped while loading
 
+    def __attrs_post_init__(self) -> None:
+        # A timed workload starts sessions only at their times: one without a time would never run.
+        untimed = [s.sid for s in self.sessions if s.start_s is None]
+        if untimed and len(untimed) < len(self.sessions):
+            raise ValueError(
+                f"sessions must all have start_s or none: {len(untimed)} of {len(self.sessions)} "
+                f"lack it (e.g. {untimed[0]!r})"
+            )
+
     def __iter__(self) -> Iterator[Session]:
         return iter(self.sessions)
 

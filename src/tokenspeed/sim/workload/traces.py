@@ -13,10 +13,14 @@ the rest of `input_length`; with fewer ids than blocks, the un-hashed tail is un
 
 aiperf datasets are replayed closed-loop (a session starts when a concurrency slot frees; their
 timestamps are all 0). Mooncake traces are replayed open-loop: a session starts at its first
-row's timestamp.
+row's timestamp, so there the first row of every session (and every single-turn row) must have
+one; a session whose first row was malformed starts at the next row that has one.
 
 A malformed line is reported with its line number; `on_error="skip"` keeps going (the issues are
-returned with the workload), `on_error="raise"` stops at the first one with a `TraceError`.
+returned with the workload), `on_error="raise"` stops at the first one with a `TraceError`. Lines
+are decoded one at a time (a non-UTF-8 byte spoils only its line); a leading UTF-8 byte-order
+mark is ignored. Lengths are at most `MAX_TOKENS` and hash ids in [0, 2**63): negative ids are
+the simulator's own, for content without an id (outputs, un-hashed tails).
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ import attrs
 from tokenspeed.sim.workload.model import Session, TraceIssue, Turn, Workload
 
 OnError = Literal["skip", "raise"]
+
+# Largest input_length / output_length of one row: 16.8M tokens, 80x the 200k-token contexts of
+# agentic workloads and 7x a K3 rank's device tier (longer requests are aborted as too long for
+# the cache anyway). A request's page keys are built when it is issued: under 0.5 s at this size.
+MAX_TOKENS = 1 << 24
+# Page keys pack a block id as a signed 64-bit integer; the negative half is the simulator's.
+MAX_HASH_ID = (1 << 63) - 1
+_BOM = b"\xef\xbb\xbf"
 
 
 class TraceError(ValueError):
@@ -49,7 +61,9 @@ class _Row:
     group_id: int | None
 
 
-def _int_field(row: dict, name: str, *, required: bool, minimum: int) -> int | None:
+def _int_field(
+    row: dict, name: str, *, required: bool, minimum: int, maximum: int | None = None
+) -> int | None:
     value = row.get(name)
     if value is None:
         if required:
@@ -59,6 +73,8 @@ def _int_field(row: dict, name: str, *, required: bool, minimum: int) -> int | N
         raise ValueError(f"{name!r} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name!r} must be <= {maximum}, got {value}")
     return value
 
 
@@ -80,13 +96,16 @@ def _parse_row(text: str, line: int, block_size: int) -> _Row:
         raise ValueError(f"not valid JSON ({exc.msg})") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-    input_length = _int_field(row, "input_length", required=True, minimum=1)
-    output_length = _int_field(row, "output_length", required=True, minimum=1)
+    input_length = _int_field(row, "input_length", required=True, minimum=1, maximum=MAX_TOKENS)
+    output_length = _int_field(row, "output_length", required=True, minimum=1, maximum=MAX_TOKENS)
     hash_ids = row.get("hash_ids", [])
     if not isinstance(hash_ids, list) or any(
         isinstance(h, bool) or not isinstance(h, int) for h in hash_ids
     ):
         raise ValueError("'hash_ids' must be a list of integers")
+    out_of_range = [h for h in hash_ids if not 0 <= h <= MAX_HASH_ID]
+    if out_of_range:
+        raise ValueError(f"'hash_ids' must be in [0, 2**63), got {out_of_range[0]}")
     if len(hash_ids) > math.ceil(input_length / block_size):
         raise ValueError(
             f"{len(hash_ids)} hash_ids describe more than input_length={input_length} tokens in "
@@ -108,23 +127,51 @@ def _parse_row(text: str, line: int, block_size: int) -> _Row:
     )
 
 
+def _decode(data: bytes, line: int) -> str:
+    if line == 1 and data.startswith(_BOM):
+        data = data[len(_BOM) :]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
 def _read_rows(
-    path: Path, block_size: int, on_error: OnError
+    path: Path, block_size: int, on_error: OnError, *, timed: bool
 ) -> tuple[list[_Row], list[TraceIssue]]:
+    """timed: replayed at recorded times, so every session's first row needs its timestamp."""
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
     rows, issues = [], []
-    with open(path, encoding="utf-8") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
+    started: set[str] = set()  # sessions that have a valid first row
+    with open(path, "rb") as f:
+        for line, data in enumerate(f, start=1):
             try:
-                rows.append(_parse_row(text, line, block_size))
+                text = _decode(data, line)
+                if not text.strip():
+                    continue
+                row = _parse_row(text, line, block_size)
+                first = row.session_id is None or row.session_id not in started
+                if timed and first and row.timestamp_ms is None:
+                    raise ValueError(_missing_timestamp(row))
             except ValueError as exc:
                 if on_error == "raise":
                     raise TraceError(f"{path}:{line}: {exc}") from None
                 issues.append(TraceIssue(line=line, message=str(exc)))
+                continue
+            rows.append(row)
+            if row.session_id is not None:
+                started.add(row.session_id)
     return rows, issues
+
+
+def _missing_timestamp(row: _Row) -> str:
+    if row.session_id is None:
+        return "missing 'timestamp' (a timed trace starts each request at its timestamp)"
+    return (
+        f"missing 'timestamp' on the first valid row of session {row.session_id!r} (a timed "
+        "trace starts each session at its timestamp)"
+    )
 
 
 def _turn(row: _Row, first: bool) -> Turn:
@@ -141,7 +188,7 @@ def _sessions(rows: list[_Row], *, timed: bool) -> list[Session]:
     singles: list[tuple[int, Session]] = []
     for row in rows:
         if row.session_id is None:
-            start = row.timestamp_ms / 1000.0 if timed and row.timestamp_ms is not None else None
+            start = row.timestamp_ms / 1000.0 if timed else None
             session = Session(sid=f"line{row.line}", turns=(_turn(row, True),), start_s=start)
             singles.append((row.line, session))
         else:
@@ -152,7 +199,7 @@ def _sessions(rows: list[_Row], *, timed: bool) -> list[Session]:
             Session(
                 sid=sid,
                 turns=tuple(_turn(r, i == 0) for i, r in enumerate(group)),
-                start_s=(group[0].timestamp_ms or 0.0) / 1000.0 if timed else None,
+                start_s=group[0].timestamp_ms / 1000.0 if timed else None,
                 group=group[0].group_id,
             ),
         )
@@ -167,7 +214,7 @@ def load_aiperf_dataset(
 ) -> Workload:
     """Sessions from an aiperf `dataset.jsonl`, replayed closed-loop."""
     path = Path(path)
-    rows, issues = _read_rows(path, block_size, on_error)
+    rows, issues = _read_rows(path, block_size, on_error, timed=False)
     return Workload.of(
         _sessions(rows, timed=False),
         block_size=block_size,
@@ -181,7 +228,7 @@ def load_mooncake_trace(
 ) -> Workload:
     """Requests (or sessions) from a Mooncake-layout trace, replayed open-loop by timestamp."""
     path = Path(path)
-    rows, issues = _read_rows(path, block_size, on_error)
+    rows, issues = _read_rows(path, block_size, on_error, timed=True)
     return Workload.of(
         _sessions(rows, timed=True),
         block_size=block_size,
