@@ -150,6 +150,26 @@ def test_inconsistent_configs_name_the_problem(path, value, message):
         from_hf_config(_broken(path, value))
 
 
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        (("linear_attn_config", "kda_layers"), "1"),  # a string where a list of layers goes
+        (("linear_attn_config",), [1, 2]),
+        (("eos_token_id",), {"id": 2}),
+    ],
+)
+def test_values_of_the_wrong_kind_are_config_errors(path, value):
+    with pytest.raises(ConfigError, match="wrong type or form"):
+        from_hf_config(_broken(path, value))
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\udcff"])
+def test_a_config_json_that_is_not_a_json_object_is_a_config_error(tmp_path, text):
+    (tmp_path / "config.json").write_bytes(text.encode(errors="surrogateescape"))
+    with pytest.raises(ConfigError, match="config.json"):
+        from_hf_config(tmp_path)
+
+
 def test_direct_construction_validates_with_field_names():
     with pytest.raises(ConfigError, match="KdaConfig.gate must be one of"):
         KdaConfig(num_heads=2, head_dim=4, gate="sigmoid")

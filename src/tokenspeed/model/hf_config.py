@@ -31,8 +31,13 @@ def load_config_json(path_or_dict: str | Path | Mapping[str, Any]) -> dict[str, 
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json at {path}")
-    with path.open() as f:
-        return json.load(f)
+    try:
+        raw = json.loads(path.read_bytes())
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not text
+        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 def text_config_of(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,6 +137,17 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 def from_hf_config(path_or_dict: str | Path | Mapping[str, Any]) -> ModelConfig:
     """Build a `ModelConfig` from a Kimi Linear or Kimi K3 checkpoint's config.json."""
     raw = load_config_json(path_or_dict)
+    try:
+        return _from_raw(raw)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:
+        # A value of the wrong kind (a string where a list of layers goes, say) fails in the
+        # reading code before any check of ours names it.
+        raise ConfigError(f"config.json has a value of the wrong type or form: {exc}") from exc
+
+
+def _from_raw(raw: dict[str, Any]) -> ModelConfig:
     text = text_config_of(raw)
     cfg = _Reader(text)
     linear = text.get("linear_attn_config") or {}
