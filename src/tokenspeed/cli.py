@@ -26,24 +26,23 @@ DEFAULT_PROMPTS = (
 # caught before any model loads.
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(low: int, text: str) -> int:
+    what = "a positive integer" if low == 1 else f"an integer >= {low}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(1, text)
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_at_least(0, text)
 
 
 def _finite_float(text: str, low: float, low_included: bool) -> float:
