@@ -167,7 +167,7 @@ class AsyncEngine:
 
     async def wait_idle(self) -> None:
         """Wait until the engine has nothing left to run or report: every request has ended and
-        its last output is in its consumer's queue (for a graceful shutdown, say)."""
+        its last output is waiting for its consumer (for a graceful shutdown, say)."""
         await self._bind()
         while self._loop_task is not None and not self._loop_task.done():
             await asyncio.wait([self._loop_task])
