@@ -108,6 +108,7 @@ def test_budget_too_small_names_the_field():
         ("checkpoint_policy", 3),
         ("async_loads", "no"),  # truthy: must not switch async loads on
         ("prefix_caching", 1),
+        ("metadata_only", 1),
     ],
 )
 def test_config_validation_names_the_field(field, value):

@@ -271,6 +271,7 @@ class CacheConfig:
     async_loads: bool = attrs.field(default=True)
     prefix_caching: bool = attrs.field(default=True)
 
+    @metadata_only.validator
     @async_loads.validator
     @prefix_caching.validator
     def _check_bool(self, attribute: attrs.Attribute, value: object) -> None:
