@@ -32,6 +32,7 @@ import time
 import torch
 
 from tokenspeed.model import KimiForCausalLM, get_preset
+from tokenspeed.model.init import fill_random_on_device
 from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
 from tokenspeed.runtime.async_engine import AsyncEngine
 from tokenspeed.runtime.llm import _keep_fp32
@@ -51,16 +52,7 @@ def build_model(preset: str, layers: int | None, device: torch.device) -> KimiFo
             model = KimiForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02, generator=gen)
-        for b in model.buffers():
-            b.zero_()
+    model = fill_random_on_device(model.to_empty(device=device))
     _keep_fp32(model)
     return model.eval()
 

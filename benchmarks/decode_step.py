@@ -28,6 +28,7 @@ import torch
 from tokenspeed.cache import KeyChain
 from tokenspeed.model import KimiForCausalLM, get_preset
 from tokenspeed.model.config import MoeConfig
+from tokenspeed.model.init import fill_random_on_device
 from tokenspeed.runtime import Engine, EngineConfig
 from tokenspeed.runtime.graphs import DecodeGraphs
 from tokenspeed.runtime.llm import _keep_fp32
@@ -49,16 +50,7 @@ def k3_slice():
 def build_model(device):
     with torch.device("meta"):
         model = KimiForCausalLM(k3_slice())
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02, generator=gen)
-        for b in model.buffers():
-            b.zero_()
+    model = fill_random_on_device(model.to_empty(device=device).to(torch.bfloat16))
     _keep_fp32(model)
     return model.eval()
 

@@ -47,3 +47,21 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0) -> KimiForCausalL
         elif isinstance(module, Router):
             normal(module.e_score_correction_bias, 0.05)
     return model
+
+
+@torch.no_grad()
+def fill_random_on_device(model: KimiForCausalLM, std: float = 0.02, seed: int = 0):
+    """Fill `model` in place from a generator on its parameters' device: N(0, std) weights,
+    norm weights 1, buffers 0. For models too large to draw on the host (built on the meta
+    device, then `to_empty` on the GPU), in benchmarks that time kernels, not outputs: unlike
+    `init_random_weights` nothing keeps activations O(1) through the layers."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0, std, generator=gen)
+    for b in model.buffers():
+        b.zero_()
+    return model
