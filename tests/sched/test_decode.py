@@ -259,3 +259,16 @@ def test_a_failing_admission_aborts_that_request_and_admits_the_next():
     assert sched.admit_pending() == [b]
     assert a.state is RequestState.ABORTED and "admission failed" in a.abort_reason
     assert sched.aborted == [a] and not sched.pending and not cache.holds("a")
+
+
+def test_a_second_live_request_under_one_id_is_refused_at_add():
+    """Before, the duplicate's admission failed on the cache at the head of the queue at every
+    call, and nothing behind it was ever admitted."""
+    sched, _ = _sched(pages=100)
+    sched.add(_prefilled("z", 16, 4))
+    with pytest.raises(ValueError, match="'z' is already queued"):
+        sched.add(_prefilled("z", 20, 4))
+    sched.add(_prefilled("w", 16, 4))
+    assert [r.rid for r in sched.admit_pending()] == ["z", "w"]
+    with pytest.raises(ValueError, match="'z' is already queued or running"):
+        sched.add(_prefilled("z", 20, 4))  # admitted now

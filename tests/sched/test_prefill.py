@@ -244,3 +244,19 @@ def test_a_failing_admission_aborts_that_request_and_admits_the_next():
     assert "device fault" in a.abort_reason
     assert sched.aborted == [a] and not cache.holds("a") and not sched.waiting
     assert sched.outstanding_tokens() == 30  # a's estimate went with it
+
+
+def test_a_second_live_request_under_one_id_is_refused_at_add():
+    """Before, it was queued: its estimate replaced the first one's (the load undercounted),
+    and its admission failed on the cache at the head of the queue at every step, stopping the
+    rank."""
+    sched, _ = _sched(budget=128)
+    sched.add(make_request("x", 10))
+    with pytest.raises(ValueError, match="'x' is already queued"):
+        sched.add(make_request("x", 12))
+    sched.add(make_request("y", 8))
+    assert sched.outstanding_tokens() == 10 + 8
+    batch = sched.schedule()
+    assert [c.request.rid for c in batch.chunks] == ["x", "y"]
+    with pytest.raises(ValueError, match="'x' is already queued or running"):
+        sched.add(make_request("x", 12))  # running now

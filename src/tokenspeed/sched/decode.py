@@ -48,6 +48,13 @@ class DecodeScheduler:
         """Queue a routed request for decode admission; its prefill may run meanwhile."""
         if not self.disaggregated:
             raise RuntimeError("decode admission is a P/D step; aggregated ranks call start()")
+        # As for prefill: a duplicate id would fail admission at the head of the queue forever.
+        if (
+            req.rid in self.running
+            or req.rid in self.admitted
+            or any(r.rid == req.rid for r in self.pending)
+        ):
+            raise ValueError(f"request id {req.rid!r} is already queued or running on this rank")
         self.pending.append(req)
 
     def admit_pending(self) -> list[Request]:

@@ -49,6 +49,11 @@ class PrefillScheduler:
         """Queue a request; its expected work (prompt minus current prefix hit) counts at once."""
         if req.state is not RequestState.WAITING:
             raise ValueError(f"request {req.rid!r} is {req.state.value}, not waiting")
+        # A second live request under one id would take the first one's estimate, and its
+        # admission would fail on the cache (the id holds cache) at the head of the queue, step
+        # after step: the whole rank would stop.
+        if req.rid in self._queued_estimate or req.rid in self.running or req.rid in self.pinned:
+            raise ValueError(f"request id {req.rid!r} is already queued or running on this rank")
         hit = self.cache.lookup(req, self._hit_limit(req))
         self._set_estimate(req.rid, req.prefill_target - hit)
         self.waiting.append(req)
