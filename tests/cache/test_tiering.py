@@ -142,8 +142,10 @@ def _two_ranks_sharing_l2():
     """(host tier, manager a, manager b): two metadata-only ranks over one shared L2."""
     g = tiny_geometry()
     shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
-    return shared, make_manager(g, l2=shared, metadata_only=True), make_manager(
-        g, l2=shared, metadata_only=True
+    return (
+        shared,
+        make_manager(g, l2=shared, metadata_only=True),
+        make_manager(g, l2=shared, metadata_only=True),
     )
 
 
@@ -206,3 +208,21 @@ def test_a_rank_without_prefix_caching_publishes_its_turns_but_keeps_nothing():
     decode.check_integrity()
     with pytest.raises(CacheConfigError):
         make_manager(g, prefix_caching="no")
+
+
+def test_a_publish_larger_than_the_host_tier_counts_only_what_it_keeps():
+    # Room for 6 pages (with the turn's checkpoint already in L2); the turn has 8 missing pages:
+    # its write evicts the checkpoint, then its own first two pages.
+    g = tiny_geometry()
+    l2 = LocalHostCache(capacity_bytes=6 * g.mla_page_bytes + 40, metadata_only=True)
+    cache = make_manager(g, l2=l2, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(7, 33))
+    l2.put_many(ObjectKind.CHECKPOINT, keys[7:8], [32])
+    h = cache.allocate("a", keys, 33)
+    cache.checkpoint(h, 32, kind=CheckpointKind.TURN_END)
+    assert cache.publish(h) == 6
+    assert cache.stats().counters.objects_published == 6
+    assert l2.contains(ObjectKind.PAGE, keys[:8]).tolist() == [False] * 2 + [True] * 6
+    assert l2.contains(ObjectKind.CHECKPOINT, keys[7:8]).tolist() == [False]
+    cache.release(h)
+    cache.check_integrity()

@@ -85,3 +85,77 @@ def test_abort_records_reason_and_is_terminal():
 def test_request_rejects_empty_prompt_or_output(prompt, new):
     with pytest.raises(ValueError, match="must be positive"):
         Request("bad", prompt, new)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prompt_len", 10.5),
+        ("prompt_len", 10.0),
+        ("prompt_len", "10"),
+        ("prompt_len", None),
+        ("prompt_len", True),
+        ("max_new_tokens", 2.5),
+        ("max_new_tokens", True),
+        ("max_new_tokens", "4"),
+    ],
+)
+def test_request_lengths_must_be_integers(field, value):
+    lengths = {"prompt_len": 10, "max_new_tokens": 4, field: value}
+    with pytest.raises(ValueError, match=f"request 'bad': {field} must be an integer, got"):
+        Request("bad", **lengths)
+
+
+@pytest.mark.parametrize("field", ["num_computed", "num_cached", "num_output", "preemptions"])
+@pytest.mark.parametrize("value", [-1, 1.5, True, None])
+def test_request_counters_must_be_non_negative_integers(field, value):
+    with pytest.raises(ValueError, match=f"request 'bad': {field} must be"):
+        Request("bad", 10, 4, **{field: value})
+
+
+@pytest.mark.parametrize("field", ["prefill_rank", "decode_rank"])
+@pytest.mark.parametrize("value", [-1, 0.0, False, "0"])
+def test_request_ranks_must_be_non_negative_integers_or_none(field, value):
+    with pytest.raises(ValueError, match=f"request 'bad': {field} must be"):
+        Request("bad", 10, 4, **{field: value})
+
+
+def test_request_state_and_abort_reason_types():
+    with pytest.raises(ValueError, match="state must be a RequestState"):
+        Request("bad", 10, 4, state="waiting")
+    with pytest.raises(ValueError, match="abort_reason must be a string or None"):
+        Request("bad", 10, 4, abort_reason=1)
+
+
+def test_request_id_must_be_hashable():
+    with pytest.raises(ValueError, match=r"request id must be hashable, got \['a'\]"):
+        Request(["a"], 10, 4)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"num_output": 5}, r"num_output \(5\) exceeds max_new_tokens \(4\)"),
+        ({"num_computed": 11}, r"num_computed \(11\) exceeds the sequence"),
+        ({"num_computed": 3, "num_cached": 4}, r"num_cached \(4\) exceeds num_computed \(3\)"),
+    ],
+)
+def test_request_counters_must_be_consistent(kw, message):
+    with pytest.raises(ValueError, match=message):
+        Request("bad", 10, 4, **kw)
+
+
+def test_request_accepts_valid_fields():
+    req = Request(
+        ("s", 3),
+        10,
+        4,
+        num_computed=12,
+        num_cached=8,
+        num_output=2,
+        preemptions=1,
+        prefill_rank=0,
+        decode_rank=3,
+        state=RequestState.DECODING,
+    )
+    assert (req.seq_len, req.prefill_remaining, req.output_remaining) == (12, 0, 2)

@@ -223,7 +223,10 @@ class Tiering:
 
     def publish(self, keys: PageKeys, page_ids: np.ndarray, path: list[int]) -> int:
         """Write-through of a request's prefix up to its deepest checkpoint `path[-1]` (pages)
-        and of its checkpoints at `path`; returns how many objects were newly stored."""
+        and of its checkpoints at `path`; returns how many objects were newly stored: of the
+        objects L2 lacked, those each write reports stored when it returned (`HostCache.put`).
+        Pages that the checkpoint write then evicts still count; in an LRU tier that takes a
+        publish larger than the whole tier, and finding them would cost a lookup per publish."""
         assert self.l2 is not None
         deepest = path[-1]
         # Earlier turns usually published the start already: skip the present prefix cheaply.
@@ -254,16 +257,17 @@ class Tiering:
         *,
         chain: bool = False,
     ) -> int:
-        """Store pages (device ids `pids`, [n] int64) in L2; returns how many are stored now.
-        chain: they are consecutive pages of one chain (a hint for the host tier)."""
+        """Store pages (device ids `pids`, [n] int64) in L2; returns how many of them are stored
+        when the write returns (`HostCache.put`). chain: they are consecutive pages of one chain
+        (a hint for the host tier)."""
         if not len(keys):
             return 0
         payloads = self.storage.read_pages(pids) if self.storage is not None else None
         return self.l2.put_many(ObjectKind.PAGE, keys, positions, payloads, chain=chain)
 
     def _put_checkpoints(self, entries: list[CheckpointEntry]) -> int:
-        """Store checkpoints in L2 (metadata-only: one batched write); returns how many are
-        stored now."""
+        """Store checkpoints in L2 (metadata-only: one batched write); returns how many of them
+        are stored when the write returns."""
         if self.storage is None:
             keys = self.ckpts.keys_of(entries)
             positions = [e.num_tokens for e in entries]

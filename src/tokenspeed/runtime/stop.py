@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+from .detokenizer import Detokenizer
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -14,7 +15,8 @@ class StopChecker:
     """Checks a request's output after each new token; also renders its text.
 
     EOS and stop token ids stay in token_ids but not in the text; a stop string ends the output
-    and is cut from the text.
+    and is cut from the text. Both keep the text incrementally (`Detokenizer`): a step decodes
+    the new tokens and a few before them, not the whole output.
     """
 
     def __init__(
@@ -27,6 +29,11 @@ class StopChecker:
             self.stop_ids |= set(eos_token_ids)
         self._longest_stop = max((len(s) for s in params.stop), default=0)
         self._checked_len = 0  # length of the text at the previous check
+        self._detok = Detokenizer(tokenizer) if tokenizer is not None else None
+        # Where each stop string first occurs in the settled text (None: nowhere), searched up
+        # to `_searched` characters; the settled text never changes, so this is never redone.
+        self._in_settled: dict[str, int | None] = dict.fromkeys(params.stop)
+        self._searched = 0
 
     def check(self, output_ids: Sequence[int]) -> str | int | None:
         """The stop reason (a token id or a stop string) if the output just ended, else None.
@@ -35,26 +42,48 @@ class StopChecker:
         if last in self.stop_ids:
             return last
         if self.params.stop:
-            text = self.tokenizer.decode(output_ids)
+            self._detok.update(output_ids)
             # A stop string completed by this token ends in the text it added, however long
             # (one token can be many characters). The previous text's last few characters may
             # change too: an incomplete UTF-8 sequence decodes to up to 3 replacement
             # characters until its last byte arrives.
             start = max(0, self._checked_len - _UNSETTLED_CHARS - self._longest_stop + 1)
-            self._checked_len = len(text)
-            tail = text[start:]
+            self._checked_len = len(self._detok)
+            tail = self._detok.text_from(start)
             for stop in self.params.stop:
                 if stop in tail:
                     return stop
         return None
 
     def text(self, output_ids: Sequence[int]) -> str:
-        ids = list(output_ids)
-        if ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        for stop in self.params.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        """The output's text: a final stop token id left out, cut where a stop string starts
+        (the stop strings taken in order, each cutting what the ones before it left)."""
+        end = len(output_ids)
+        if end and output_ids[-1] in self.stop_ids:
+            end -= 1
+        self._detok.update(output_ids, end)
+        text = self._detok.text
+        limit = len(text)
+        for stop, at in self._first_stops():
+            # A string's first occurrence in text[:limit], if any, is its first in the text.
+            if at is not None and at + len(stop) <= limit:
+                limit = at
+        return text if limit == len(text) else text[:limit]
+
+    def _first_stops(self) -> Iterator[tuple[str, int | None]]:
+        """Each stop string with the index of its first occurrence in the text (None: none)."""
+        settled, tail = self._detok.settled, self._detok.tail
+        if len(settled) < self._searched:  # the detokenizer fell back to full decodes
+            self._in_settled, self._searched = dict.fromkeys(self.params.stop), 0
+        if len(settled) > self._searched:
+            for stop, at in self._in_settled.items():
+                if at is None:
+                    found = settled.find(stop, max(0, self._searched - len(stop) + 1))
+                    self._in_settled[stop] = found if found >= 0 else None
+            self._searched = len(settled)
+        for stop, at in self._in_settled.items():
+            if at is None and tail:  # one that ends in the tail, which may still change
+                edge = max(0, len(settled) - len(stop) + 1)
+                found = (settled[edge:] + tail).find(stop)
+                at = edge + found if found >= 0 else None
+            yield stop, at

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ast
 import base64
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
+
+import attrs
 
 # Kimi's tiktoken tokenizer reserves this many ids after the base vocabulary for special tokens.
 RESERVED_SPECIAL_TOKENS = 256
@@ -24,6 +27,10 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer(Protocol):
+    """A tokenizer may also have a `window_rule` (a `WindowRule`) telling how its decode of a
+    window of ids relates to its decode of the whole; without one, output text is decoded whole
+    at every step."""
+
     eos_token_ids: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
@@ -31,8 +38,32 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+@attrs.frozen(kw_only=True)
+class WindowRule:
+    """What lets `Detokenizer` decode only a request's newest ids, a short window at a time, and
+    still give exactly the text that decoding all its ids gives.
+
+    prefix: False when the text is a function of the ids' bytes laid end to end, decoded as
+    UTF-8 with U+FFFD for bad or incomplete sequences: then decode(a + b) == decode(a) +
+    decode(b) whenever decode(a) ends in a character other than U+FFFD, and a window needs no
+    context. True when a decode treats its first ids differently (sentencepiece's Metaspace
+    drops the first token's leading space, a Strip after Fuse its first character): the new ids
+    are then decoded behind a few earlier ids whose text is known and dropped.
+    closes: whether the text may be taken as final after this id; False for an id that a later
+    one can still change (a byte-fallback piece <0x..> joins the pieces after it). None: any id.
+    """
+
+    prefix: bool = False
+    closes: Callable[[int], bool] | None = None
+
+
+BYTE_STREAM = WindowRule()  # text = UTF-8 of the ids' bytes laid end to end
+
+
 class ByteTokenizer:
     """UTF-8 bytes shifted past `offset` special ids (presets with random weights)."""
+
+    window_rule = BYTE_STREAM
 
     def __init__(self, vocab_size: int, offset: int = 3, eos_token_ids: Sequence[int] = ()):
         if vocab_size < 256 + offset:
@@ -63,6 +94,51 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    @functools.cached_property
+    def window_rule(self) -> WindowRule | None:
+        """From the decoder pipeline: ByteLevel alone decodes a byte stream; Metaspace, Replace,
+        ByteFallback and Strip token by token, then at most Fuse and a Strip of leading
+        characters (sentencepiece's pipelines), decode behind a prefix. Anything else (WordPiece,
+        whose cleanup worked on the joined text in older releases; CTC, which merges repeated
+        tokens; BPE suffixes; no decoder at all) is decoded whole."""
+        decoder = self._tok.decoder
+        if decoder is None:
+            return None
+        steps = _decoder_steps(json.loads(decoder.__getstate__()))
+        kinds = [step.get("type") for step in steps]
+        if kinds == ["ByteLevel"]:
+            return BYTE_STREAM
+        fused = False
+        for step in steps:
+            kind = step.get("type")
+            if kind == "Fuse" and not fused:
+                fused = True
+            elif kind == "Strip" and (not fused or step.get("stop") == 0):
+                pass  # per token before Fuse; after it, only the text's start changes
+            elif kind not in ("Metaspace", "Replace", "ByteFallback") or fused:
+                return None
+        if "ByteFallback" not in kinds:
+            return WindowRule(prefix=True)
+        special = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+
+        def closes(i: int) -> bool:
+            # The text may settle after a token that is rendered and is not a byte piece: a run
+            # of <0x..> pieces decodes as one (all U+FFFD if it is not valid UTF-8 as a whole),
+            # and ids that render nothing (skipped special tokens, unknown ids) do not end a run.
+            piece = None if i in special else self._tok.id_to_token(i)
+            return piece is not None and not (
+                len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+            )
+
+        return WindowRule(prefix=True, closes=closes)
+
+
+def _decoder_steps(config: dict) -> list[dict]:
+    """A `tokenizers` decoder's JSON as the flat list of its steps (Sequences unnested)."""
+    if config.get("type") == "Sequence":
+        return [step for inner in config.get("decoders", []) for step in _decoder_steps(inner)]
+    return [config]
+
 
 def read_pat_str(source: str) -> str | None:
     """The split pattern assigned to `pat_str` in a tokenizer module's source, if it is a string
@@ -92,6 +168,8 @@ class TiktokenTokenizer:
     """Kimi's tiktoken tokenizer: `tiktoken.model` ranks, special tokens from
     `tokenizer_config.json`, the split pattern from the checkpoint's tokenizer module (or a
     `pat_str` entry in tokenizer_config.json)."""
+
+    window_rule = BYTE_STREAM  # tiktoken decodes the tokens' bytes laid end to end
 
     def __init__(self, root: Path, eos_token_ids: Sequence[int]):
         import tiktoken

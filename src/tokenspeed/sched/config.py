@@ -22,13 +22,32 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: int) -> N
         raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
 
 
+# Largest decode batch size: the engine captures one CUDA graph per size, over static buffers as
+# many rows long as the largest size (a rows x max_pages page table among them), and the simulator
+# models a rank that could. 4096 rows is well past any one-GPU decode batch (serving engines
+# capture a few hundred rows by default); a bigger entry is a typo or an allocation no device has.
+MAX_DECODE_BATCH_SIZE = 4096
+
+
+def _sizes_tuple(value: object) -> tuple:
+    # tuple() of a bare int fails with "'int' object is not iterable", which names no field.
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise ValueError(f"decode_batch_sizes must be a sequence of integers, got {value!r}")
+    return tuple(value)
+
+
 def _sorted_sizes(instance: object, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
     if not value:
         raise ValueError(f"{attribute.name} must list at least one batch size")
-    if any(not isinstance(v, int) or v <= 0 for v in value):
+    if any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in value):
         raise ValueError(f"{attribute.name} must hold positive integers, got {value!r}")
     if any(b <= a for a, b in itertools.pairwise(value)):
         raise ValueError(f"{attribute.name} must be strictly increasing, got {value!r}")
+    if value[-1] > MAX_DECODE_BATCH_SIZE:
+        raise ValueError(
+            f"{attribute.name} ends at {value[-1]}, above the largest decode batch "
+            f"{MAX_DECODE_BATCH_SIZE} (one CUDA graph and its buffers are built per size)"
+        )
 
 
 DEFAULT_DECODE_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
@@ -45,7 +64,8 @@ class SchedulerConfig:
         many pages; chunk ends prefer these boundaries so that a cut prefill leaves a reusable
         prefix.
     decode_batch_sizes: the captured graph sizes; a decode batch runs at the smallest size that
-        holds it, so the largest entry is also the decode batch cap.
+        holds it, so the largest entry is also the decode batch cap (at most
+        MAX_DECODE_BATCH_SIZE).
     decode_reserve_pages: free pages a decode rank must keep beyond a request's history before
         admitting it, so that running requests can grow without immediate preemption.
     max_preemptions: a request preempted more often than this is aborted with a reason instead of
@@ -57,7 +77,7 @@ class SchedulerConfig:
     max_prefill_requests: int = attrs.field(default=64, validator=_positive)
     checkpoint_interval_pages: int = attrs.field(default=64, validator=_positive)
     decode_batch_sizes: tuple[int, ...] = attrs.field(
-        default=DEFAULT_DECODE_BATCH_SIZES, converter=tuple, validator=_sorted_sizes
+        default=DEFAULT_DECODE_BATCH_SIZES, converter=_sizes_tuple, validator=_sorted_sizes
     )
     decode_reserve_pages: int = attrs.field(default=0, validator=_non_negative)
     max_preemptions: int = attrs.field(default=8, validator=_non_negative)

@@ -73,10 +73,51 @@ class Request:
     decode_rank: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.prompt_len <= 0:
-            raise ValueError(f"request {self.rid!r}: prompt_len must be positive")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"request {self.rid!r}: max_new_tokens must be positive")
+        # Checked once, here: the scheduler moves these counters on every step, unchecked.
+        try:
+            hash(self.rid)
+        except TypeError:
+            raise ValueError(f"request id must be hashable, got {self.rid!r}") from None
+        self._check_int("prompt_len", minimum=1)
+        self._check_int("max_new_tokens", minimum=1)
+        for name in ("num_computed", "num_cached", "num_output", "preemptions"):
+            self._check_int(name, minimum=0)
+        for name in ("prefill_rank", "decode_rank"):
+            if getattr(self, name) is not None:
+                self._check_int(name, minimum=0, optional=True)
+        if not isinstance(self.state, RequestState):
+            raise ValueError(
+                f"request {self.rid!r}: state must be a RequestState, got {self.state!r}"
+            )
+        if self.abort_reason is not None and not isinstance(self.abort_reason, str):
+            raise ValueError(
+                f"request {self.rid!r}: abort_reason must be a string or None, got "
+                f"{self.abort_reason!r}"
+            )
+        if self.num_output > self.max_new_tokens:
+            raise ValueError(
+                f"request {self.rid!r}: num_output ({self.num_output}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        if self.num_computed > self.prefill_target:
+            raise ValueError(
+                f"request {self.rid!r}: num_computed ({self.num_computed}) exceeds the sequence "
+                f"({self.prompt_len} prompt + {self.num_output} output tokens)"
+            )
+        if self.num_cached > self.num_computed:
+            raise ValueError(
+                f"request {self.rid!r}: num_cached ({self.num_cached}) exceeds num_computed "
+                f"({self.num_computed})"
+            )
+
+    def _check_int(self, name: str, *, minimum: int, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            kind = "an integer or None" if optional else "an integer"
+            raise ValueError(f"request {self.rid!r}: {name} must be {kind}, got {value!r}")
+        if value < minimum:
+            bound = "positive" if minimum == 1 else f">= {minimum}"
+            raise ValueError(f"request {self.rid!r}: {name} must be {bound}, got {value}")
 
     @property
     def seq_len(self) -> int:

@@ -84,11 +84,54 @@ def test_prefix_and_last_present():
 
 def test_metadata_only_keeps_sizes_not_bytes():
     l2, n = _bound(2, metadata_only=True)
-    assert l2.put([HostObject(PAGE, k, k, n) for k in (1, 2, 3)]) == 3
+    assert l2.put([HostObject(PAGE, k, k, n) for k in (1, 2, 3)]) == 2  # 3 evicted 1
     assert l2.contains(PAGE, [1, 2, 3]).tolist() == [False, True, True]
     (got,) = l2.get(PAGE, [2], [2])
     assert got is not None and got.numel() == 0
     assert l2.stats().bytes == 2 * n
+    l2.check_integrity()
+
+
+@pytest.mark.parametrize("metadata_only", [False, True])
+@pytest.mark.parametrize("call", ["put", "put_many"])
+def test_a_write_that_evicts_its_own_objects_reports_only_the_survivors(call, metadata_only):
+    l2, n = _bound(3, metadata_only=metadata_only)
+
+    def write(keys):
+        if call == "put_many":
+            payloads = None if metadata_only else [_page(k, n).payload for k in keys]
+            return l2.put_many(PAGE, keys, keys, payloads)
+        return l2.put(
+            [
+                HostObject(PAGE, k, k, n, None if metadata_only else _page(k, n).payload)
+                for k in keys
+            ]
+        )
+
+    # Five pages into room for three: the last three evict the first two.
+    assert write([1, 2, 3, 4, 5]) == 3
+    assert l2.contains(PAGE, [1, 2, 3, 4, 5]).tolist() == [False, False, True, True, True]
+    # A present object counts (touched: it is the newest) until later ones of the call evict it.
+    assert write([3, 6, 7, 8]) == 3
+    assert l2.contains(PAGE, [3, 4, 5, 6, 7, 8]).tolist() == [False] * 3 + [True] * 3
+    # Evicting only older objects: every object of the call is stored.
+    assert write([9, 10]) == 2
+    assert l2.contains(PAGE, [7, 8, 9, 10]).tolist() == [False, True, True, True]
+    s = l2.stats()
+    assert (s.puts, s.evictions, s.objects) == (10, 7, 3)  # writes count; evictions undo none
+    l2.check_integrity()
+
+
+def test_a_mixed_write_counts_the_survivors_of_each_kind():
+    l2, n = _bound(4, metadata_only=True)  # 4 pages; a checkpoint takes more than 2
+    ck = l2.object_bytes(CKPT)
+    assert 2 * n < ck <= 3 * n
+    objs = [HostObject(PAGE, 1, 0, n), HostObject(PAGE, 2, 1, n), HostObject(CKPT, 2, 8, ck)]
+    assert l2.put(objs) == 2  # the checkpoint evicted page 1
+    assert (l2.contains(PAGE, [1, 2]).tolist(), l2.contains(CKPT, [2]).tolist()) == (
+        [False, True],
+        [True],
+    )
     l2.check_integrity()
 
 
@@ -115,6 +158,8 @@ class _ReferenceL2:
         self.bytes = self.evictions = self.puts = self.hits = self.misses = 0
 
     def put(self, kind, keys, positions) -> int:
+        """Objects stored one by one; returns how many of them are stored at the end (a later
+        one may evict an earlier one), counted per key given."""
         for key, pos in zip(keys, positions, strict=True):
             store = self.stores[kind]
             if key in store:
@@ -130,7 +175,7 @@ class _ReferenceL2:
             self.lru[(kind, key)] = None
             self.bytes += self.nbytes[kind]
             self.puts += 1
-        return len(keys)
+        return sum(key in self.stores[kind] for key in keys)
 
     def get(self, kind, keys, positions) -> list[bool]:
         out = []
@@ -170,7 +215,10 @@ _chains = st.lists(st.integers(0, 5), min_size=1, max_size=4)  # chain ids: shar
 def _call(name: str, max_len: int):
     """(op, chain, first page, pages, with checkpoint) for one call kind."""
     return st.tuples(
-        st.just(name), st.integers(0, 3), st.integers(0, 11), st.integers(1, max_len),
+        st.just(name),
+        st.integers(0, 3),
+        st.integers(0, 11),
+        st.integers(1, max_len),
         st.booleans(),
     )
 

@@ -162,3 +162,34 @@ def test_seed_is_a_non_negative_integer():
         AgentXWorkload(seed=1.5)
     with pytest.raises(ValueError, match="finite mean"):
         LogNormal(float("inf"), 10)
+
+
+_TOKEN_FIELDS = ("session_context", "new_tokens", "output_tokens", "subagent_context")
+
+
+@pytest.mark.parametrize("field", _TOKEN_FIELDS)
+@pytest.mark.parametrize("low", [0, 0.5])
+def test_token_count_distributions_need_low_of_one_token(field, low):
+    # LogNormal(3, 1) draws below half a token about a third of the time: with low=0 a turn of
+    # zero tokens would come out (and fail in `Turn`) deep into generation.
+    with pytest.raises(ValueError, match=f"{field} is a token count: .* needs low >= 1"):
+        AgentXConfig(**{field: LogNormal(3, 1, low=low)})
+
+
+def test_low_token_counts_clip_to_one_token():
+    small = LogNormal(3, 1)
+    cfg = AgentXConfig(new_tokens=small, output_tokens=small, subagent_probability=0.0)
+    turns = [t for i in range(50) for t in AgentXWorkload(cfg, seed=0).session(i).turns]
+    assert min(t.output_tokens for t in turns) == 1
+    assert min(t.new_tokens for t in turns[1:]) >= 1
+
+
+@pytest.mark.parametrize("field", [*_TOKEN_FIELDS, "agentic_delay_s", "human_delay_s"])
+def test_distribution_fields_must_be_lognormals(field):
+    with pytest.raises(ValueError, match=f"{field} must be a LogNormal"):
+        AgentXConfig(**{field: 300})
+
+
+def test_delays_may_clip_below_one():
+    cfg = AgentXConfig(agentic_delay_s=LogNormal(2.5, 1.8, low=0))
+    assert cfg.agentic_delay_s.low == 0

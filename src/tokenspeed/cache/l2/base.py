@@ -62,7 +62,7 @@ class L2Stats:
     lookups: int  # keys asked about
     hits: int  # objects read back successfully
     misses: int  # objects asked for and not returned
-    puts: int  # objects stored
+    puts: int  # objects newly stored (a later eviction does not take one back)
     put_bytes: int
     dropped_writes: int  # objects that could not be stored (full, failed, too large)
     get_bytes: int
@@ -141,7 +141,11 @@ class HostCache(ABC):
 
     @abstractmethod
     def put(self, objects: Sequence[HostObject]) -> int:
-        """Store objects (existing keys are kept as they are); returns how many are now stored."""
+        """Store objects (existing keys are kept as they are); returns how many of them are
+        stored when the call returns, counted per object given: one already present counts,
+        one dropped (too large, failed) does not, nor one that a later object of the same call
+        evicted again. A shared store counts what it acknowledged (others may remove objects
+        at any time). Always in [0, len(objects)]."""
 
     def put_many(
         self,
@@ -153,7 +157,8 @@ class HostCache(ABC):
         chain: bool = False,
     ) -> int:
         """`put` of objects of one kind and the bound geometry's size (`object_bytes`), given as
-        parallel sequences (payloads None when metadata-only). Backends may do it in one batch.
+        parallel sequences (payloads None when metadata-only). Backends may do it in one batch;
+        the count returned is `put`'s: this call's objects stored when it returns.
 
         chain: the keys are consecutive pages of one chain (a turn's pages), positions rising by
             one: a hint a backend may keep to answer later prefix checks over them faster; it
@@ -175,9 +180,7 @@ class HostCache(ABC):
     ) -> list[torch.Tensor | None]:
         """Verified payloads ([nbytes] uint8 CPU tensors), None where absent or rejected."""
 
-    def get_present(
-        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
-    ) -> np.ndarray:
+    def get_present(self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]) -> np.ndarray:
         """[n] bool: which of the objects `get` would return, with the same touches, counts and
         drops, for a caller that keeps no payloads (a metadata-only cache)."""
         return np.array([p is not None for p in self.get(kind, keys, positions)], dtype=bool)

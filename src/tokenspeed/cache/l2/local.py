@@ -222,6 +222,7 @@ class LocalHostCache(HostCache):
     def put(self, objects: Sequence[HostObject]) -> int:
         self._mutations += 1
         stored = 0
+        evictions = self.counters.evictions
         for obj in objects:
             payload, crc = None, None
             if not self.metadata_only and self._store(obj.kind).get(obj.key) is None:
@@ -236,6 +237,9 @@ class LocalHostCache(HostCache):
                 payload = obj.payload.pin_memory() if self._pin else obj.payload.clone()
                 crc = crc32(payload) if self.checksum else None
             stored += self._put_one(obj.kind, obj.key, obj.position, obj.nbytes, payload, crc)
+        if self.counters.evictions != evictions and stored:
+            # A later object may have evicted an earlier one of this call: count the survivors.
+            stored = sum(self._store(obj.kind).get(obj.key) is not None for obj in objects)
         return stored
 
     def _put_one(
@@ -247,7 +251,8 @@ class LocalHostCache(HostCache):
         payload: torch.Tensor | None,
         crc: int | None,
     ) -> int:
-        """Store one object (the per-object path every batch reproduces); 1 if it is stored."""
+        """Store one object (the per-object path every batch reproduces); 1 if it is stored
+        (an object stored or touched here may still be evicted by a later one of the same call)."""
         store = self._store(kind)
         s = store.get(key)
         if s is not None:
@@ -293,10 +298,15 @@ class LocalHostCache(HostCache):
             return 0
         if len(keys) != len(positions):
             raise ValueError(f"{len(keys)} keys, {len(positions)} positions")
-        if not self._put_batch(kind, keys, positions, nbytes, chain and kind is ObjectKind.PAGE):
-            for key, position in zip(keys_to_ints(keys), positions, strict=True):
-                self._put_one(kind, key, position, nbytes, None, None)
-        return len(keys)
+        if self._put_batch(kind, keys, positions, nbytes, chain and kind is ObjectKind.PAGE):
+            return len(keys)  # the batch evicted none of its own objects: all are stored
+        evictions = self.counters.evictions
+        for key, position in zip(keys_to_ints(keys), positions, strict=True):
+            self._put_one(kind, key, position, nbytes, None, None)
+        if self.counters.evictions == evictions:
+            return len(keys)
+        # Later objects evicted earlier ones of this call: count the survivors.
+        return int(np.count_nonzero(self._slots(kind, keys) >= 0))
 
     def _put_batch(
         self,
@@ -308,9 +318,9 @@ class LocalHostCache(HostCache):
     ) -> bool:
         """Metadata-only `put_many` in whole-array steps. Returns False, having changed nothing,
         where the result could differ from storing the objects one by one: the eviction it
-        needs would reach one of the batch's own objects, or a new key repeats. With `chain`
-        (the keys are consecutive pages of one chain), each stretch of new pages becomes a
-        run (`ChainRuns`)."""
+        needs would reach one of the batch's own objects, or a new key repeats. True: every
+        object of the batch is stored. With `chain` (the keys are consecutive pages of one
+        chain), each stretch of new pages becomes a run (`ChainRuns`)."""
         n = len(keys)
         if not n:
             return True
@@ -476,9 +486,10 @@ class LocalHostCache(HostCache):
         for store, is_ckpt in ((self._pages, False), (self._checkpoints, True)):
             store.check_integrity()
             keys, slots = store.items()
-            if self._keys[slots].tobytes() != keys.tobytes() or (
-                self._kind_of[slots] != (_CHECKPOINT if is_ckpt else _PAGE)
-            ).any():
+            if (
+                self._keys[slots].tobytes() != keys.tobytes()
+                or (self._kind_of[slots] != (_CHECKPOINT if is_ckpt else _PAGE)).any()
+            ):
                 raise IntegrityError("L2 store entry does not match its slot")
             held.append(slots)
         held_slots = np.concatenate(held)

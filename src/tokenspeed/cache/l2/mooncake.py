@@ -247,6 +247,9 @@ class MooncakeHostCache(HostCache):
         return np.array([code == 1 for code in codes], dtype=bool)
 
     def put(self, objects: Sequence[HostObject]) -> int:
+        """Counts the objects of the batches the store acknowledged (`put_batch` returned 0), the
+        most a shared store can tell: the master evicts by its own watermark policy, outside
+        this call, and a batch it has no room for fails (dropped here, none of it counted)."""
         stored = 0
         c = self.counters
         batch: list[tuple[HostObject, bytes]] = []

@@ -68,6 +68,22 @@ def _at_least_one(instance: object, attribute: attrs.Attribute, value: float) ->
         raise ValueError(f"{attribute.name} must be finite and >= 1, got {value}")
 
 
+def _distribution(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, LogNormal):
+        raise ValueError(f"{attribute.name} must be a LogNormal, got {value!r}")
+
+
+def _token_count(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    # sample_int clips to ceil(low): low >= 1 keeps every draw a turn of at least one token (a
+    # lower clip could draw a zero-token turn, which `Turn` rejects mid-generation).
+    _distribution(instance, attribute, value)
+    if not value.low >= 1:
+        raise ValueError(
+            f"{attribute.name} is a token count: its distribution needs low >= 1, got "
+            f"low={value.low!r}"
+        )
+
+
 # aiperf 0.13 agentic-code defaults (DESIGN.md section 7); subagents are this module's own.
 _SESSION_CONTEXT = LogNormal(10_000, 5_000)
 _NEW_TOKENS = LogNormal(3_500, 1_800)
@@ -85,18 +101,18 @@ class AgentXConfig:
     group_prefix_tokens: int = attrs.field(default=20_000, validator=_non_negative_int)
     num_groups: int = attrs.field(default=50, validator=_positive_int)
     group_zipf_alpha: float = attrs.field(default=1.2, validator=_positive)
-    session_context: LogNormal = _SESSION_CONTEXT
-    new_tokens: LogNormal = _NEW_TOKENS
-    output_tokens: LogNormal = _OUTPUT_TOKENS
+    session_context: LogNormal = attrs.field(default=_SESSION_CONTEXT, validator=_token_count)
+    new_tokens: LogNormal = attrs.field(default=_NEW_TOKENS, validator=_token_count)
+    output_tokens: LogNormal = attrs.field(default=_OUTPUT_TOKENS, validator=_token_count)
     agentic_fraction: float = attrs.field(default=0.7, validator=_fraction)
-    agentic_delay_s: LogNormal = _AGENTIC_DELAY_S
-    human_delay_s: LogNormal = _HUMAN_DELAY_S
+    agentic_delay_s: LogNormal = attrs.field(default=_AGENTIC_DELAY_S, validator=_distribution)
+    human_delay_s: LogNormal = attrs.field(default=_HUMAN_DELAY_S, validator=_distribution)
     max_prompt_tokens: int = attrs.field(default=200_000, validator=_positive_int)
     reset_probability: float = attrs.field(default=0.02, validator=_fraction)
     reset_context_scaling: float = attrs.field(default=2.0, validator=_non_negative)
     subagent_probability: float = attrs.field(default=0.03, validator=_fraction)
     subagents_per_burst: tuple[int, int] = attrs.field(default=(2, 4), converter=tuple)
-    subagent_context: LogNormal = _SUBAGENT_CONTEXT
+    subagent_context: LogNormal = attrs.field(default=_SUBAGENT_CONTEXT, validator=_token_count)
     subagent_turns_mean: float = attrs.field(default=4.0, validator=_at_least_one)
     max_turns: int | None = attrs.field(default=None)
     block_size: int = attrs.field(default=512, validator=_positive_int)

@@ -10,7 +10,9 @@ import numpy as np
 
 @attrs.frozen
 class LogNormal:
-    """A lognormal given by its mean and median (mean > median > 0), optionally clipped."""
+    """A lognormal given by its mean and median (mean > median > 0), optionally clipped to
+    [low, high] (0 <= low <= high, low finite). `sample_int` never returns less than ceil(low): a
+    token count needs low >= 1."""
 
     mean: float
     median: float
@@ -21,6 +23,14 @@ class LogNormal:
         if not math.inf > self.mean > self.median > 0:
             raise ValueError(
                 f"lognormal needs finite mean > median > 0, got {self.mean}, {self.median}"
+            )
+        bounds = (self.low, self.high)
+        if any(isinstance(b, bool) or not isinstance(b, int | float) for b in bounds) or not (
+            0 <= self.low <= self.high and math.isfinite(self.low)
+        ):
+            raise ValueError(
+                f"lognormal needs clip bounds 0 <= low <= high with a finite low, got "
+                f"low={self.low!r}, high={self.high!r}"
             )
 
     @property

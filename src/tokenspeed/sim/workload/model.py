@@ -10,6 +10,7 @@ equal content, so sessions that start with the same ids share a prefix. Tokens w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -26,13 +27,23 @@ class Turn:
     subagents: tuple[Session, ...] = ()
 
     def __attrs_post_init__(self) -> None:
+        counts = (self.new_tokens, self.output_tokens)
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in counts):
+            raise ValueError(
+                f"a turn's new_tokens and output_tokens must be integers, got "
+                f"{self.new_tokens!r} and {self.output_tokens!r}"
+            )
         if self.new_tokens <= 0 or self.output_tokens <= 0:
             raise ValueError(
                 f"a turn needs new_tokens > 0 and output_tokens > 0, got "
                 f"{self.new_tokens} and {self.output_tokens}"
             )
-        if self.delay_s < 0:
-            raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
+        if (
+            isinstance(self.delay_s, bool)
+            or not isinstance(self.delay_s, int | float)
+            or not 0 <= self.delay_s < math.inf
+        ):
+            raise ValueError(f"delay_s must be finite and >= 0, got {self.delay_s!r}")
 
 
 @attrs.frozen(kw_only=True)
