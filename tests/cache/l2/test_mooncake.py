@@ -7,15 +7,23 @@ in a worker process (`mooncake_worker.py`), so a dead master can never stall pyt
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
-from tokenspeed.cache import KeyChain, MooncakeConfig, MooncakeHostCache, ObjectKind
+from tokenspeed.cache import (
+    KeyChain,
+    LocalHostCache,
+    MooncakeConfig,
+    MooncakeHostCache,
+    ObjectKind,
+)
 from tokenspeed.cache.l2.base import HostObject
 from tokenspeed.cache.l2.codec import HEADER_BYTES
 from tokenspeed.cache.l2.mooncake_services import start_master, start_segment_owner
@@ -122,7 +130,8 @@ def test_master_killed_mid_run_degrades_to_misses(cluster, tmp_path):
 
 
 class _FakeStore:
-    """The MooncakeDistributedStore calls the backend uses, failing on demand."""
+    """The MooncakeDistributedStore calls the backend uses, failing on demand. Like the real
+    store, a put of a name already stored keeps the stored object."""
 
     def __init__(self, behaviour: dict) -> None:
         self.b = behaviour
@@ -147,17 +156,24 @@ class _FakeStore:
         action = self._act("put_batch")
         if isinstance(action, int):
             return action
-        self.objects.update(zip(names, (bytes(v) for v in values), strict=True))
-        return 0
+        pairs = list(zip(names, (bytes(v) for v in values), strict=True))
+        if action == "partial":  # room for the first half only: the batch fails part-way
+            pairs = pairs[: len(pairs) // 2]
+        for name, value in pairs:
+            self.objects.setdefault(name, value)
+        return -600 if action == "partial" else 0
 
     def get_batch(self, names):
         action = self._act("get_batch")
         blobs = [self.objects.get(n, b"") for n in names]
-        if action == "flip":
+        if action == "flip":  # a payload bit flips on the way: the CRC catches it
             blobs = [b[:-1] + bytes([b[-1] ^ 1]) if b else b for b in blobs]
+        if action == "truncate":  # a short transfer: the size check catches it
+            blobs = [b[:-1] for b in blobs]
         return blobs
 
     def batch_remove(self, names, force):
+        self._act("batch_remove")
         return [0 if self.objects.pop(n, None) is not None else -704 for n in names]
 
     def close(self):
@@ -228,6 +244,98 @@ def test_setup_failure_leaves_a_usable_empty_tier():
     assert cache.match(keys, 33).num_tokens == 32  # L1 still works
     assert l2.stats().errors >= 1
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "position"])
+def test_an_object_rejected_on_read_leaves_the_store_and_can_be_written_again(damage):
+    behaviour: dict = {}
+    l2 = _backend(behaviour)
+    assert l2.put([_page(l2, 1), _page(l2, 2)]) == 2
+    if damage == "position":  # the header names another position than the caller expects
+        assert l2.get(ObjectKind.PAGE, [1, 2], [5, 5]) == [None, None]
+    else:
+        behaviour["get_batch"] = damage
+        assert l2.get(ObjectKind.PAGE, [1, 2], [0, 0]) == [None, None]
+        del behaviour["get_batch"]
+    assert l2.stats().corrupt == 2 and l2.stats().errors == 0
+    # Gone, as the local tier drops a rejected object: no longer claimed, and writable again.
+    assert l2.contains(ObjectKind.PAGE, [1, 2]).tolist() == [False, False]
+    assert l2.put([_page(l2, 1), _page(l2, 2)]) == 2
+    got = l2.get(ObjectKind.PAGE, [1, 2], [0, 0])
+    assert torch.equal(got[0], _page(l2, 1).payload) and torch.equal(got[1], _page(l2, 2).payload)
+    l2.close()
+
+
+def test_a_failed_removal_of_a_rejected_object_is_not_raised():
+    behaviour = {"get_batch": "flip", "batch_remove": "raise"}
+    l2 = _backend(behaviour)
+    assert l2.put([_page(l2, 1)]) == 1
+    assert l2.get(ObjectKind.PAGE, [1], [0]) == [None]  # a miss, like any failed store call
+    assert l2.stats().corrupt == 1 and l2.stats().errors == 1 and not l2.stats().available
+    l2.close()
+
+
+def test_a_batch_put_that_fails_part_way_counts_the_objects_it_stored():
+    behaviour = {"put_batch": "partial"}
+    l2 = _backend(behaviour)
+    assert l2.put([_page(l2, k) for k in range(1, 5)]) == 2
+    stats = l2.stats()
+    assert stats.available and stats.puts == 2 and stats.dropped_writes == 2
+    assert stats.put_bytes == 2 * l2.object_bytes(ObjectKind.PAGE)
+    assert l2.contains(ObjectKind.PAGE, [1, 2, 3, 4]).tolist() == [True, True, False, False]
+    # A failed batch whose objects were already stored still counts them (base.put).
+    behaviour["put_batch"] = -600
+    assert l2.put([_page(l2, 1), _page(l2, 9)]) == 1
+    l2.close()
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _local() -> LocalHostCache:
+    l2 = LocalHostCache(capacity_bytes=1 << 20)
+    l2.bind(tiny_geometry(), metadata_only=False)
+    return l2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["no payload", "float payload", "int8 payload", "short payload", "position beyond int64"],
+)
+def test_put_rejects_a_malformed_object_as_the_local_tier_does_before_the_store(bad):
+    l2 = _backend({})
+    good = _page(l2, 1)
+    n = good.nbytes
+    obj = {
+        "no payload": HostObject(ObjectKind.PAGE, 2, 0, n),
+        "float payload": HostObject(ObjectKind.PAGE, 2, 0, n, torch.zeros(n)),
+        "int8 payload": HostObject(ObjectKind.PAGE, 2, 0, n, torch.zeros(n, dtype=torch.int8)),
+        "short payload": HostObject(ObjectKind.PAGE, 2, 0, n, good.payload[:-1]),
+        "position beyond int64": HostObject(ObjectKind.PAGE, 2, 1 << 63, n, good.payload),
+    }[bad]
+    expected = _raised(lambda: _local().put([obj]))
+    assert expected is not None
+    with pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$"):
+        l2.put([good, obj])
+    assert l2._store.objects == {}  # nothing of the call reached the store
+    assert l2.stats().puts == l2.stats().dropped_writes == 0
+    l2.close()
+
+
+def test_a_negative_position_is_stored_and_read_back_as_the_local_tier_does():
+    l2, local = _backend({}), _local()
+    for tier in (l2, local):
+        obj = attrs.evolve(_page(tier, 1), position=-3)
+        assert tier.put([obj]) == 1
+        got = tier.get(ObjectKind.PAGE, [1], [-3])[0]
+        assert got is not None and torch.equal(got, obj.payload)
+        assert tier.get(ObjectKind.PAGE, [1], [3]) == [None]  # another position: rejected
+    l2.close()
 
 
 def test_local_buffer_must_hold_a_checkpoint():

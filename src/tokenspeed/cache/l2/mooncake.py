@@ -11,11 +11,13 @@ failed or timed-out call (master killed, RPC error, transfer error) marks the ba
 `retry_interval_s`: meanwhile every lookup answers "absent", every read returns nothing and every
 write is dropped without touching the network, so the engine goes on at full speed as if the tier
 were empty. After the interval the next call tries again (reconnecting if setup never succeeded).
-Every object read back is checked against its header (see `codec.py`) before use.
+Every object read back is checked against its header (see `codec.py`) before use; one that fails
+the check is removed from the store, so that the prefix can be written again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -30,7 +32,7 @@ import torch
 
 from ...types import PageKey
 from ..config import CacheGeometry
-from ..errors import CacheConfigError
+from ..errors import CacheConfigError, IntegrityError
 from ..keys import PageKeys, as_page_keys, keys_to_ints
 from .base import HostCache, HostObject, L2Stats, ObjectKind
 from .codec import HEADER_BYTES, decode, encode_header, object_name
@@ -39,6 +41,34 @@ logger = logging.getLogger("tokenspeed.cache.l2")
 
 # Mooncake error codes that mean the store is unreachable (as opposed to e.g. "no space").
 _UNREACHABLE_CODES = frozenset({-800, -900})
+_U64 = (1 << 64) - 1
+
+
+def _check_payload(obj: HostObject) -> None:
+    """`LocalHostCache.put`'s checks, with its errors: a malformed object is the caller's bug,
+    which must surface the same whichever backend is configured, not be dropped as a failure."""
+    if obj.payload is None or obj.payload.dtype != torch.uint8:
+        raise IntegrityError(f"{obj.kind} {obj.key!r}: a uint8 payload is required")
+    if obj.payload.numel() != obj.nbytes:
+        raise IntegrityError(
+            f"{obj.kind} {obj.key!r}: payload of {obj.payload.numel()} bytes, declared {obj.nbytes}"
+        )
+
+
+def _header_position(position: int) -> int:
+    """The position as the header's unsigned 64-bit field holds it. The local tier keeps any
+    int64 position (an int64 column): so does this one, a negative one as its two's complement,
+    and beyond int64 both raise numpy's OverflowError."""
+    return int(np.int64(position)) & _U64
+
+
+def _read_position(position: int) -> int:
+    """`_header_position` for a read: a position no object can be stored at becomes -1, which
+    no (unsigned) header field equals, so the object is rejected as the local tier rejects it."""
+    try:
+        return _header_position(position)
+    except (OverflowError, TypeError, ValueError):
+        return -1
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -247,22 +277,21 @@ class MooncakeHostCache(HostCache):
         return np.array([code == 1 for code in codes], dtype=bool)
 
     def put(self, objects: Sequence[HostObject]) -> int:
-        """Counts the objects of the batches the store acknowledged (`put_batch` returned 0), the
-        most a shared store can tell: the master evicts by its own watermark policy, outside
-        this call, and a batch it has no room for fails (dropped here, none of it counted)."""
+        """Counts the objects the store acknowledged (a batch `put_batch` returned 0 for) or, for
+        a batch that failed, those the store holds right after (a batch may fail part-way, and
+        an object already present counts): the most a shared store can tell, since the master
+        evicts by its own watermark policy, outside this call. Malformed objects raise as in
+        `LocalHostCache.put`, checked before any of the call reaches the store."""
+        positions = [self._checked_position(obj) for obj in objects]
         stored = 0
-        c = self.counters
         batch: list[tuple[HostObject, bytes]] = []
         batch_bytes = 0
-        for obj in objects:
-            if obj.payload is None or obj.payload.numel() != obj.nbytes:
-                c.dropped_writes += 1
-                continue
+        for obj, position in zip(objects, positions, strict=True):
             payload = memoryview(obj.payload.contiguous().numpy())
             header = encode_header(
                 obj.kind,
                 obj.key,
-                obj.position,
+                position,
                 payload,
                 self._fingerprint,
                 checksum=self.config.checksum,
@@ -276,6 +305,12 @@ class MooncakeHostCache(HostCache):
             stored += self._put_batch(batch)
         return stored
 
+    @staticmethod
+    def _checked_position(obj: HostObject) -> int:
+        """The header position of an object `_check_payload` accepts (raises as the local tier)."""
+        _check_payload(obj)
+        return _header_position(obj.position)
+
     def _put_batch(self, batch: list[tuple[HostObject, bytes]]) -> int:
         c = self.counters
         names = [self._name(obj.kind, obj.key) for obj, _ in batch]
@@ -284,14 +319,30 @@ class MooncakeHostCache(HostCache):
         except _Unavailable:
             c.dropped_writes += len(batch)
             return 0
-        if rc != 0:
-            c.dropped_writes += len(batch)
-            if rc in _UNREACHABLE_CODES:
-                self._trip(f"put_batch returned {rc}")
-            return 0
-        c.puts += len(batch)
-        c.put_bytes += sum(obj.nbytes for obj, _ in batch)
-        return len(batch)
+        if rc == 0:
+            stored = [True] * len(batch)
+        elif rc in _UNREACHABLE_CODES:
+            self._trip(f"put_batch returned {rc}")
+            stored = [False] * len(batch)
+        else:
+            stored = self._present_after_failed_put(names)
+        n = sum(stored)
+        c.puts += n
+        c.put_bytes += sum(obj.nbytes for (obj, _), ok in zip(batch, stored, strict=True) if ok)
+        c.dropped_writes += len(batch) - n
+        return n
+
+    def _present_after_failed_put(self, names: list[str]) -> list[bool]:
+        """Which objects of a failed batch the store holds: a batch can fail part-way (room for
+        some objects only), and objects already present stay; all False if it cannot tell."""
+        try:
+            codes = self._call("batch_is_exist", names)
+        except _Unavailable:
+            return [False] * len(names)
+        if len(codes) != len(names):
+            self.counters.errors += 1
+            return [False] * len(names)
+        return [code == 1 for code in codes]
 
     def get(
         self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
@@ -320,6 +371,7 @@ class MooncakeHostCache(HostCache):
             c.misses += len(keys)
             return [None] * len(keys)
         out: list[torch.Tensor | None] = []
+        rejected: list[str] = []
         for key, position, blob in zip(keys, positions, blobs, strict=True):
             if not blob:
                 c.misses += 1
@@ -329,7 +381,7 @@ class MooncakeHostCache(HostCache):
                 blob,
                 kind,
                 key,
-                position,
+                _read_position(position),
                 nbytes,
                 self._fingerprint,
                 checksum=self.config.checksum,
@@ -337,12 +389,23 @@ class MooncakeHostCache(HostCache):
             if payload is None:
                 c.corrupt += 1
                 c.misses += 1
+                rejected.append(self._name(kind, key))
                 out.append(None)
                 continue
             c.hits += 1
             c.get_bytes += nbytes
             out.append(torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()))
+        if rejected:
+            self._discard(rejected)
         return out
+
+    def _discard(self, names: list[str]) -> None:
+        """Remove objects a read rejected, best effort. Left in the store, one would go on
+        answering present to `contains` while never reading back, and block the rewrite that
+        would heal it (a put of an existing name keeps the old object). A failed removal only
+        costs that: it trips the backend like any failed call and is not raised."""
+        with contextlib.suppress(_Unavailable):  # counted and logged by `_call` (a trip)
+            self._call("batch_remove", names, True)
 
     def remove(self, kind: ObjectKind, keys: PageKeys) -> int:
         ints = keys_to_ints(as_page_keys(keys))
