@@ -1,8 +1,10 @@
 """ForwardBatch: the host views of its layout agree with the device tensors."""
 
+import numpy as np
+import pytest
 import torch
 
-from tokenspeed.model import ForwardBatch
+from tokenspeed.model import BatchError, ForwardBatch
 
 
 def test_host_layout_matches_device_tensors():
@@ -11,3 +13,25 @@ def test_host_layout_matches_device_tensors():
     assert batch.cu_seqlens_host.dtype == torch.int64
     assert list(batch.segments()) == [(0, slice(0, 3)), (1, slice(3, 4)), (2, slice(4, 9))]
     assert batch.total_lens == (3, 8, 7)
+
+
+@pytest.mark.parametrize("bad", [2.5, 2.0, "2", True, torch.tensor(True), torch.tensor(2.0)])
+def test_lengths_must_be_integers(bad):
+    """int() would truncate 2.5 to 2, parse "2" and take True for 1: a wrong layout, silently."""
+    with pytest.raises(BatchError, match=r"seq_lens\[1\] must be an integer"):
+        ForwardBatch.build([3, bad])
+    with pytest.raises(BatchError, match=r"prefix_lens\[0\] must be an integer"):
+        ForwardBatch.build([3], [bad])
+
+
+def test_lengths_must_be_a_sequence():
+    with pytest.raises(BatchError, match="seq_lens must be a sequence of integers, got 3"):
+        ForwardBatch.build(3)
+    with pytest.raises(BatchError, match="prefix_lens must be a sequence of integers"):
+        ForwardBatch.build([1, 1], "00")
+
+
+def test_numpy_and_tensor_integers_are_lengths():
+    batch = ForwardBatch.build(np.array([3, 1]), torch.tensor([0, 7]))
+    assert batch.seq_lens == (3, 1) and batch.prefix_lens == (0, 7)
+    assert all(type(n) is int for n in (*batch.seq_lens, *batch.prefix_lens))

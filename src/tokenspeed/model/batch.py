@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
 import attrs
@@ -11,6 +12,27 @@ import torch
 
 class BatchError(ValueError):
     """A forward step whose inputs do not describe a valid packed batch."""
+
+
+def as_int(value: object, name: str, error: type[Exception] = BatchError) -> int:
+    """`value` as an int when it is an integer (Python, NumPy, or a one-element integer tensor).
+
+    int() would truncate a float (2.7 -> 2), parse a string and take True for 1: each a caller's
+    mistake that would pass as a wrong length. operator.index refuses the first two; bools are
+    ints to Python (and a bool tensor converts), so they are refused by name.
+    """
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise error(f"{name} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise error(f"{name} must be an integer, got {value!r}") from None
+
+
+def _int_tuple(values: Iterable[int], name: str) -> tuple[int, ...]:
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise BatchError(f"{name} must be a sequence of integers, got {values!r}")
+    return tuple(as_int(n, f"{name}[{i}]") for i, n in enumerate(values))
 
 
 @attrs.frozen(eq=False)
@@ -42,11 +64,9 @@ class ForwardBatch:
         prefix_lens: Sequence[int] | None = None,
         device: torch.device | str | None = None,
     ) -> ForwardBatch:
-        seq_lens = tuple(int(n) for n in seq_lens)
+        seq_lens = _int_tuple(seq_lens, "seq_lens")
         prefix_lens = (
-            tuple(0 for _ in seq_lens)
-            if prefix_lens is None
-            else tuple(int(n) for n in prefix_lens)
+            (0,) * len(seq_lens) if prefix_lens is None else _int_tuple(prefix_lens, "prefix_lens")
         )
         if not seq_lens:
             raise BatchError("a forward step needs at least one request")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, as_int
 from .kimi import KimiForCausalLM
 from .state import DecoderState
 
@@ -26,9 +26,17 @@ def greedy_generate(
 
     A request stops after emitting one of `stop_token_ids` (default: the config's EOS ids).
     """
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens", ValueError)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    stops = set(model.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    # torch.tensor(..., dtype=long) would truncate float ids and take bools for 0 and 1.
+    prompts = [
+        [as_int(t, f"prompts[{i}][{j}]", ValueError) for j, t in enumerate(prompt)]
+        for i, prompt in enumerate(prompts)
+    ]
+    if stop_token_ids is None:
+        stop_token_ids = model.config.eos_token_ids
+    stops = {as_int(t, f"stop_token_ids[{i}]", ValueError) for i, t in enumerate(stop_token_ids)}
     device = model.lm_head.weight.device
     outputs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:

@@ -32,6 +32,27 @@ class ForwardOutput:
     state: DecoderState | PagedState
 
 
+def _prefix_lens(batch: ForwardBatch) -> tuple[int, ...]:
+    """Tokens each request had before the step (a graph runner's batch leaves `prefix_lens`
+    None: they are then read back from its context lengths)."""
+    if batch.prefix_lens is not None:
+        return batch.prefix_lens
+    return tuple(t - n for t, n in zip(batch.total_lens, batch.seq_lens, strict=True))
+
+
+def _check_layers(kind: str, states: dict, layers: tuple[int, ...]) -> None:
+    missing = sorted(set(layers) - set(states))
+    if missing:
+        raise BatchError(f"state has no {kind.upper()} state for layers {missing} (state.{kind})")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], why: str = "") -> None:
+    if tuple(tensor.shape) != expected:
+        raise BatchError(
+            f"{name} has shape {tuple(tensor.shape)} but the batch needs {expected}{why}"
+        )
+
+
 class KimiModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -168,16 +189,70 @@ class KimiForCausalLM(nn.Module):
                 bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique().tolist()[:8]
                 raise BatchError(f"token ids {bad} are outside the vocabulary [0, {vocab})")
         if isinstance(state, PagedState):
-            return  # the cache that built the pools and tables owns their consistency
-        if state.batch_size != batch.batch_size:
-            raise BatchError(
-                f"state holds {state.batch_size} requests but the batch has {batch.batch_size}"
-            )
-        if tuple(state.num_tokens) != batch.prefix_lens:
+            self._check_paged_state(batch, state)
+        else:
+            self._check_decoder_state(batch, state)
+
+    def _check_decoder_state(self, batch: ForwardBatch, state: DecoderState) -> None:
+        """Every tensor of the state must be sized for the batch's requests and their prefixes:
+        a KDA state of the wrong batch size fails deep in a kernel, and MLA rows fewer or more
+        than a request's prefix silently attend at the wrong positions."""
+        size = batch.batch_size
+        if state.batch_size != size:
+            raise BatchError(f"state holds {state.batch_size} requests but the batch has {size}")
+        prefix = _prefix_lens(batch)
+        if tuple(state.num_tokens) != prefix:
             raise BatchError(
                 f"state has seen {state.num_tokens} tokens per request but the batch says "
-                f"prefix_lens={list(batch.prefix_lens)}"
+                f"prefix_lens={list(prefix)}"
             )
+        config = self.config
+        _check_layers("kda", state.kda, config.kda_layers)
+        _check_layers("mla", state.mla, config.mla_layers)
+        kda = config.kda
+        conv = (size, kda.conv_channels, kda.conv_kernel - 1)
+        recurrent = (size, kda.num_heads, kda.head_dim, kda.head_dim)
+        for layer in config.kda_layers:
+            _check_shape(f"state.kda[{layer}].conv", state.kda[layer].conv, conv)
+            _check_shape(f"state.kda[{layer}].recurrent", state.kda[layer].recurrent, recurrent)
+        width = config.mla.latent_width
+        for layer in config.mla_layers:
+            rows = state.mla[layer]
+            if len(rows) != size:
+                raise BatchError(
+                    f"state.mla[{layer}] holds rows of {len(rows)} requests but the batch has "
+                    f"{size}"
+                )
+            for i, (latents, seen) in enumerate(zip(rows, prefix, strict=True)):
+                why = f" (one row per token of request {i}'s prefix of {seen})"
+                _check_shape(f"state.mla[{layer}][{i}]", latents, (seen, width), why)
+
+    def _check_paged_state(self, batch: ForwardBatch, state: PagedState) -> None:
+        """The pools' contents belong to the cache that built them; only what the batch's layout
+        fixes is checked here, from shapes alone: a slot per request for every KDA layer,
+        and per request a page-table row long enough for all its tokens after the step."""
+        size = batch.batch_size
+        _check_layers("kda", state.kda, self.config.kda_layers)
+        _check_layers("mla", state.mla, self.config.mla_layers)
+        for layer, kda in state.kda.items():
+            _check_shape(f"state.kda[{layer}].slots", kda.slots, (size,))
+        if not state.mla:
+            return
+        longest = max(batch.total_lens)
+        for layer, mla in state.mla.items():
+            table = mla.page_table
+            if table.dim() != 2 or table.shape[0] != size:
+                raise BatchError(
+                    f"state.mla[{layer}].page_table has shape {tuple(table.shape)} but the batch "
+                    f"needs one row per request: ({size}, pages)"
+                )
+            capacity = table.shape[1] * mla.pages.shape[1]
+            if capacity < longest:
+                raise BatchError(
+                    f"state.mla[{layer}].page_table holds {table.shape[1]} pages of "
+                    f"{mla.pages.shape[1]} tokens ({capacity} tokens) but a request reaches "
+                    f"{longest} tokens after the step"
+                )
 
     @torch.no_grad()
     def forward(

@@ -5,16 +5,50 @@ from __future__ import annotations
 import attrs
 from attrs import field, frozen
 
+from tokenspeed.sched.config import MAX_DECODE_BATCH_SIZE
+
 
 class EngineConfigError(ValueError):
     """An engine configuration that cannot work; the message names the field."""
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive(instance, attribute, value) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+    if value is not None and (not _is_int(value) or value <= 0):
         raise EngineConfigError(
             f"EngineConfig.{attribute.name} must be a positive integer, got {value!r}"
         )
+
+
+def _non_negative(instance, attribute, value) -> None:
+    if not _is_int(value) or value < 0:
+        raise EngineConfigError(
+            f"EngineConfig.{attribute.name} must be a non-negative integer, got {value!r}"
+        )
+
+
+def _at_most_max_decode_batch(instance, attribute, value) -> None:
+    # Every decode graph size is at most max_num_seqs and the largest equals it (see
+    # graph_sizes); the scheduler refuses sizes past MAX_DECODE_BATCH_SIZE, so say it here.
+    if value > MAX_DECODE_BATCH_SIZE:
+        raise EngineConfigError(
+            f"EngineConfig.{attribute.name} is {value}, above the largest decode batch "
+            f"{MAX_DECODE_BATCH_SIZE} (one CUDA graph and its buffers are built per batch size)"
+        )
+
+
+def _optional_sizes(value):
+    # tuple() of a bare int fails with "'int' object is not iterable", which names no field.
+    if value is None:
+        return None
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise EngineConfigError(
+            f"EngineConfig.decode_batch_sizes must be a sequence of integers, got {value!r}"
+        )
+    return tuple(value)
 
 
 @frozen(kw_only=True)
@@ -27,11 +61,12 @@ class EngineConfig:
         tokens, twice over).
     checkpoint_slots: KDA checkpoint slots carved from the budget (None: 4 per request with the
         default budget, else a fraction of the budget).
-    max_num_seqs: requests holding cache at once, also the largest decode batch.
+    max_num_seqs: requests holding cache at once, also the largest decode batch (at most
+        MAX_DECODE_BATCH_SIZE).
     max_model_len: longest prompt + output.
     prefill_token_budget: new tokens per prefill forward.
-    decode_batch_sizes: padded decode sizes (the CUDA graph sizes); default powers of two up to
-        max_num_seqs.
+    decode_batch_sizes: padded decode sizes (the CUDA graph sizes), strictly increasing and
+        ending at max_num_seqs; default powers of two up to max_num_seqs.
     l2: "local" (an in-process host tier) or "none"; pass a `tokenspeed.cache.HostCache` to
         `Engine` to share one (e.g. Mooncake).
     enable_cuda_graph: capture decode steps (CUDA only; eager on CPU).
@@ -51,15 +86,15 @@ class EngineConfig:
     page_size: int = field(default=64, validator=_positive)
     cache_budget_bytes: int | None = field(default=None, validator=_positive)
     checkpoint_slots: int | None = field(default=None, validator=_positive)
-    max_num_seqs: int = field(default=32, validator=_positive)
+    max_num_seqs: int = field(default=32, validator=[_positive, _at_most_max_decode_batch])
     max_model_len: int = field(default=8192, validator=_positive)
     prefill_token_budget: int = field(default=8192, validator=_positive)
-    decode_batch_sizes: tuple[int, ...] | None = field(default=None)
+    decode_batch_sizes: tuple[int, ...] | None = field(default=None, converter=_optional_sizes)
     l2: str = "local"
     l2_capacity_bytes: int = field(default=1 << 30, validator=_positive)
     enable_cuda_graph: bool = True
     checkpoint_interval_pages: int = field(default=64, validator=_positive)
-    max_preemptions: int = field(default=8)
+    max_preemptions: int = field(default=8, validator=_non_negative)
     seed: int = 0
     decode_steps: int = field(default=1, validator=_positive)
 
@@ -71,25 +106,36 @@ class EngineConfig:
                 f"EngineConfig.prefill_token_budget ({self.prefill_token_budget}) is smaller than "
                 f"a page ({self.page_size})"
             )
-        sizes = self.decode_batch_sizes
-        if sizes is not None:
-            if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] <= 0:
-                raise EngineConfigError(
-                    f"EngineConfig.decode_batch_sizes must be strictly increasing positive ints, "
-                    f"got {sizes!r}"
-                )
-            if sizes[-1] < self.max_num_seqs:
-                raise EngineConfigError(
-                    f"EngineConfig.decode_batch_sizes ends at {sizes[-1]} but max_num_seqs is "
-                    f"{self.max_num_seqs}"
-                )
+        if self.decode_batch_sizes is not None:
+            self._check_decode_batch_sizes(self.decode_batch_sizes)
+
+    def _check_decode_batch_sizes(self, sizes: tuple[int, ...]) -> None:
+        """The largest size is the decode batch cap and max_num_seqs the number of requests that
+        can decode at once, so the two must agree. Ending below max_num_seqs would cap decode
+        below the requests admitted; an entry past max_num_seqs would never run, and dropping
+        it could leave a smaller cap behind, silently (sizes (1, 2, 4, 64) with 32 requests
+        would decode at most 4 at a time)."""
+        if (
+            not sizes
+            or not all(_is_int(s) for s in sizes)
+            or list(sizes) != sorted(set(sizes))
+            or sizes[0] <= 0
+        ):
+            raise EngineConfigError(
+                f"EngineConfig.decode_batch_sizes must be strictly increasing positive ints, "
+                f"got {sizes!r}"
+            )
+        if sizes[-1] != self.max_num_seqs:
+            raise EngineConfigError(
+                f"EngineConfig.decode_batch_sizes must end at max_num_seqs "
+                f"({self.max_num_seqs}), the largest decode batch, but ends at {sizes[-1]}: "
+                f"got {sizes!r}"
+            )
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
         if self.decode_batch_sizes is not None:
-            return tuple(s for s in self.decode_batch_sizes if s <= self.max_num_seqs) or (
-                self.max_num_seqs,
-            )
+            return self.decode_batch_sizes
         sizes, size = [], 1
         while size < self.max_num_seqs:
             sizes.append(size)

@@ -30,6 +30,11 @@ def _finite(value) -> bool:
         return False
 
 
+def _is_int(value) -> bool:
+    """An int that is not a bool: True is an int to Python but never a count or an id here."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _tuple(value) -> tuple:
     if value is None:
         return ()
@@ -64,35 +69,32 @@ class SamplingParams:
             f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}",
         )
         _check(
-            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
+            _finite(self.top_p) and 0 < self.top_p <= 1,
             f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            isinstance(self.top_k, int)
-            and not isinstance(self.top_k, bool)
-            and -(1 << 63) <= self.top_k < (1 << 63),
+            _is_int(self.top_k) and -(1 << 63) <= self.top_k < (1 << 63),
             f"SamplingParams.top_k must be an int in [-2^63, 2^63), got {self.top_k!r}",
         )
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens!r}",
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}",
         )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"SamplingParams.stop_token_ids must hold token ids, got {self.stop_token_ids!r}",
         )
         _check(
-            self.seed is None
-            or (isinstance(self.seed, int) and -(1 << 63) <= self.seed < (1 << 64)),
+            self.seed is None or (_is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64)),
             f"SamplingParams.seed must be None or an int in [-2^63, 2^64), got {self.seed!r}",
         )
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            f"SamplingParams.logprobs must be None or >= 0, got {self.logprobs!r}",
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            f"SamplingParams.logprobs must be None or an int >= 0, got {self.logprobs!r}",
         )
 
     @property
