@@ -117,7 +117,8 @@ def test_a_failing_state_copy_leaves_every_request_somewhere_it_can_be_aborted()
     plan = sched.schedule()
     # a's only checkpoint is its chunk's end (from the live state); b's first is inside its chunk.
     assert [(c.request.rid, c.checkpoints[0] < c.end) for c in plan.prefill.chunks] == [
-        ("a", False), ("b", True)
+        ("a", False),
+        ("b", True),
     ]
 
     def failing(req, pos, slot):
@@ -129,3 +130,36 @@ def test_a_failing_state_copy_leaves_every_request_somewhere_it_can_be_aborted()
     assert b.state is RequestState.PREFILLING and "b" in sched.prefill.running
     assert sched.abort("b", "step failed") is b and not cache.holds("b")
     assert b.state is RequestState.ABORTED
+
+
+def test_a_lone_decode_row_blocked_by_prefill_pages_is_preempted_not_aborted():
+    """The only decode row needs a page while a running prefill holds the rest. Before, it was
+    aborted as having "outgrown the rank's device cache", though it fits the rank easily and
+    only waits on the prefill: a request lost. It is preempted (back to the caller, its history
+    published) instead, and the prefill goes on."""
+    sched, cache = _sched(budget=64, pages=8)
+    d = make_request("d", 16, max_new_tokens=40)
+    sched.add(d)
+    for _ in range(3):
+        sched.complete(sched.schedule())
+    assert d.state is RequestState.DECODING and cache.pages == {"d": 2}
+    big = make_request("big", 200)
+    sched.add(big)
+    while d.state is RequestState.DECODING:
+        sched.complete(sched.schedule())
+    assert d.state is RequestState.WAITING and sched.take_preempted() == [d]
+    assert sched.take_aborted() == [] and not cache.holds("d")
+    assert big.state is RequestState.PREFILLING
+
+
+def test_a_second_live_request_under_one_id_is_refused_at_add():
+    """A decoding request's id was not checked by the prefill side: the duplicate was queued and
+    its admission failed on the cache (the id holds cache) at every step, stopping the rank."""
+    sched, _ = _sched()
+    a = make_request("a", 20, max_new_tokens=10)
+    sched.add(a)
+    sched.complete(sched.schedule())
+    assert a.state is RequestState.DECODING
+    with pytest.raises(ValueError, match="already queued or running"):
+        sched.add(make_request("a", 20))
+    assert sched.schedule().decode.requests == (a,)

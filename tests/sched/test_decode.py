@@ -141,7 +141,9 @@ def test_a_multi_step_run_reported_step_by_step_checkpoints_from_kept_states():
     assert batch.steps == 5
     saved = []
     done = sched.complete(
-        batch, finished={"a"}, live_state=False,
+        batch,
+        finished={"a"},
+        live_state=False,
         save_state=lambda r, pos, slot: saved.append((r.rid, pos)),
     )
     assert done == [a] and a.num_computed == 48
@@ -272,3 +274,20 @@ def test_a_second_live_request_under_one_id_is_refused_at_add():
     assert [r.rid for r in sched.admit_pending()] == ["z", "w"]
     with pytest.raises(ValueError, match="'z' is already queued or running"):
         sched.add(_prefilled("z", 20, 4))  # admitted now
+
+
+def test_start_of_a_request_that_ended_meanwhile_keeps_its_reservation_for_abort():
+    """The request was aborted on its prefill rank while its transfer ran. Before, start()
+    dropped it from `admitted` and then raised LifecycleError: its destination pages were held
+    by no one, and abort() on this rank found nothing to free."""
+    from tokenspeed.sched.request import LifecycleError
+
+    sched, cache = _sched()
+    r = _prefilled("r", 40, 5)
+    sched.add(r)
+    assert sched.admit_pending() == [r]
+    r.abort("client gone")
+    with pytest.raises(LifecycleError):
+        sched.start(r)
+    assert sched.abort("r", "client gone") is r
+    assert not cache.holds("r") and cache.used_pages == 0 and not sched.running

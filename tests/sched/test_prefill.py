@@ -260,3 +260,84 @@ def test_a_second_live_request_under_one_id_is_refused_at_add():
     assert [c.request.rid for c in batch.chunks] == ["x", "y"]
     with pytest.raises(ValueError, match="'x' is already queued or running"):
         sched.add(make_request("x", 12))  # running now
+
+
+@pytest.mark.parametrize("pages", [4, 3])
+def test_a_queued_request_that_cannot_fit_on_an_idle_rank_is_aborted(pages):
+    """A prompt whose cached prefix alone fills the rank (4 pages: admitted, but no page left
+    for its first chunk) or exceeds it (3 pages: acquire finds no room) could never run there.
+    Before, schedule() answered None forever with the request at the head of the queue, so it
+    and every request behind it waited for good; a prompt that long without a hit is aborted
+    (test_lone_prefill_that_cannot_grow_is_aborted_with_reason), and so is this one now."""
+    sched, cache = _sched(pages=pages, budget=64)
+    keys = [("shared", i) for i in range(4)]
+    cache.published.update(keys)  # a 4-page prefix with its checkpoint, cached earlier
+    cache.checkpointed.add(keys[-1])
+    big = make_request("big", 80, 2)
+    big.keys = [*keys, ("big", 4)]
+    small = make_request("small", 20)
+    sched.add(big)
+    sched.add(small)
+    batch = sched.schedule()
+    assert big.state is RequestState.ABORTED and "more device pages" in big.abort_reason
+    assert sched.aborted == [big] and not cache.holds("big") and not sched.waiting
+    assert [(c.request.rid, c.start, c.end) for c in batch.chunks] == [("small", 0, 20)]
+    assert sched.outstanding_tokens() == 20
+
+
+def test_a_queued_request_waits_while_pinned_results_hold_the_pages():
+    """The idle-rank abort above applies only when nothing will free pages: a pinned result
+    gives its pages back when its transfer lands, so the queue head waits for it."""
+    sched, cache = _sched(pages=4, budget=128)
+    pin = make_request("pin", 60)
+    sched.add(pin)
+    sched.complete(sched.schedule())
+    assert pin.state is RequestState.TRANSFERRING and cache.free_pages() == 0
+    nxt = make_request("next", 40)
+    sched.add(nxt)
+    assert sched.schedule() is None and sched.schedule() is None
+    assert nxt.state is RequestState.WAITING and not sched.aborted
+    sched.release(pin)
+    assert [(c.request.rid, c.start, c.end) for c in sched.schedule().chunks] == [("next", 0, 40)]
+
+
+def test_a_preemption_that_cannot_save_its_state_aborts_the_request():
+    """The state snapshot of a preempted prefill fails (a device copy). Before, the request had
+    already left `running`: it was then nowhere (not running, not queued, not abortable) while
+    the cache still held its pages and slot. Now, as on the decode side, it is released and
+    aborted with a reason, left in `aborted` for the caller."""
+    sched, cache = _sched(budget=64)
+    a = make_request("a", 300)
+    sched.add(a)
+    sched.complete(sched.schedule())
+
+    def failing(req, length, **kw):
+        raise RuntimeError("copy failed")
+
+    cache.checkpoint = failing
+    assert sched.preempt("a") is a
+    assert a.state is RequestState.ABORTED and "could not save its state" in a.abort_reason
+    assert sched.aborted == [a] and not cache.holds("a") and not sched.has_work
+
+
+def test_a_deadlock_preemption_that_cannot_save_its_state_does_not_requeue_the_victim():
+    """Same, inside schedule(): the younger prefill that breaks a page deadlock cannot be
+    snapshotted; it is aborted (not requeued), and the older one goes on."""
+    sched, cache = _sched(pages=10, budget=96)
+    a, b = make_request("a", 200), make_request("b", 200)
+    sched.add(a)
+    sched.add(b)
+    sched.complete(sched.schedule())
+    sched.complete(sched.schedule())  # a holds 8 pages, b 2: neither can grow now
+    real = cache.checkpoint
+
+    def failing(req, length, **kw):
+        if req is b:
+            raise RuntimeError("copy failed")
+        return real(req, length, **kw)
+
+    cache.checkpoint = failing
+    batch = sched.schedule()
+    assert [(c.request.rid, c.start, c.end) for c in batch.chunks] == [("a", 128, 160)]
+    assert b.state is RequestState.ABORTED and sched.aborted == [b]
+    assert not sched.waiting and not cache.holds("b")

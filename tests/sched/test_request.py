@@ -159,3 +159,20 @@ def test_request_accepts_valid_fields():
         state=RequestState.DECODING,
     )
     assert (req.seq_len, req.prefill_remaining, req.output_remaining) == (12, 0, 2)
+
+
+@pytest.mark.parametrize("reason", [None, "", 3])
+def test_abort_needs_a_reason(reason):
+    """Aborts always carry a reason (callers report it); before, abort(None) ended the request
+    with none."""
+    req = Request("r", 10, 4)
+    with pytest.raises(ValueError, match="abort reason must be a non-empty string"):
+        req.abort(reason)
+    assert req.state is RequestState.WAITING and req.abort_reason is None
+
+
+def test_request_session_must_be_hashable():
+    """The router keys conversation affinity by session; an unhashable one failed there, at
+    routing, with a TypeError naming no request."""
+    with pytest.raises(ValueError, match=r"request 'r': session must be hashable, got \['c'\]"):
+        Request("r", 10, 4, session=["c"])

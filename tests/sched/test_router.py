@@ -83,3 +83,11 @@ def test_router_on_live_prefill_queues_counts_queued_work_and_prefix_hits():
     ranks[2].add(make_request("more1", 300))
     assert loads() == [744, 900, 860]
     assert router.pick_prefill(loads()) == 0
+
+
+def test_decode_pick_without_decode_ranks_is_a_clear_error():
+    """An aggregated cluster has no decode ranks; before, the empty load list passed the length
+    check and the tie rotation divided by zero."""
+    router = Router(RouterConfig(num_prefill_ranks=2))
+    with pytest.raises(ValueError, match="no decode ranks"):
+        router.pick_decode([])

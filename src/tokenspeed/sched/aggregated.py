@@ -30,6 +30,10 @@ class AggregatedScheduler:
         self.decode = DecodeScheduler(config, cache, disaggregated=False)
 
     def add(self, req: Request) -> None:
+        # The prefill side checks its own queues; a decoding request holds cache under its id
+        # too, and a duplicate's admission would fail on it at every step.
+        if req.rid in self.decode.running:
+            raise ValueError(f"request id {req.rid!r} is already queued or running on this rank")
         self.prefill.add(req)
 
     def outstanding_tokens(self) -> int:
@@ -41,7 +45,7 @@ class AggregatedScheduler:
 
     def schedule(self, max_decode_steps: int = 1) -> StepPlan:
         steps = 1 if self.prefill.has_work else max_decode_steps
-        decode = self.decode.schedule(max_steps=steps)
+        decode = self.decode.schedule(max_steps=steps, others_hold_pages=bool(self.prefill.running))
         rows = decode.size if decode is not None else 0
         budget = self.config.prefill_token_budget - rows
         live = len(self.decode.running) + len(self.prefill.running)

@@ -101,9 +101,12 @@ class DecodeScheduler:
     def start(self, req: Request) -> None:
         """Join the running batch: the request's cache for its whole sequence is on this rank."""
         if self.disaggregated:
-            if self.admitted.pop(req.rid, None) is None:
+            if req.rid not in self.admitted:
                 raise KeyError(f"request {req.rid!r} was not admitted on this decode rank")
+            # Before leaving `admitted`: a request that ended meanwhile raises here and keeps its
+            # reservation where abort() finds it.
             req.move(RequestState.DECODING)
+            del self.admitted[req.rid]
         elif req.state is not RequestState.DECODING:
             raise ValueError(f"request {req.rid!r} is {req.state.value}, not decoding")
         # The last output token is the next step's input; its KV is not written yet.
@@ -120,8 +123,14 @@ class DecodeScheduler:
         return bool(self.running)
 
     # ---- batch formation -----------------------------------------------------------------------
-    def schedule(self, max_steps: int = 1) -> DecodeBatch | None:
-        """The next decode batch, with pages reserved for `batch.steps` (<= max_steps) steps."""
+    def schedule(
+        self, max_steps: int = 1, *, others_hold_pages: bool = False
+    ) -> DecodeBatch | None:
+        """The next decode batch, with pages reserved for `batch.steps` (<= max_steps) steps.
+
+        others_hold_pages: other users of this rank's cache (prefills in aggregated mode) hold
+            pages, so a lone row that cannot grow is preempted, not aborted as too long.
+        """
         if max_steps <= 0:
             raise ValueError("max_steps must be positive")
         rows = list(self.running.values())[: self.config.max_decode_batch]
@@ -133,7 +142,7 @@ class DecodeScheduler:
                     tuple(rows), pad_batch_size(len(rows), self.config.decode_batch_sizes), fit
                 )
             victim = rows.pop()  # the youngest row makes room for the older ones
-            if rows or len(self.running) > 1 or self.admitted:
+            if rows or len(self.running) > 1 or self.admitted or others_hold_pages:
                 self._preempt(victim)
             else:
                 self._abort_here(victim, "sequence outgrew the rank's device cache")

@@ -95,7 +95,7 @@ class PrefillScheduler:
             chunks, out_of_pages = self._fill(budget, admit_limit)
             if chunks:
                 return PrefillBatch(tuple(chunks))
-            if not (out_of_pages and self.running) or self.pinned or others_hold_pages:
+            if not out_of_pages or self.pinned or others_hold_pages:
                 return None
             self._break_deadlock()
 
@@ -129,7 +129,9 @@ class PrefillScheduler:
                 self.aborted.append(req)
                 continue
             if hit is None:
-                return chunks, False  # no room for another live request; keep FIFO order
+                # No room for another live request; keep FIFO order. Out of room: on a rank
+                # that nothing else holds, it never will be (schedule() aborts it then).
+                return chunks, True
             req.num_computed = req.num_cached = hit
             chunk = self._next_chunk(req, budget)
             if chunk is None:
@@ -147,21 +149,23 @@ class PrefillScheduler:
         return chunks, False
 
     def _break_deadlock(self) -> None:
-        """Running prefills hold the pages the oldest needs and nothing else will free any.
+        """Nothing can run for want of pages and nothing else will free any.
 
-        Requeue the youngest at the queue head (its computed prefix is published, so little work
-        is lost). A lone request that still cannot grow needs more pages than the rank has: it is
-        aborted and left in `aborted` for the caller.
+        Requeue the youngest running prefill at the queue head (its computed prefix is
+        published, so little work is lost). A lone request that still cannot grow, or a queue
+        head that cannot even start on an otherwise idle rank (its prefix hit alone fills the
+        rank), needs more pages than the rank has: it is aborted and left in `aborted` for the
+        caller.
         """
         if len(self.running) > 1:
             req = self.preempt(next(reversed(self.running)))
             assert req is not None
-            self._set_estimate(req.rid, req.prefill_target)
-            self.waiting.appendleft(req)
+            if req.state is RequestState.WAITING:  # else its state could not be saved: aborted
+                self._set_estimate(req.rid, req.prefill_target)
+                self.waiting.appendleft(req)
             return
-        req = self.abort(
-            next(iter(self.running)), "prompt needs more device pages than the rank has"
-        )
+        rid = next(iter(self.running)) if self.running else self.waiting[0].rid
+        req = self.abort(rid, "prompt needs more device pages than the rank has")
         assert req is not None
         self.aborted.append(req)
 
@@ -269,11 +273,19 @@ class PrefillScheduler:
         """Return a running or pinned request to WAITING, publishing what it computed.
 
         The request is not re-queued here: the caller routes it again (any rank may take it).
+        If its state cannot be saved (a device copy failed), it is aborted instead and left in
+        `aborted`, as a decode preemption is.
         """
         req = self.running.get(rid) or self.pinned.get(rid)
         if req is None:
             return None
-        self._remove(rid, keep_prefix=True)
+        try:
+            self._remove(rid, keep_prefix=True)
+        except Exception as exc:
+            # _remove has released it; its progress is not saved, so it ends here.
+            req.abort(f"preemption could not save its state: {exc!r}")
+            self.aborted.append(req)
+            return req
         req.preempt()
         return req
 
@@ -286,14 +298,18 @@ class PrefillScheduler:
         req = self.running.pop(rid, None) or self.pinned.pop(rid, None)
         if req is None:
             return None
-        if (
-            keep_prefix
-            and req.state is RequestState.PREFILLING
-            and req.num_computed > req.num_cached
-        ):
-            # Chunk ends are page-aligned and the live state sits exactly at num_computed, so the
-            # computed prefix becomes reusable with one snapshot.
-            self.cache.checkpoint(req, req.num_computed, turn_end=True, from_live=True)
-            self.cache.publish(req, req.num_computed)
-        self.cache.release(req)
+        try:
+            if (
+                keep_prefix
+                and req.state is RequestState.PREFILLING
+                and req.num_computed > req.num_cached
+            ):
+                # Chunk ends are page-aligned and the live state sits exactly at num_computed, so
+                # the computed prefix becomes reusable with one snapshot.
+                self.cache.checkpoint(req, req.num_computed, turn_end=True, from_live=True)
+                self.cache.publish(req, req.num_computed)
+        finally:
+            # Even if the snapshot failed: the request has left every queue here, so nothing
+            # else would ever release what it holds.
+            self.cache.release(req)
         return req

@@ -78,6 +78,12 @@ class Request:
             hash(self.rid)
         except TypeError:
             raise ValueError(f"request id must be hashable, got {self.rid!r}") from None
+        try:
+            hash(self.session)  # the router keys conversation affinity by it
+        except TypeError:
+            raise ValueError(
+                f"request {self.rid!r}: session must be hashable, got {self.session!r}"
+            ) from None
         self._check_int("prompt_len", minimum=1)
         self._check_int("max_new_tokens", minimum=1)
         for name in ("num_computed", "num_cached", "num_output", "preemptions"):
@@ -156,5 +162,10 @@ class Request:
         self.num_cached = 0
 
     def abort(self, reason: str) -> None:
+        # Checked first: an abort always carries a reason, which callers report.
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(
+                f"request {self.rid!r}: abort reason must be a non-empty string, got {reason!r}"
+            )
         self.move(RequestState.ABORTED)
         self.abort_reason = reason

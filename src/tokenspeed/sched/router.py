@@ -47,6 +47,8 @@ class Router:
         if len(loads) != self.config.num_decode_ranks:
             raise ValueError(f"got {len(loads)} loads for {self.config.num_decode_ranks} ranks")
         n = len(loads)
+        if n == 0:  # the tie rotation below would divide by zero
+            raise ValueError("no decode ranks to pick from (num_decode_ranks=0: aggregated)")
         start = self._next_decode
         self._next_decode = (start + 1) % n
         order = [(start + i) % n for i in range(n)]
