@@ -249,3 +249,42 @@ def test_a_failing_loop_reaches_every_consumer_once_and_is_not_left_unretrieved(
     depths = {len(traceback.extract_tb(tb)) for tb in tracebacks}
     assert len(depths) == 1, depths  # the same frames for each consumer
     assert not unretrieved
+
+
+@BOTH
+def test_a_loop_failure_aborts_the_requests_of_the_consumers_it_reached(tiny, step_thread):
+    """A failure outside a step's batch (the scheduler's, once) ends every stream with the
+    exception. Before, the requests behind those streams kept running in the engine with nobody
+    to read them: holding cache, their ids taken, stepped only when some later request woke the
+    loop. Now a consumer that raised the failure is gone like any other, and its request is
+    aborted; the ids are free again and the engine goes back to idle."""
+    prompts = {rid: tokens(20, seed=60 + i) for i, rid in enumerate(("a", "b"))}
+
+    async def main():
+        engine = make_engine(tiny)
+        server = AsyncEngine(engine, step_thread=step_thread)
+        real, calls = engine.scheduler.schedule, []
+
+        def flaky(**kwargs):
+            calls.append(1)
+            if len(calls) == 3:  # both requests have their first token by now
+                raise LookupError("scheduler hiccup")
+            return real(**kwargs)
+
+        engine.scheduler.schedule = flaky
+
+        async def consume(rid):
+            with pytest.raises(LookupError, match="hiccup"):
+                async for _ in server.generate(rid, prompts[rid], greedy(40)):
+                    pass
+
+        await asyncio.wait_for(asyncio.gather(consume("a"), consume("b")), timeout=30)
+        await asyncio.wait_for(server.wait_idle(), timeout=30)
+        assert_idle(engine)
+        retry = [out async for out in server.generate("a", prompts["a"], greedy(3))][-1]
+        await server.wait_idle()
+        return retry, engine
+
+    retry, engine = asyncio.run(main())
+    assert retry.token_ids == reference(tiny, prompts["a"], 3)
+    assert_idle(engine)

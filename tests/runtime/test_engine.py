@@ -1,11 +1,13 @@
 """The engine against the model's own greedy decoding of each request alone."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from tokenspeed.cache import CacheConfig
-from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingParams
+from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingParams, StepError
 from tokenspeed.runtime.config import EngineConfigError
 from tokenspeed.runtime.engine import cache_geometry
 
@@ -308,3 +310,78 @@ def test_a_tokenizer_that_fails_on_one_request_costs_that_request_only(tiny, sto
     assert engine.cache.get("bad") is None
     again = run(engine, [("next", good, params)])  # the engine goes on serving
     assert again["next"].token_ids == want_good
+
+
+def test_inter_token_latencies_of_a_multi_step_run_share_its_time(tiny):
+    """Tokens of a multi-step run reach the host together. Before, the first of them got the
+    whole gap since the row's previous token as its latency and the others about a microsecond
+    each, so the P90 ITL and interactivity said nothing of the decode speed (at 11 steps a run
+    or more, P90 interactivity came out near a million tokens/s). Now each token of the run gets
+    an equal share of that gap, as the simulator scores a request (1 / its mean ITL)."""
+    engine = small_engine(tiny, decode_steps=4)
+    real = engine.runner.decode
+
+    def slow(*args, **kwargs):
+        time.sleep(0.01)
+        return real(*args, **kwargs)
+
+    engine.runner.decode = slow
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = run(engine, [("a", tokens(20, seed=70), params)])["a"]
+    itls = engine.metrics.itls
+    assert len(itls) == len(out.token_ids) - 1 == 11  # one per token after the first
+    assert min(itls) >= 0.01  # every token waited for a decode step of its own
+    m = out.metrics
+    assert sum(itls) == pytest.approx(m.last_token_time - m.first_token_time)
+    assert engine.metrics.summary()["p90_interactivity_tok_s"] <= 100
+
+
+def test_a_request_preempted_by_a_failed_step_and_then_aborted_is_not_resumed(tiny):
+    """The scheduler preempts a request to make room, then the step's forward fails: the
+    preempted request is not in the failed batch, and waits to be queued again by the next step.
+    The caller aborts it meanwhile (as `LLM.generate` does after a failure). Before, the next
+    step queued it again all the same: the scheduler held a request the engine had forgotten,
+    every later step failed on it (KeyError), taking the new requests of each batch with it,
+    and its id could never be used again."""
+    geometry = cache_geometry(tiny, 16)
+    budget = CacheConfig.budget_for(geometry, pages=14, live_requests=4, checkpoints=16)
+    engine = small_engine(tiny, cache_budget_bytes=budget, checkpoint_slots=16, max_preemptions=50)
+    free = engine.cache.available_pages
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, n in enumerate((50, 40, 45, 30)):
+        engine.add_request(i, tokens(n, seed=100 + n), params)
+    real_schedule, real_decode = engine.scheduler.schedule, engine.runner.decode
+    preempted = []
+
+    def schedule(**kwargs):
+        plan = real_schedule(**kwargs)
+        if not preempted:
+            preempted.extend(r.rid for r in engine.scheduler.decode.preempted)
+        return plan
+
+    def decode(*args, **kwargs):
+        if preempted and engine.scheduler.decode.preempted:  # the step that preempted
+            raise RuntimeError("injected: device error")
+        return real_decode(*args, **kwargs)
+
+    engine.scheduler.schedule, engine.runner.decode = schedule, decode
+    failed = None
+    while failed is None and engine.has_unfinished():
+        try:
+            engine.step()
+        except StepError as exc:
+            failed = exc
+    assert failed is not None and preempted  # a step preempted, then failed
+    assert not set(preempted) & set(failed.aborted)  # the preempted were not in its batch
+    for rid in range(4):
+        engine.abort(rid, "the caller gave up")
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    assert not engine.scheduler.has_work  # nothing left behind in the scheduler
+    assert engine.cache.available_pages == free
+    del vars(engine.scheduler)["schedule"], vars(engine.runner)["decode"]
+    prompt = tokens(10, seed=5)
+    done = run(engine, [(preempted[0], prompt, GREEDY), ("new", prompt, GREEDY)])
+    for rid in (preempted[0], "new"):
+        assert done[rid].token_ids == reference(tiny, prompt, 12)

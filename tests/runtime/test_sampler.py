@@ -78,3 +78,26 @@ def test_accept_draft_keeps_the_agreeing_prefix_then_the_targets_token():
     assert accept_draft([], [3]) == [3]
     with pytest.raises(ValueError, match="len\\(draft\\) \\+ 1"):
         accept_draft([1, 2], [1, 2])
+
+
+def test_top_p_applies_to_what_top_k_left():
+    """With both filters, the nucleus is taken from the top-k tokens renormalised, as vLLM and
+    Hugging Face do. Before, it was taken from the whole distribution: top_k=2, top_p=0.6 kept
+    both tokens (0.5 < 0.6), where the renormalised first token alone (0.71) reaches 0.6."""
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 2))
+    kept = torch.isfinite(_filter(logits, torch.tensor([2, 3]), torch.tensor([0.6, 0.9])))
+    assert kept.tolist() == [
+        [True, False, False, False, False],  # 0.71 >= 0.6
+        [True, True, True, False, False],  # 0.59, 0.82 < 0.9 <= 1.0 (top-k's three)
+    ]
+
+
+def test_top_p_of_one_keeps_every_token():
+    """top_p=1.0 turns the filter off. Before, the fp32 running sum of probabilities reached 1.0
+    before the last tokens (it always does when one token dominates, and on most rows of a 160k
+    vocabulary), and the tokens after that point were masked out."""
+    logits = torch.tensor([[30.0, 0.0, 0.0, -1.0], [1.0, 2.0, 3.0, 4.0]])
+    kept = torch.isfinite(_filter(logits, torch.tensor([0, 0]), torch.tensor([1.0, 1.0])))
+    assert kept.all()
+    big = torch.randn(4, 163840, generator=torch.Generator().manual_seed(0)) * 5
+    assert torch.isfinite(_filter(big, torch.zeros(4, dtype=torch.long), torch.ones(4))).all()

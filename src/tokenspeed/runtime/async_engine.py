@@ -22,7 +22,8 @@ not one per step. A request id may be used again once its request has ended.
 
 A step that fails costs only the requests of its batch: the engine aborts them and their
 consumers get a final output with finish_reason "abort" and the error in `abort_reason`; the
-others go on. Any other failure of the loop reaches every consumer as the exception.
+others go on. Any other failure of the loop reaches every consumer as the exception, and the
+request of each consumer it reached is aborted (nobody can read it any more).
 
 An `AsyncEngine` serves one event loop at a time. Used from a new loop once the old one has
 stopped (a second `asyncio.run`, say), it waits for a step still running on its worker thread and
@@ -134,7 +135,8 @@ class AsyncEngine:
             while True:
                 out = await stream.get()
                 if isinstance(out, _LoopFailure):
-                    ended = True
+                    # Not `ended`: the request may still run in the engine, and nobody can read
+                    # it now, so it is aborted as for any consumer that leaves.
                     raise out.error.with_traceback(out.traceback)
                 ended = out.finished
                 yield out

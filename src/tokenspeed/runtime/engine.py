@@ -314,7 +314,11 @@ class Engine:
                 self.scheduler.complete(plan, finished=finished, save_state=self._save_state)
             self.metrics.record_step(plan, time.monotonic() - start, steps)
         for req in self.scheduler.take_preempted():
-            record = self._records[req.rid]
+            record = self._records.get(req.rid)
+            if record is None or record.sched is not req or record.finish_reason is not None:
+                # Preempted in a step that then failed, and aborted before this one took it:
+                # queued again, it would be a request the engine no longer knows.
+                continue
             record.metrics.preemptions += 1
             self.scheduler.add(req)
         for req in self.scheduler.take_aborted():
@@ -422,6 +426,8 @@ class Engine:
             r.all_ids[n] for r, n in zip(records, base, strict=True)
         ]
         samples, crossings = [], []
+        last = [r.metrics.last_token_time for r in records]
+        counts = [len(r.output_ids) for r in records]
         for j in range(batch.steps):
             prefixes = [n + j for n in base]
             logits = self.runner.decode(tokens, prefixes, handles)
@@ -444,11 +450,22 @@ class Engine:
                     self._keep_boundary(records[i], handles[i], position, state)
             finished: set[Hashable] = set()
             rows = [records[i] for i in alive]
-            self._accept(rows, [sampled[j][i] for i in alive], out, alive, moved, finished)
+            self._accept(
+                rows, [sampled[j][i] for i in alive], out, alive, moved, finished, itl=False
+            )
             self.scheduler.complete(
                 plan, finished=finished, save_state=self._save_state, live_state=False
             )
             alive = [i for i in alive if records[i].finish_reason is None]
+        # The run's tokens reached the host together: each gets an equal share of the time since
+        # the row's previous token as its inter-token latency (the first would get it all and
+        # the rest about nothing, which makes P90 ITL meaningless).
+        for record, prev, n in zip(records, last, counts, strict=True):
+            m, new = record.metrics, len(record.output_ids) - n
+            if prev is None:  # the run's first token was the request's first (a TTFT)
+                prev, new = m.first_token_time, new - 1
+            for _ in range(new):
+                self.metrics.record_itl((m.last_token_time - prev) / new)
         return batch.steps
 
     def _keep_boundary(self, record: _Record, handle, position: int, state=None) -> None:
@@ -472,9 +489,10 @@ class Engine:
         rows = range(len(records))
         self._accept(records, out.tokens.tolist(), out, rows, moved, finished)
 
-    def _accept(self, records, tokens, out, rows, moved, finished) -> None:
+    def _accept(self, records, tokens, out, rows, moved, finished, itl: bool = True) -> None:
         """Host bookkeeping of sampled tokens: records[k] gets tokens[k], whose logprobs are row
-        rows[k] of `out`; stops and length limits end requests (added to `finished`)."""
+        rows[k] of `out`; stops and length limits end requests (added to `finished`). itl=False:
+        the caller records the inter-token latencies (a multi-step run)."""
         now = time.monotonic()
         for record, token, i in zip(records, tokens, rows, strict=True):
             record.output_ids.append(token)
@@ -486,7 +504,7 @@ class Engine:
             if m.first_token_time is None:
                 m.first_token_time = now
                 self.metrics.record_ttft(now - m.arrival_time)
-            else:
+            elif itl:
                 self.metrics.record_itl(now - m.last_token_time)
             m.last_token_time = now
             moved[record.rid] = record

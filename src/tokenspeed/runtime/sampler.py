@@ -21,17 +21,21 @@ class SampleOutput:
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p). logits: [B, V] fp32;
-    top_k: [B] (<= 0: off); top_p: [B] (1.0: off). Ties at the boundary stay in."""
+    """Mask logits outside each row's top-k, then outside the nucleus (top-p) of what top-k
+    left, renormalised (as vLLM and Hugging Face do). logits: [B, V] fp32; top_k: [B] (<= 0:
+    off); top_p: [B] (1.0: off). Ties at the boundary stay in."""
     vocab = logits.shape[-1]
     sorted_logits, _ = logits.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
     logits = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(-1)
-    # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < p
+    # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < p.
+    # top_p >= 1 keeps all: the fp32 running sum reaches 1.0 before the last tokens (always when
+    # one token dominates), which would mask them.
     before = probs.cumsum(-1) - probs
-    keep_sorted = before < top_p.unsqueeze(1)
+    keep_sorted = (before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1)
     cutoff = sorted_logits.masked_fill(~keep_sorted, float("inf")).min(-1, keepdim=True).values
     return logits.masked_fill(logits < cutoff, float("-inf"))
 
