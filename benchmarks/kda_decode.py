@@ -120,7 +120,7 @@ def buffers(inp, variant: str, per_call: bool = False) -> dict[str, torch.Tensor
         return {}
     counters = {"counters": torch.zeros(batch, H, dtype=torch.int32, device="cuda")}
     if variant == "split":
-        return {"scratch": decode_scratch(batch, steps, H, K, "cuda"), **counters}
+        return {"scratch": decode_scratch(batch, steps, H, K, "cuda", V), **counters}
     return counters
 
 

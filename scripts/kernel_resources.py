@@ -126,12 +126,16 @@ def _kda() -> list[tuple[str, Callable[[], str]]]:
         "qkv_ptr": "*bf16", "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16",
         "scratch_ptr": "*fp32", "ready_ptr": "*i32", "state_ptr": "*fp32", "slots_ptr": "*i32",
         "out_ptr": "*bf16", "step_state_ptr": "*fp32", "step_conv_ptr": "*bf16",
-    }, ("H", "K", "V", "T", "W", "WP", "D", "BV", "OVERLAP", "STORE_STEPS", "USE_PDL"))
+    }, ("H", "K", "V", "T", "W", "WP", "D", "BV", "OVERLAP", "V_IN_PREP", "VOFF", "STORE_STEPS",
+        "USE_PDL"))
     presets = []
     for tokens in (1, 4):
         for bv, warps in ((32, 4), (64, 4), (64, 8)):
-            consts = dict(H=96, K=128, V=128, T=tokens, W=4, WP=8, D=kd.scratch_width(128),
-                          BV=bv, OVERLAP=True, STORE_STEPS=False, USE_PDL=True)
+            v_in_prep = kd.resolve_v_in_prep(None, tokens)  # as kda_decode runs it
+            consts = dict(H=96, K=128, V=128, T=tokens, W=4, WP=8,
+                          D=kd.scratch_width(128, 128 if v_in_prep else None), BV=bv,
+                          OVERLAP=tokens == 1, V_IN_PREP=v_in_prep,
+                          VOFF=kd.scratch_width(128), STORE_STEPS=False, USE_PDL=True)
             presets.append((
                 f"kda recurrence K3 T {tokens} BV {bv} w{warps}",
                 lambda c=consts, w=warps: usage(k, sig, c, w, 1, ("stride_qkv_b", "stride_qkv_t")),

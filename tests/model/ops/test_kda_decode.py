@@ -162,17 +162,19 @@ def compare(inp, gate, rows=None, **kw):
     }
 
 
-def case_sequential(device="cpu", variant="split", **dims):
-    """Four one-token steps give what one four-token verify step gives."""
+def case_sequential(device="cpu", variant="split", options=None, **dims):
+    """Four one-token steps give what one four-token verify step gives (options: more
+    `kda_decode` arguments for both)."""
+    options = options or {}
     inp = make_inputs(steps=4, seed=11, device=device, **dims)
-    o4, conv4, state4 = run_kernel(inp, gate="lower_bound", variant=variant)
+    o4, conv4, state4 = run_kernel(inp, gate="lower_bound", variant=variant, **options)
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     outs = []
     for t in range(4):
         step = {**inp, "conv_state": conv, "recurrent_state": state}
         for name in ("qkv", "f", "beta"):
             step[name] = inp[name][:, t : t + 1]
-        outs.append(kda_decode(**step, gate="lower_bound", variant=variant))
+        outs.append(kda_decode(**step, gate="lower_bound", variant=variant, **options))
     # Both sides are rounded to the output dtype: allow one ulp between them.
     o1, o4 = torch.cat(outs, 1).float().cpu(), o4.float().cpu()
     excess = (o1 - o4).abs() - 2 * OUT_REL[inp["qkv"].dtype] * o4.abs()
@@ -183,9 +185,9 @@ def case_sequential(device="cpu", variant="split", **dims):
     }
 
 
-def case_rollback(device="cpu", variant="split", **dims):
+def case_rollback(device="cpu", variant="split", options=None, **dims):
     """Verify 4 tokens keeping step states, accept 1, 3 and 4 of them, roll back: the pools equal
-    those of a step over only the accepted tokens."""
+    those of a step over only the accepted tokens (options: more `kda_decode` arguments)."""
     inp = make_inputs(steps=4, seed=12, device=device, **dims)
     batch, heads, k_dim, v_dim = 3, *inp["recurrent_state"].shape[1:]
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
@@ -197,6 +199,7 @@ def case_rollback(device="cpu", variant="split", **dims):
         step_states=step_states,
         step_conv=step_conv,
         variant=variant,
+        **(options or {}),
     )
     accepted = torch.tensor([1, 3, 4], device=device)
     kda_decode_rollback(conv, state, inp["slots"], step_conv, step_states, accepted)
@@ -219,7 +222,7 @@ def case_given_scratch(steps=3):
     consecutive steps: nothing unwritten is read (the padding words stay NaN), and the second
     step continues from the first."""
     inp = make_inputs(steps=steps * 2, seed=14)
-    scratch = torch.full((3, steps, 2, scratch_width(16)), float("nan"))
+    scratch = decode_scratch(3, steps, 2, 16, "cpu", 16).fill_(float("nan"))
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     outs = []
     for half in range(2):
@@ -233,7 +236,7 @@ def case_given_scratch(steps=3):
         "out": out_error(torch.cat(outs, 1), o_ref),
         "state": (state[slots] - state_ref[slots]).abs().max().item(),
         "conv_exact": torch.equal(conv, conv_ref),
-        "scratch_padding_unread": bool(scratch[..., 3 * 16 + 2 :].isnan().all()),
+        "scratch_padding_unread": bool(scratch[..., 3 * 16 + 2 : scratch_width(16)].isnan().all()),
     }
 
 
@@ -389,6 +392,23 @@ CPU_CASES = {
     "split:grid-wait-T1": lambda: compare(
         make_inputs(steps=1, seed=20), "softplus", variant="split", block_v=8,
         overlap_prep=False),
+    # The prep kernel doing the v conv too (the recurrence then reads v from the record): the
+    # default for verify steps, here also at one token and with the ready counters.
+    "split:v-in-prep-T1": lambda: compare(
+        make_inputs(batch=2, steps=1, seed=30), "lower_bound", variant="split", block_v=8,
+        v_in_prep=True),
+    "split:v-in-prep-T3": lambda: compare(
+        make_inputs(steps=3, seed=31), "softplus", variant="split", block_v=8, v_in_prep=True),
+    "split:v-in-prep-sink-slot": lambda: compare(
+        make_inputs(batch=4, steps=1, slots=[0, 5, 0, 2], seed=32), "lower_bound", rows=[1, 3],
+        variant="split", block_v=8, v_in_prep=True),
+    "split:v-in-prep-ready-counters-T2": lambda: compare(
+        make_inputs(steps=2, seed=33), "lower_bound", variant="split", block_v=8, v_in_prep=True,
+        overlap_prep=True),
+    "split:v-conv-in-recurrence-T2": lambda: compare(
+        make_inputs(steps=2, seed=34), "softplus", variant="split", block_v=8, v_in_prep=False),
+    "split:v-in-prep-sequential": lambda: case_sequential(batch=2, options={"v_in_prep": True}),
+    "split:v-conv-in-recurrence-rollback": lambda: case_rollback(options={"v_in_prep": False}),
 }
 
 
@@ -442,7 +462,14 @@ def test_defaults_and_scratch_shape():
     assert default_config(128, 128) == (64, 4)  # split is the default variant
     assert default_config(128, 128, "fused") == (128, 8)
     assert scratch_width(128) % 32 == 0 and scratch_width(128) >= 3 * 128 + 2
-    assert decode_scratch(2, 3, 4, 16, "cpu").shape == (2, 3, 4, scratch_width(16))
+    assert decode_scratch(2, 1, 4, 16, "cpu").shape == (2, 1, 4, scratch_width(16))
+    # Verify steps keep the conv'd v in the record by default (v_in_prep): V more words.
+    assert scratch_width(16, 16) == scratch_width(16) + 16
+    assert decode_scratch(2, 3, 4, 16, "cpu", 16).shape == (2, 3, 4, scratch_width(16, 16))
+    assert decode_scratch(2, 3, 4, 16, "cpu", 16, v_in_prep=False).shape[-1] == scratch_width(16)
+    assert decode_scratch(2, 1, 4, 16, "cpu", 16, v_in_prep=True).shape[-1] == scratch_width(16, 16)
+    with pytest.raises(ValueError, match="v_dim"):
+        decode_scratch(2, 3, 4, 16, "cpu")
 
 
 # ---- GPU, K3 shapes ------------------------------------------------------------------------
@@ -504,6 +531,31 @@ def test_gpu_k3_every_config_matches_reference(variant, block_v, num_warps):
     _gpu_check(compare(inp, "lower_bound", variant=variant, block_v=block_v, num_warps=num_warps))
 
 
+# The split variant's v conv in the prep (the default for verify steps) or in the recurrence
+# (the default at one token), each where it is not the default.
+PREP_OPTIONS = [{"v_in_prep": True}, {"v_in_prep": False}, {"v_in_prep": True, "prep_warps": 1}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps", (1, 2, 4))
+@pytest.mark.parametrize("options", PREP_OPTIONS, ids=str)
+def test_gpu_k3_prep_options_match_reference(options, steps):
+    slots = [0] * 4 + list(range(1, 37))  # 4 padding rows on sink slot 0, 36 real rows
+    inp = make_inputs(
+        batch=40, steps=steps, pool=40, slots=slots, dtype=torch.bfloat16, seed=23,
+        device="cuda", **K3,
+    )  # fmt: skip
+    _gpu_check(compare(inp, "lower_bound", rows=list(range(4, 40)), variant="split", **options))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", PREP_OPTIONS, ids=str)
+def test_gpu_k3_prep_options_sequential_and_rollback(options):
+    dims = dict(pool=5, slots=[3, 0, 4], dtype=torch.bfloat16, **K3)
+    _gpu_check(case_sequential(device="cuda", batch=3, options=options, **dims))
+    _gpu_check(case_rollback(device="cuda", options=options, **dims))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_k3_many_rows_with_sink_padding(variant):
@@ -533,7 +585,7 @@ def test_gpu_cuda_graph_replay_with_pdl(variant):
     out = torch.empty(8, 2, 96, 128, dtype=torch.bfloat16, device="cuda")
     kw = dict(gate="lower_bound", out=out, use_pdl=True, variant=variant)
     if variant == "split":
-        kw["scratch"] = decode_scratch(8, 2, 96, 128, "cuda")
+        kw["scratch"] = decode_scratch(8, 2, 96, 128, "cuda", 128)
     if variant in ("split", "onepass"):
         kw["counters"] = torch.zeros(8, 96, dtype=torch.int32, device="cuda")
     kda_decode(**static, **kw)  # compile outside capture

@@ -23,7 +23,8 @@ written once; everything else is a few percent of that. Three implementations:
      waits, at one token per row, for its own (row, head)'s ready counter rather than for the
      whole prep grid, so that the two kernels overlap (verify steps wait for the grid: faster
      there); does the conv of its own BV v channels (their conv state is
-     touched by that program only), then per token
+     touched by that program only; for verify steps the prep does the v conv instead and
+     writes v into the record, `v_in_prep`, which measured ~10% faster there), then per token
         u = S^T (exp(g) * k),  w = S^T (exp(g) * q),  delta = beta (v - u),
         o = w + (q.k) delta,   S <- diag(exp(g)) S + k delta^T
      (the same step, rearranged so that both reductions read the old tile and o does not wait
@@ -92,18 +93,43 @@ def default_config(k_dim: int, v_dim: int, variant: str = "split") -> tuple[int,
     return block_v, num_warps
 
 
-def scratch_width(k_dim: int) -> int:
+def scratch_width(k_dim: int, v_dim: int | None = None) -> int:
     """fp32 words per (row, token, head) record of the split variant's scratch: dq, k, exp(g)
-    [K each], beta, q.k, padded to whole 128-byte lines."""
+    [K each], beta, q.k, padded to whole 128-byte lines; with `v_dim` (`v_in_prep`) followed by
+    the conv'd v [V] at `_v_offset(k_dim)`."""
+    return _v_offset(k_dim) + (v_dim or 0)
+
+
+def _v_offset(k_dim: int) -> int:
     return -(-(3 * k_dim + 2) // 32) * 32
 
 
+def resolve_v_in_prep(v_in_prep: bool | None, steps: int) -> bool:
+    """`kda_decode`'s default: the prep does the v conv for verify steps (T > 1), where it
+    measured faster, and not at one token per row, where it made no difference
+    (docs/perf/kda.md, "Prep options probe")."""
+    return steps > 1 if v_in_prep is None else v_in_prep
+
+
 def decode_scratch(
-    batch: int, steps: int, heads: int, k_dim: int, device: torch.device | str
+    batch: int,
+    steps: int,
+    heads: int,
+    k_dim: int,
+    device: torch.device | str,
+    v_dim: int | None = None,
+    *,
+    v_in_prep: bool | None = None,
 ) -> torch.Tensor:
-    """An uninitialised scratch for `kda_decode(..., scratch=...)`: [B, T, H, D] fp32."""
+    """An uninitialised scratch for `kda_decode(..., scratch=...)`: [B, T, H, D] fp32, for the
+    same `v_in_prep` (None: the default, which needs `v_dim` when steps > 1)."""
+    if resolve_v_in_prep(v_in_prep, steps):
+        if v_dim is None:
+            raise ValueError("the prep kernel keeps v in the scratch here: pass v_dim")
+    else:
+        v_dim = None
     return torch.empty(
-        batch, steps, heads, scratch_width(k_dim), dtype=torch.float32, device=device
+        batch, steps, heads, scratch_width(k_dim, v_dim), dtype=torch.float32, device=device
     )
 
 
@@ -135,6 +161,7 @@ def _plan(
     num_warps: int | None = None,
     prep_warps: int = PREP_WARPS,
     overlap_prep: bool | None = None,
+    v_in_prep: bool | None = None,
     use_pdl: bool | None = None,
 ) -> tuple[torch.Tensor, list]:
     """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
@@ -194,10 +221,13 @@ def _plan(
         out = qkv.new_empty(batch, steps, heads, v_dim)
     elif out.shape != (batch, steps, heads, v_dim) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous [{batch}, {steps}, {heads}, {v_dim}]")
-    record = scratch_width(k_dim)
+    v_in_prep = resolve_v_in_prep(v_in_prep, steps)
+    record = scratch_width(k_dim, v_dim if v_in_prep else None)
     if variant == "split":
         if scratch is None:
-            scratch = decode_scratch(batch, steps, heads, k_dim, qkv.device)
+            scratch = decode_scratch(
+                batch, steps, heads, k_dim, qkv.device, v_dim, v_in_prep=v_in_prep
+            )
         elif (
             scratch.shape != (batch, steps, heads, record)
             or scratch.dtype != torch.float32
@@ -205,7 +235,7 @@ def _plan(
         ):
             raise ValueError(
                 f"scratch must be contiguous [{batch}, {steps}, {heads}, {record}] "
-                "fp32 (decode_scratch)"
+                "fp32 (decode_scratch with v_dim and the same v_in_prep)"
             )
     # The split variant's ready counters and onepass's arrival counters: [B, H] int32, zero
     # before and after each launch.
@@ -316,6 +346,8 @@ def _plan(
             D=record,
             NV=v_dim // block_v,
             RELEASE=overlap,
+            V_IN_PREP=v_in_prep,
+            VOFF=_v_offset(k_dim),
             num_warps=prep_warps,
             **common,
             **launch,
@@ -336,6 +368,8 @@ def _plan(
             D=record,
             BV=block_v,
             OVERLAP=overlap,
+            V_IN_PREP=v_in_prep,
+            VOFF=_v_offset(k_dim),
             num_warps=num_warps,
             **{k: v for k, v in common.items() if k != "LOWER_BOUND"},
             **launch,
@@ -367,6 +401,7 @@ def kda_decode(
     num_warps: int | None = None,
     prep_warps: int = PREP_WARPS,
     overlap_prep: bool | None = None,
+    v_in_prep: bool | None = None,
     use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """One decode / verify step of a KDA layer for B rows of T new tokens each.
@@ -389,6 +424,9 @@ def kda_decode(
     prep_warps: the split variant's prep kernel warps; overlap_prep: its recurrence waits for
     each (row, head)'s ready counter (True) or for the whole prep grid (False); None: True for
     one token per row, False for verify steps (faster there, docs/perf/kda.md).
+    v_in_prep: the split prep kernel also does the v conv (v then comes to the recurrence in
+    the record: the scratch is `decode_scratch(..., v_dim=V, v_in_prep=...)`), so that the
+    recurrence touches no conv state; None: for verify steps only (`resolve_v_in_prep`).
     Returns o: [B, T, H, V] in qkv's dtype (or `out`). Both pools are updated in place.
 
     Preconditions: the last dim of qkv, f and beta is contiguous (rows may be strided views);
@@ -418,6 +456,7 @@ def kda_decode(
         num_warps=num_warps,
         prep_warps=prep_warps,
         overlap_prep=overlap_prep,
+        v_in_prep=v_in_prep,
         use_pdl=use_pdl,
     )
     for run in launches:

@@ -219,7 +219,7 @@ def _kda_prep_kernel(
     conv_w_ptr,  # [C, W]
     a_log_ptr,  # [H]
     dt_bias_ptr,  # [H*K]
-    conv_state_ptr,  # [S, C, W-1] pool, q/k channels updated in place
+    conv_state_ptr,  # [S, C, W-1] pool, q/k (V_IN_PREP: also v) channels updated in place
     slots_ptr,  # [B]
     scratch_ptr,  # [B, T, H, D] fp32 records, see the module docstring
     ready_ptr,  # [B, H] int32: + NV when the (row, head)'s records are written
@@ -241,14 +241,16 @@ def _kda_prep_kernel(
     D: tl.constexpr,  # scratch record width
     NV: tl.constexpr,  # recurrence programs per (row, head): V // BV
     RELEASE: tl.constexpr,  # set the ready counters (the recurrence waits on them, OVERLAP)
+    V_IN_PREP: tl.constexpr,  # also the v conv: v goes into the record at VOFF
+    VOFF: tl.constexpr,
     LOWER_BOUND: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Prep of the split variant, one program per (row, head): the head's q/k conv (its conv
-    state updated by this program only), norms, gate and beta, as one record per token; then
-    it adds NV to the (row, head)'s ready counter, one for each recurrence program that waits
-    on it."""
+    state updated by this program only), norms, gate and beta (V_IN_PREP: also the v conv of
+    the head's V channels), as one record per token; then it adds NV to the (row, head)'s ready
+    counter, one for each recurrence program that waits on it."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // H
     head = pid % H
@@ -257,6 +259,7 @@ def _kda_prep_kernel(
     cols = tl.arange(0, WP)
     q_ch = head * K + ok
     k_ch = H * K + head * K + ok
+    v_ch = 2 * H * K + head * V + tl.arange(0, V)
 
     if USE_PDL:
         # Wait for the previous kernels (projections, pools) before anything else, and only
@@ -286,20 +289,29 @@ def _kda_prep_kernel(
         tl.store(rec + 2 * K + ok, decay)
         tl.store(rec + 3 * K, beta)
         tl.store(rec + 3 * K + 1, tl.sum(q * k, axis=0))
+        if V_IN_PREP:
+            v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
+            tl.store(rec + VOFF + tl.arange(0, V), v)
 
     # The q/k conv state update (and the per-token windows), from [K, WP] windows loaded now.
     q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
     k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
+    if V_IN_PREP:
+        v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
     if STORE_STEPS:
         for t in tl.static_range(T):
             step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
             _store_window(step_conv, q_win, q_ch, cols, t + 1, W)
             _store_window(step_conv, k_win, k_ch, cols, t + 1, W)
+            if V_IN_PREP:
+                _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
     # All lanes must have read the old window before any lane overwrites it. No other program
     # touches these channels of this slot (padding rows sharing the sink slot aside).
     tl.debug_barrier()
     _store_window(conv_row, q_win, q_ch, cols, T, W)
     _store_window(conv_row, k_win, k_ch, cols, T, W)
+    if V_IN_PREP:
+        _store_window(conv_row, v_win, v_ch, cols, T, W)
     # Release, after every lane's stores (the barrier): the records and the conv state are
     # visible to whoever acquires the counter. Last, so that the recurrence (and through it
     # every later kernel) never runs ahead of any memory work of this program. Only when the
@@ -332,6 +344,8 @@ def _kda_recurrent_kernel(
     D: tl.constexpr,
     BV: tl.constexpr,
     OVERLAP: tl.constexpr,  # wait for the head's ready counter, not for the prep grid
+    V_IN_PREP: tl.constexpr,  # v comes conv'd from the record at VOFF (the prep did its conv)
+    VOFF: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -375,7 +389,8 @@ def _kda_recurrent_kernel(
     # form timed with it; the grid wait keeps the window after the store, as timed with it).
     ready = ready_ptr + row * H + head
     if OVERLAP:
-        v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
+        if not V_IN_PREP:
+            v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         while tl.atomic_add(ready, 0, sem="acquire") == 0:
@@ -392,7 +407,10 @@ def _kda_recurrent_kernel(
         decay = tl.load(rec + 2 * K + ok)
         beta = tl.load(rec + 3 * K)
         qk = tl.load(rec + 3 * K + 1)
-        v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
+        if V_IN_PREP:
+            v = tl.load(rec + VOFF + ov)
+        else:
+            v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
         # Both reductions read the old tile: S_new = diag(d) S + k delta^T gives
         # S_new^T q = S^T (d q) + (q.k) delta, and (diag(d) S)^T k = S^T (d k). One two-operand
         # reduction: one pass through shared memory for both.
@@ -403,18 +421,21 @@ def _kda_recurrent_kernel(
         tl.store(out_ptr + ((row * T + t) * H + head) * V + ov, o.to(out_ptr.dtype.element_ty))
         if STORE_STEPS:
             tl.store(step_state_ptr + ((row * T + t) * H + head) * K * V + tile, s)
-    if not OVERLAP:
+    if V_IN_PREP:  # the prep kernel has also updated the v channels' conv state
         tl.store(state_tile, s, eviction_policy="evict_first")
-        v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
-
-    # The conv state of this block's own v channels (no other program touches them).
-    if STORE_STEPS:
-        for t in tl.static_range(T):
-            _store_window(step_conv_ptr + (row * T + t) * C * (W - 1), v_win, v_ch, cols, t + 1, W)
-    tl.debug_barrier()  # all lanes have read the old window before any lane overwrites it
-    _store_window(conv_row, v_win, v_ch, cols, T, W)
-    if OVERLAP:
-        tl.store(state_tile, s, eviction_policy="evict_first")
+    else:
+        if not OVERLAP:
+            tl.store(state_tile, s, eviction_policy="evict_first")
+            v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
+        # The conv state of this block's own v channels (no other program touches them).
+        if STORE_STEPS:
+            for t in tl.static_range(T):
+                step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
+                _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
+        tl.debug_barrier()  # all lanes have read the old window before any lane overwrites it
+        _store_window(conv_row, v_win, v_ch, cols, T, W)
+        if OVERLAP:
+            tl.store(state_tile, s, eviction_policy="evict_first")
 
 
 @triton.jit
