@@ -37,6 +37,19 @@ def test_generate_returns_one_output_per_prompt_in_order():
         assert out.text == llm.tokenizer.decode(out.token_ids)
 
 
+def test_generate_waits_for_its_own_requests_not_others_on_the_engine():
+    """A request added to `llm.engine` directly that finishes first is not taken for one of
+    generate()'s: generate returns its own outputs, in order, and the other request still runs
+    to its end."""
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.engine.add_request("direct", [9, 10, 11], SamplingParams(max_tokens=1, ignore_eos=True))
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy, use_tqdm=False)
+    assert len(outs) == 1 and outs[0].request_id != "direct"
+    assert outs[0].token_ids == reference(llm.engine.model, [5, 6, 7], 8)
+    assert not llm.engine.has_unfinished()
+
+
 def test_a_failed_step_ends_generate_and_leaves_the_engine_clean():
     llm = LLM(model="tiny", dtype="float32", max_num_seqs=2, max_model_len=256, page_size=16)
     engine = llm.engine

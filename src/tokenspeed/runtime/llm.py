@@ -140,6 +140,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise RequestError(f"sampling params must be SamplingParams, got {p!r}")
         ids = [next(self._ids) for _ in prompts]
+        ours = set(ids)
         results: dict[int, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)
         try:
@@ -152,7 +153,9 @@ class LLM:
                     raise RequestError(f"prompt {index}: {detail}") from None
             while len(results) < len(ids):
                 for out in engine.step():
-                    if out.finished and out.request_id not in results:
+                    # Only this call's: a request added to the engine directly may finish
+                    # meanwhile (its outputs are the engine's to report, not this call's).
+                    if out.finished and out.request_id in ours and out.request_id not in results:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
