@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from tokenspeed.cache import CheckpointKind, IntegrityError
-from tokenspeed.cache.checkpoints import CheckpointManager
+from tokenspeed.cache.checkpoints import CheckpointEntry, CheckpointManager
 from tokenspeed.cache.keys import keys_from_ints
 
 INTERVAL = CheckpointKind.INTERVAL
@@ -71,5 +71,18 @@ def test_integrity_check_catches_a_slot_record_out_of_step():
     ckpts.remove(a)
     ckpts.check_integrity(Counter())
     ckpts._slot_page[a.slot] = 1  # a freed slot that still names a page
+    with pytest.raises(IntegrityError):
+        ckpts.check_integrity(Counter())
+
+
+@pytest.mark.parametrize("damage", ["stale", "foreign"])
+def test_integrity_check_catches_an_lru_entry_that_is_not_indexed(damage):
+    ckpts = CheckpointManager(4, 4)
+    a = ckpts.add(11, 8, INTERVAL, None)
+    ckpts.check_integrity(Counter())
+    if damage == "stale":  # a removed entry left behind in the LRU
+        ckpts._lru[12] = CheckpointEntry(key=12, num_tokens=8, slot=3, kind=INTERVAL)
+    else:  # the LRU holds another object than the index under the same key
+        ckpts._lru[11] = CheckpointEntry(key=11, num_tokens=8, slot=a.slot, kind=INTERVAL)
     with pytest.raises(IntegrityError):
         ckpts.check_integrity(Counter())

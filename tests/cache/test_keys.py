@@ -96,6 +96,8 @@ def test_bad_block_arguments():
     with pytest.raises(CacheConfigError):
         KeyChain(0)
     with pytest.raises(CacheConfigError):
+        KeyChain(True)  # a bool is not a page size
+    with pytest.raises(CacheConfigError):
         KeyChain(64).append_blocks([1, 2], 100, 512)  # 2 ids cannot describe 100 tokens
     with pytest.raises(CacheConfigError):
         KeyChain(64).append_blocks([1], 100, 0)

@@ -15,6 +15,7 @@ from tokenspeed.cache import (
     CheckpointKind,
     DuplicateRequestError,
     ForeignHandleError,
+    IntegrityError,
     InvalidRequestError,
     KeyChain,
     LocalHostCache,
@@ -328,6 +329,62 @@ def test_allocate_evicts_cached_pages_when_short():
     assert s.l2.objects == 4
     cache.release(h)
     cache.check_integrity()
+
+
+def test_a_device_error_while_writing_back_an_eviction_leaves_the_hit_unpinned(monkeypatch):
+    """allocate pins the L1 hit before taking fresh pages; when taking them evicts pages whose
+    write-back fails on the device, the hit (and its checkpoint) must not stay pinned."""
+    cache = make_manager(pages=8, l2=LocalHostCache(capacity_bytes=1 << 20))
+    tokens = token_stream(15, 17)
+    _prefill(cache, "a", tokens, checkpoints=[16])  # 4 cached pages and a checkpoint: the hit
+    _prefill(cache, "b", token_stream(16, 13), checkpoints=[12])  # 3 more cached pages
+    before = _snapshot(cache)
+
+    def failing(pids):
+        raise RuntimeError("device read failed")
+
+    monkeypatch.setattr(cache.storage, "read_pages", failing)
+    keys = KeyChain(P).append_tokens(tokens)
+    assert cache.match(keys, 29).num_tokens == 16
+    with pytest.raises(RuntimeError, match="device read failed"):
+        cache.allocate("c", keys, 29)  # 4 hit pages + 4 fresh: 3 must be evicted
+    assert _snapshot(cache) == before
+    cache.check_integrity()
+    monkeypatch.undo()
+    h = cache.allocate("c", keys, 29)
+    assert h.num_cached_tokens == 16
+    cache.release(h)
+    cache.check_integrity()
+
+
+def test_extend_with_unreadable_keys_changes_nothing():
+    cache = make_manager(pages=8)
+    h = cache.allocate("a", KeyChain(P).append_tokens(token_stream(17, 9)), 9)
+    before = (_snapshot(cache), list(h.page_ids), h.num_tokens, h.num_keys)
+    with pytest.raises(CacheConfigError):
+        cache.extend(h, 20, [-1])  # not a page key: raised before any page is taken
+    assert (_snapshot(cache), list(h.page_ids), h.num_tokens, h.num_keys) == before
+    cache.check_integrity()
+    cache.extend(h, 20, KeyChain(P).append_tokens(token_stream(18, 8)))
+    assert (len(h.page_ids), h.num_keys) == (5, 4)
+    cache.release(h)
+    cache.check_integrity()
+
+
+def test_integrity_check_catches_a_shared_page_at_a_foreign_position():
+    """A page is written back at its chain position and a reader checks it: a request's
+    indexed page must sit at the position it is indexed at."""
+    cache = make_manager(pages=16)
+    tokens = token_stream(19, 17)
+    _prefill(cache, "a", tokens, checkpoints=[16])
+    h = cache.allocate("b", KeyChain(P).append_tokens(tokens), 17)
+    assert h.num_cached_tokens == 16
+    cache.check_integrity()
+    pages = cache._pages
+    a, b = h.page_ids[1], h.page_ids[2]
+    pages.position_of[a], pages.position_of[b] = pages.position_of[b], pages.position_of[a]
+    with pytest.raises(IntegrityError, match="position"):
+        cache.check_integrity()
 
 
 def test_sink_page_and_slot_are_never_handed_out():

@@ -53,6 +53,29 @@ def test_eviction_is_lru_tail_first_and_writes_back_before_reuse():
     pages.check_integrity(Counter())
 
 
+def test_a_write_back_that_raises_leaves_the_victims_cached_and_evictable():
+    pages = MlaPageManager(5)
+    ids = pages.allocate(4, None)
+    for i, pid in enumerate(ids):
+        pages.register(pid, 10 + i, i)
+    pages.unpin(ids)
+
+    def failing(pids, keys, positions):
+        raise RuntimeError("device read failed")
+
+    with pytest.raises(RuntimeError):
+        pages.evict(2, failing)
+    with pytest.raises(RuntimeError):
+        pages.allocate(3, failing)  # 1 free: evicts 2, whose write-back fails
+    assert (pages.num_free, pages.num_cached) == (0, 4)
+    pages.check_integrity(Counter())
+    # Still evictable, least recently used first (the table's tail).
+    order = []
+    assert pages.evict(4, lambda p, k, pos: order.extend(keys_to_ints(k))) == 4
+    assert order == [13, 12, 11, 10]
+    pages.check_integrity(Counter())
+
+
 def test_pinned_pages_are_never_evicted_and_allocation_fails_cleanly():
     pages = MlaPageManager(4)
     held = pages.allocate(2, None)
@@ -172,6 +195,21 @@ def test_eviction_takes_the_least_recently_used_pages_oldest_first(ops):
             assert pages.evict(n, lambda p, k, pos, seen=seen: seen.extend(p)) == len(expect)
             assert seen == expect
         pages.check_integrity(Counter(p for t in tables for p in t))
+
+
+def test_integrity_check_catches_a_position_out_of_step_with_the_index():
+    pages = MlaPageManager(6)
+    ids = pages.allocate(2, None)
+    pages.register(ids[0], 10, 0)
+    refs = Counter(ids.tolist())
+    pages.check_integrity(refs)
+    pages.position_of[ids[1]] = 1  # not indexed, yet has a chain position
+    with pytest.raises(IntegrityError, match="position"):
+        pages.check_integrity(refs)
+    pages.position_of[ids[1]] = -1
+    pages.position_of[ids[0]] = -1  # indexed without a position
+    with pytest.raises(IntegrityError, match="position"):
+        pages.check_integrity(refs)
 
 
 def _lru_order(pages: MlaPageManager) -> list[int]:

@@ -79,3 +79,12 @@ def test_a_bad_free_of_one_or_many_ids_changes_nothing(bad):
     assert (pool.free_mask().tolist(), pool.num_free) == before
     pool.check_integrity()
     assert pool.allocate(3).tolist() == [2, 4, 5]
+
+
+def test_integrity_check_catches_an_id_out_of_range_on_the_free_list():
+    pool = SlotPool(8, reserved=(0,))
+    pool.check_integrity()
+    assert pool._stack[0] == 7  # the bottom of the stack: the last id handed out
+    pool._stack[0] = -1  # numpy reads -1 as id 7, which is free: the flags still agree
+    with pytest.raises(IntegrityError, match="outside"):
+        pool.check_integrity()

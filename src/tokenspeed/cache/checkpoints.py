@@ -226,3 +226,7 @@ class CheckpointManager:
         for key in expected_pins:
             if key not in self.index:
                 raise IntegrityError(f"a request pins checkpoint {key!r} that is not indexed")
+        # The LRU holds exactly the unpinned entries themselves: a stale or foreign entry there
+        # would be evicted (its slot freed, its key deleted) under a live one.
+        if any(self.index.get(key) is not entry for key, entry in self._lru.items()):
+            raise IntegrityError("the checkpoint LRU holds an entry that is not indexed")

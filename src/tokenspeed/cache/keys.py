@@ -238,7 +238,7 @@ class KeyChain:
     __slots__ = ("_pending", "_pending_tokens", "_prev", "keys", "num_tokens", "page_size")
 
     def __init__(self, page_size: int, *, salt: bytes = b"") -> None:
-        if not isinstance(page_size, int) or page_size <= 0:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise CacheConfigError(f"page_size must be a positive integer, got {page_size!r}")
         self.page_size = page_size
         self.keys = KeyBuffer()

@@ -309,7 +309,9 @@ class CacheManager:
             self._ckpts.pin(source_ckpt)
         try:
             fresh = self._pages.allocate(total - len(l1_hit), self._tiering.writeback_pages)
-        except CacheError:
+        except BaseException:
+            # Not only CacheFullError: the write-back of an evicted page reads it off the
+            # device, and a device error there must not leave the hit pinned by nobody.
             self._pages.unpin(l1_hit)
             if source_ckpt is not None:
                 self._ckpts.unpin(source_ckpt)
@@ -395,6 +397,10 @@ class CacheManager:
                 f"extend of request {handle.request_id!r} to {num_tokens!r} tokens: it already "
                 f"holds {handle.num_tokens} (extend never shrinks)"
             )
+        if len(page_keys):
+            # Read the keys before taking pages: keys that cannot be read (not page keys) must
+            # raise with the request as it was, not after its table grew.
+            page_keys = as_page_keys(page_keys)
         total = -(-num_tokens // self.page_size)
         need = total - handle._num_pages  # not len(page_ids): that builds a view, per step
         if need > 0:
@@ -669,6 +675,10 @@ class CacheManager:
                 self._pages.key_of[registered][indexed] != h._keys.array[: h._registered][indexed]
             ):
                 raise IntegrityError(f"request {rid!r}: a page is indexed under a foreign key")
+            if np.count_nonzero(
+                self._pages.position_of[registered][indexed] != np.flatnonzero(indexed)
+            ):
+                raise IntegrityError(f"request {rid!r}: a page is indexed at a foreign position")
             refs.update(table)
             for entry in h._held + ([h._rolling] if h._rolling is not None else []):
                 pins[entry.key] += 1

@@ -178,9 +178,9 @@ class MlaPageManager:
         )
         self._head = 0
 
-    def _lru_victims(self, n: int) -> np.ndarray:
-        """The n least recently used cached pages (all of them if fewer), oldest first; their
-        queue entries are consumed."""
+    def _lru_victims(self, n: int) -> tuple[np.ndarray, int]:
+        """The n least recently used cached pages (all of them if fewer), oldest first, and the
+        queue head once they are consumed (the caller consumes them by setting `_head`)."""
         out = np.empty(min(n, self.num_cached), dtype=np.int64)
         found, head = take_lru(
             self._queue_pid,
@@ -192,17 +192,19 @@ class MlaPageManager:
             len(out),
             out,
         )
-        self._head = int(head)
-        return out[: int(found)]
+        return out[: int(found)], int(head)
 
     def evict(self, n: int, writeback: WritebackFn | None) -> int:
         """Evict up to n cached pages, least recently used first; returns how many."""
         if n <= 0 or self.num_cached == 0:
             return 0
-        victims = self._lru_victims(n)
+        victims, head = self._lru_victims(n)
         keys = self.key_of[victims]
         if writeback is not None:
             writeback(victims, keys, self.position_of[victims])
+        # Consumed only now: a write-back that raises (a device read) leaves the victims cached
+        # and still in the queue, so they stay evictable.
+        self._head = head
         self.index.delete(keys)
         forget_pages(victims, self.key_of, self.indexed, self.evictable, self.position_of)
         self.num_cached -= len(victims)
@@ -323,6 +325,11 @@ class MlaPageManager:
             raise IntegrityError("an index entry is not mirrored by its page")
         if self.key_of[~self.indexed].view(np.uint64).any():
             raise IntegrityError("a page that is not indexed still names a key")
+        # Write-back stores a page at its position; a host-tier reader checks it.
+        if (self.position_of[~self.indexed] != -1).any() or (
+            self.position_of[self.indexed] < 0
+        ).any():
+            raise IntegrityError("a page's chain position disagrees with its being indexed")
         qp = self._queue_pid[self._head : self._tail]
         qu = self._queue_use[self._head : self._tail]
         if (np.diff(qu) <= 0).any() or (len(qu) and qu[-1] >= self._clock):

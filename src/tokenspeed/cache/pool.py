@@ -118,6 +118,10 @@ class SlotPool:
 
     def check_integrity(self) -> None:
         free = self._stack[: self._top]
+        # Before the flags below: numpy reads -1 as the last id, so an id out of range would
+        # pass for a free one there and then be handed out.
+        if len(free) and (free.min() < 0 or free.max() >= self.size):
+            raise IntegrityError(f"an id outside [0, {self.size}) is on the free list")
         if len(np.unique(free)) != len(free):
             raise IntegrityError("an id is on the free list twice")
         if any(i in self.reserved for i in free.tolist()):

@@ -144,6 +144,20 @@ def test_payload_contract_is_enforced():
     assert isinstance(l2, HostCache)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(capacity_bytes=True),  # a bool is not a byte count
+        dict(capacity_bytes=1 << 20, metadata_only="no"),  # truthy strings are not flags
+        dict(capacity_bytes=1 << 20, checksum="no"),
+        dict(capacity_bytes=1 << 20, pin_memory=0),
+    ],
+)
+def test_construction_refuses_bools_as_sizes_and_non_bool_flags(kwargs):
+    with pytest.raises(CacheConfigError):
+        LocalHostCache(**kwargs)
+
+
 # ---- batched paths (put_many, prefix_present, the metadata-only get) against the per-object
 # semantics, written out as a plain reference model ---------------------------------------------
 
@@ -329,6 +343,7 @@ def _loaded() -> LocalHostCache:
         "free slot",  # a slot in use is also on the free list
         "bytes",  # the byte count drifts
         "table value",  # the key table names another slot than the one holding the key
+        "free slot out of range",  # the free list names a slot that does not exist
     ],
 )
 def test_integrity_check_catches_broken_slot_bookkeeping(damage):
@@ -342,6 +357,12 @@ def test_integrity_check_catches_broken_slot_bookkeeping(damage):
         l2._push_free(np.array([slot]))
     elif damage == "bytes":
         l2._bytes += 1
+    elif damage == "free slot out of range":
+        # -1 in place of the last slot (free): numpy reads -1 as that slot
+        top = l2._free_top
+        last = len(l2._pos) - 1
+        assert last in l2._free_stack[:top].tolist()
+        l2._free_stack[:top][l2._free_stack[:top] == last] = -1
     else:
         l2._pages.delete(keys_from_ints([2]))
         l2._pages.setdefault(keys_from_ints([2]), np.array([l2._pages.get(3)]))

@@ -72,10 +72,20 @@ class LocalHostCache(HostCache):
         pin_memory: bool | None = None,
         checksum: bool = True,
     ) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+        if (
+            not isinstance(capacity_bytes, int)
+            or isinstance(capacity_bytes, bool)
+            or capacity_bytes <= 0
+        ):
             raise CacheConfigError(
                 f"capacity_bytes must be a positive integer, got {capacity_bytes!r}"
             )
+        # A string such as "no" is truthy: take only a real bool (as `CacheConfig` does).
+        for name, flag in (("metadata_only", metadata_only), ("checksum", checksum)):
+            if not isinstance(flag, bool):
+                raise CacheConfigError(f"{name} must be a bool, got {flag!r}")
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise CacheConfigError(f"pin_memory must be a bool or None, got {pin_memory!r}")
         super().__init__(metadata_only=metadata_only)
         self.capacity_bytes = capacity_bytes
         self.checksum = checksum and not metadata_only
@@ -497,7 +507,11 @@ class LocalHostCache(HostCache):
             raise IntegrityError("L2 slots in use disagree with the stored objects")
         if len(held_slots) and not used[held_slots].all():
             raise IntegrityError("L2 stored object has no LRU stamp")
-        free = self._free_stack[: self._free_top].tolist()
+        free_slots = self._free_stack[: self._free_top]
+        # Before the checks below: numpy would read -1 there as the last slot.
+        if len(free_slots) and (free_slots.min() < 0 or free_slots.max() >= size):
+            raise IntegrityError(f"an L2 free slot is outside [0, {size})")
+        free = free_slots.tolist()
         if len(set(free)) != len(free) or len(free) + len(held_slots) != size or used[free].any():
             raise IntegrityError("L2 free slots disagree with the slots in use")
         if self._keys[np.asarray(free, dtype=np.int64)].view(np.uint64).any():
