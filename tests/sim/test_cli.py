@@ -160,6 +160,11 @@ def _run_quiet(tmp_path, capsys) -> str:
         (["--duration", "0"], "--duration 0 runs the whole workload, but the agentx workload"),
         (["--duration", "inf"], "duration_s must be a finite positive number"),
         (["--workload", "aiperf"], "--workload aiperf needs --trace PATH"),
+        # 1e300 GiB is finite but its byte count is not: it used to end in an OverflowError.
+        (["--device-cache-gib", "1e300"], "--device-cache-gib must be a finite number of GiB"),
+        (["--l2-gib-per-rank", "1e300"], "--l2-gib-per-rank must be a finite number of GiB"),
+        # A trace given without its --workload used to be ignored: the run was AgentX's.
+        (["--trace", "dataset.jsonl"], "--trace is read by --workload aiperf|mooncake only"),
     ],
 )
 def test_cli_rejects_bad_input_with_status_2_and_one_line(tmp_path, capsys, args, message):
@@ -201,3 +206,71 @@ def test_cli_duration_0_runs_a_trace_to_its_end_with_a_progress_bar(tmp_path, ca
         (out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}")
     )
     assert summary["requests_finished"] == 1 and summary["p90_interactivity"] is None
+
+
+@pytest.mark.parametrize("taken", ["summary.json", "report.md", "hit_rate_over_time.png"])
+def test_cli_rejects_an_out_dir_it_cannot_write_before_running(tmp_path, capsys, taken):
+    """An --out whose report files cannot be written used to fail with a traceback after every
+    simulation had run (a directory in the way here; a read-only --out fails the same check)."""
+    out = tmp_path / "r"
+    (out / taken).mkdir(parents=True)
+    args = ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "2"]
+    assert cli.main([*args, "--duration", "5", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert f"--out {out}: cannot write {out / taken}" in err
+    assert "concurrency 2:" not in err  # no simulation ran first
+
+
+def test_cli_rejects_an_out_dir_where_no_file_can_be_created(tmp_path, capsys, monkeypatch):
+    # Tests may run as root, which chmod cannot lock out: the probe file fails to open instead.
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    out = tmp_path / "r"
+    args = ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "2"]
+    assert cli.main([*args, "--duration", "5", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: cannot write there (" in err and "Permission denied" in err
+    assert "concurrency 2:" not in err
+
+
+@pytest.mark.parametrize(
+    ("rows", "extra", "message"),
+    [
+        ("", [], "has no valid rows"),
+        ("oops\n\n", [], "has no valid rows (1 malformed line skipped)"),
+        # Absolute (epoch) timestamps: no request would start within the load window.
+        (
+            '{"timestamp": 1700000000000, "input_length": 100, "output_length": 5}\n',
+            ["--workload", "mooncake"],
+            "no request of the trace starts before --duration 60",
+        ),
+    ],
+)
+def test_cli_rejects_a_trace_that_would_issue_no_request(tmp_path, capsys, rows, extra, message):
+    """An empty trace (or one whose every line was skipped, or whose timed requests all start
+    after the load window) used to produce a report of zeros and NaNs, exit status 0."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(rows)
+    out = tmp_path / "r"
+    args = ["--workload", "aiperf", "--trace", str(trace), *extra, "--duration", "60"]
+    assert cli.main([*args, "--concurrency", "2", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {trace}" in err and message in err
+    assert not out.exists()
+
+
+def test_report_of_a_whole_trace_run_says_so_not_duration_none(tmp_path):
+    """--duration 0 (duration_s=None) used to be written as "duration None s" in report.md."""
+    trace = tmp_path / "dataset.jsonl"
+    trace.write_text('{"session_id": "a", "input_length": 300, "output_length": 3}\n')
+    out = tmp_path / "r"
+    args = ["--workload", "aiperf", "--trace", str(trace), "--duration", "0", "--out", str(out)]
+    args += ["--prefill-ranks", "1", "--decode-ranks", "1", "--concurrency", "1", "--no-progress"]
+    assert cli.main(args) == 0
+    report = (out / "report.md").read_text()
+    assert "None" not in report and "duration unlimited (the whole workload)," in report

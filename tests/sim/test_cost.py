@@ -135,3 +135,20 @@ def test_cost_values_must_be_finite():
     with pytest.raises(ValueError, match="prefill_per_token_s must be finite"):
         LinearCostModel(prefill_per_token_s=float("inf"))
     assert LinearCostModel(load_bytes_per_s=float("inf")).load_time(10**12) == 0  # free copies
+
+
+@pytest.mark.parametrize(
+    "field", ["decode_base_s", "prefill_per_pair_s", "transfer_bytes_per_s", "load_bytes_per_s"]
+)
+@pytest.mark.parametrize("value", [True, "1", None])
+def test_linear_model_rejects_bools_and_non_numbers(field, value):
+    """True used to pass as 1 (a 1 byte/s link, say); a string escaped as a TypeError."""
+    with pytest.raises(ValueError, match=field):
+        LinearCostModel(**{field: value})
+
+
+def test_table_model_nested_too_deeply_is_reported_naming_the_file(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)  # the JSON decoder recurses per level
+    with pytest.raises(ValueError, match="cost.json: .*nested too deeply"):
+        TableCostModel.from_file(path)

@@ -11,6 +11,7 @@ import json
 import math
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from tokenspeed.cache import CheckpointPolicy
@@ -22,8 +23,17 @@ from tokenspeed.sim.report import results_table, scenario_line
 from tokenspeed.sim.workload import (
     AgentXConfig,
     AgentXWorkload,
+    Workload,
     load_aiperf_dataset,
     load_mooncake_trace,
+)
+
+# What write_report writes under --out.
+REPORT_FILES = (
+    "report.md",
+    "summary.json",
+    "throughput_vs_interactivity.png",
+    "hit_rate_over_time.png",
 )
 
 
@@ -72,7 +82,8 @@ def build_parser(prog: str = "python -m tokenspeed.sim") -> argparse.ArgumentPar
 
 
 def _gib_to_bytes(option: str, gib: float) -> int:
-    if not 0 <= gib < math.inf:
+    # On the byte count: a finite GiB figure such as 1e300 overflows it (int() would raise).
+    if not 0 <= gib * (1 << 30) < math.inf:
         raise ValueError(f"{option} must be a finite number of GiB >= 0, got {gib}")
     return int(gib * (1 << 30))
 
@@ -113,6 +124,10 @@ def config_from_args(args: argparse.Namespace, concurrency: int) -> ClusterConfi
 
 def load_workload(args: argparse.Namespace):
     if args.workload == "agentx":
+        if args.trace is not None:  # ignoring it would report AgentX results as the trace's
+            raise ValueError(
+                "--trace is read by --workload aiperf|mooncake only; say which layout it has"
+            )
         return AgentXWorkload(AgentXConfig(), seed=args.seed)
     if args.trace is None:
         raise ValueError(f"--workload {args.workload} needs --trace PATH")
@@ -120,7 +135,43 @@ def load_workload(args: argparse.Namespace):
     workload = loader(args.trace, on_error=args.on_error)
     for issue in workload.issues:
         print(f"{args.trace}: skipped {issue}", file=sys.stderr)
+    _check_trace_issues_requests(args, workload)
     return workload
+
+
+def _check_trace_issues_requests(args: argparse.Namespace, workload: Workload) -> None:
+    """A trace that would issue no request is a mistake (an empty or wrong file, epoch
+    timestamps): refuse it rather than write a report of zeros."""
+    if not workload.sessions:
+        skipped = len(workload.issues)
+        why = f" ({skipped} malformed line{'s' * (skipped != 1)} skipped)" if skipped else ""
+        raise ValueError(f"{args.trace} has no valid rows{why}")
+    if workload.timed and args.duration:
+        first = min(s.start_s for s in workload.sessions)
+        if first >= args.duration:
+            raise ValueError(
+                f"{args.trace}: no request of the trace starts before --duration {args.duration:g}"
+                f" (the first starts at {first:g} s; timestamps are ms from the replay's start)"
+            )
+
+
+def _check_out_writable(out: Path) -> None:
+    """Fail before the simulations, not after them, if the report cannot be written: a file of
+    the report that cannot be opened for writing (a directory in the way, read-only), or an
+    --out where no file can be created. Opening for append changes no existing file."""
+    for name in REPORT_FILES:
+        path = out / name
+        if path.exists() or path.is_symlink():
+            try:
+                with open(path, "ab"):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"--out {out}: cannot write {path} ({exc.strerror})") from None
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror})") from None
 
 
 def _json_safe(value: object) -> object:
@@ -203,6 +254,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tokenspeed.sim") 
         for cfg in configs:
             check_load(cfg, workload)
         args.out.mkdir(parents=True, exist_ok=True)
+        _check_out_writable(args.out)
     except (OSError, ValueError) as exc:  # TraceError is a ValueError; OSError: unreadable file
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -79,16 +79,22 @@ def attention_pairs(spans: Sequence[tuple[int, int]]) -> float:
     return sum((end - start) * (start + (end - start + 1) / 2.0) for start, end in spans)
 
 
+def _is_real(value: object) -> bool:
+    # A bool would pass as 0 or 1 (a 1 byte/s link, say); a string would fail the range test
+    # with a TypeError that does not name the field.
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
     # A NaN or infinite cost would turn every time after it into NaN / inf, silently.
-    if not 0 <= value < math.inf:
-        raise ValueError(f"{attribute.name} must be finite and >= 0, got {value}")
+    if not _is_real(value) or not 0 <= value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and >= 0, got {value!r}")
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
     # A rate may be infinite (a free copy); NaN fails this test.
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+    if not _is_real(value) or not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -233,6 +239,8 @@ class TableCostModel:
             return cls._from_json(json.loads(Path(path).read_text()))
         except (ValueError, OverflowError) as exc:  # JSONDecodeError; an integer past float
             raise ValueError(f"{path}: {exc}") from None
+        except RecursionError:  # the JSON decoder recurses once per nesting level
+            raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
 
     @classmethod
     def _from_json(cls, obj: object) -> TableCostModel:

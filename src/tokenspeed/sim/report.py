@@ -53,7 +53,9 @@ def scenario_line(res: SimResult) -> str:
         if c.mode.value == "pd"
         else f"{c.prefill_ranks} aggregated ranks"
     )
+    # duration_s=None: no cut-off, the workload ran to its end.
+    duration = "unlimited (the whole workload)" if c.duration_s is None else f"{c.duration_s} s"
     return (
         f"{shape}, page {c.geometry.page_size}, L2 {c.l2.value}, routing {c.routing.value}, "
-        f"admission {c.admission.value}, duration {c.duration_s} s, workload {res.workload}"
+        f"admission {c.admission.value}, duration {duration}, workload {res.workload}"
     )

@@ -193,3 +193,28 @@ def test_distribution_fields_must_be_lognormals(field):
 def test_delays_may_clip_below_one():
     cfg = AgentXConfig(agentic_delay_s=LogNormal(2.5, 1.8, low=0))
     assert cfg.agentic_delay_s.low == 0
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "agentic_fraction",
+        "reset_probability",
+        "subagent_probability",
+        "group_zipf_alpha",
+        "reset_context_scaling",
+        "subagent_turns_mean",
+    ],
+)
+@pytest.mark.parametrize("value", [True, "0.5", None])
+def test_real_valued_fields_reject_bools_and_non_numbers(field, value):
+    """True used to pass as 1.0 (a probability of one, say), and a string escaped as a
+    TypeError from the comparison instead of a message naming the field."""
+    with pytest.raises(ValueError, match=field):
+        AgentXConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("mean", "median"), [(True, 0.5), (2, True), ("3", 1), (3, None)])
+def test_lognormal_mean_and_median_must_be_numbers(mean, median):
+    with pytest.raises(ValueError, match="lognormal needs finite mean > median > 0"):
+        LogNormal(mean, median)

@@ -1,5 +1,6 @@
 import itertools
 import json
+import math
 
 import pytest
 
@@ -259,3 +260,62 @@ def test_a_non_utf8_byte_spoils_only_its_line_and_a_bom_is_ignored(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + ok + b"\r\n")
     w = load_aiperf_dataset(path)
     assert not w.issues and [s.sid for s in w.sessions] == ["sess-a"]
+
+
+@pytest.mark.parametrize("field", ["timestamp", "delay"])
+def test_integer_times_too_large_for_a_float_are_malformed(tmp_path, field):
+    """JSON integers are unbounded: one past the float range used to escape the loader as an
+    OverflowError (a crash even with on_error="skip") instead of a reported line."""
+    rows = [AIPERF_ROWS[0], {**AIPERF_ROWS[2], field: 10**400}, AIPERF_ROWS[3]]
+    path = _write(tmp_path, rows)
+    w = load_aiperf_dataset(path)
+    assert [(i.line, i.message) for i in w.issues] == [
+        (2, f"'{field}' must be a finite number, got an integer of 401 digits")
+    ]
+    assert [len(s.turns) for s in w.sessions] == [2]
+    with pytest.raises(TraceError, match=rf"dataset.jsonl:2: '{field}' must be a finite number"):
+        load_aiperf_dataset(path, on_error="raise")
+
+
+def test_json_nested_too_deeply_is_malformed(tmp_path):
+    """The JSON decoder recurses per nesting level: a pathological line used to escape as a
+    RecursionError instead of a reported line."""
+    deep = '{"input_length": 10, "output_length": 5, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = _write(tmp_path, [AIPERF_ROWS[0], deep, AIPERF_ROWS[2]])
+    w = load_aiperf_dataset(path)
+    assert [(i.line, i.message) for i in w.issues] == [(2, "not valid JSON (nested too deeply)")]
+    assert [len(s.turns) for s in w.sessions] == [2]
+    with pytest.raises(TraceError, match="dataset.jsonl:2: not valid JSON"):
+        load_mooncake_trace(path, on_error="raise")
+
+
+def test_a_boolean_session_id_is_malformed(tmp_path):
+    # `true` is not an id: it used to become the session "True" (merging with a real "True").
+    path = _write(tmp_path, [{**AIPERF_ROWS[0], "session_id": True}, AIPERF_ROWS[1]])
+    w = load_aiperf_dataset(path)
+    assert [(i.line, i.message) for i in w.issues] == [
+        (1, "'session_id' must be a string, got True")
+    ]
+    assert [s.sid for s in w.sessions] == ["sess-b"]
+
+
+@pytest.mark.parametrize("block_size", [0, -512, 1.5, True])
+def test_loaders_and_workloads_reject_a_block_size_that_is_not_a_positive_integer(
+    tmp_path, block_size
+):
+    """block_size=0 used to fail per row with a ZeroDivisionError (a crash, not a message)."""
+    path = _write(tmp_path, AIPERF_ROWS)
+    for loader in (load_aiperf_dataset, load_mooncake_trace):
+        with pytest.raises(ValueError, match="block_size must be a positive integer"):
+            loader(path, block_size=block_size)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        Workload.of([], block_size=block_size)
+
+
+@pytest.mark.parametrize("start", [-1.0, math.nan, math.inf, True, "0"])
+def test_a_session_start_must_be_a_finite_non_negative_time(start):
+    """A timed session is pushed on the event heap at start_s: a NaN breaks the heap order and
+    a negative time runs the clock backwards, silently."""
+    with pytest.raises(ValueError, match="start_s must be finite and >= 0"):
+        Session(sid="a", turns=(Turn(new_tokens=5, output_tokens=1),), start_s=start)
+    assert Session(sid="a", turns=(Turn(new_tokens=5, output_tokens=1),), start_s=0).start_s == 0

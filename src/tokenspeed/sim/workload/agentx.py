@@ -37,19 +37,25 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_real(value: object) -> bool:
+    # A bool would pass as 0 or 1 (a probability of one, say); a string would fail the range
+    # comparison with a TypeError that does not name the field.
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
+    if not _is_real(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not 0 < value < math.inf:
-        raise ValueError(f"{attribute.name} must be finite and positive, got {value}")
+    if not _is_real(value) or not 0 < value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and positive, got {value!r}")
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not 0 <= value < math.inf:
-        raise ValueError(f"{attribute.name} must be finite and >= 0, got {value}")
+    if not _is_real(value) or not 0 <= value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and >= 0, got {value!r}")
 
 
 def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -64,8 +70,8 @@ def _non_negative_int(instance: object, attribute: attrs.Attribute, value: objec
 
 def _at_least_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
     # A geometric number of turns with this mean: success probability 1 / mean must be in (0, 1].
-    if not 1 <= value < math.inf:
-        raise ValueError(f"{attribute.name} must be finite and >= 1, got {value}")
+    if not _is_real(value) or not 1 <= value < math.inf:
+        raise ValueError(f"{attribute.name} must be finite and >= 1, got {value!r}")
 
 
 def _distribution(instance: object, attribute: attrs.Attribute, value: object) -> None:

@@ -20,9 +20,12 @@ class LogNormal:
     high: float = math.inf
 
     def __attrs_post_init__(self) -> None:
-        if not math.inf > self.mean > self.median > 0:
+        moments = (self.mean, self.median)
+        if any(isinstance(m, bool) or not isinstance(m, int | float) for m in moments) or not (
+            math.inf > self.mean > self.median > 0
+        ):
             raise ValueError(
-                f"lognormal needs finite mean > median > 0, got {self.mean}, {self.median}"
+                f"lognormal needs finite mean > median > 0, got {self.mean!r}, {self.median!r}"
             )
         bounds = (self.low, self.high)
         if any(isinstance(b, bool) or not isinstance(b, int | float) for b in bounds) or not (

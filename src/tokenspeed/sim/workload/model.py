@@ -57,6 +57,17 @@ class Session:
     def __attrs_post_init__(self) -> None:
         if not self.turns:
             raise ValueError(f"session {self.sid} has no turns")
+        # A timed session is pushed on the event heap at start_s: a NaN would break the heap's
+        # order and a negative time would run the clock backwards, both silently.
+        start = self.start_s
+        if start is not None and (
+            isinstance(start, bool)
+            or not isinstance(start, int | float)
+            or not 0 <= start < math.inf
+        ):
+            raise ValueError(
+                f"session {self.sid}: start_s must be finite and >= 0 or None, got {start!r}"
+            )
 
     @property
     def num_requests(self) -> int:
@@ -83,12 +94,22 @@ class TraceIssue:
         return f"line {self.line}: {self.message}"
 
 
+def check_block_size(block_size: object) -> None:
+    """Raise ValueError unless `block_size` (tokens per trace block) is a positive integer."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+
+
+def _block_size(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    check_block_size(value)
+
+
 @attrs.frozen(kw_only=True)
 class Workload:
     """A finite, loaded workload (a trace); generators are `SessionSource`s of their own."""
 
     sessions: tuple[Session, ...]
-    block_size: int = 512
+    block_size: int = attrs.field(default=512, validator=_block_size)
     name: str = "trace"
     issues: tuple[TraceIssue, ...] = ()  # lines skipped while loading
 

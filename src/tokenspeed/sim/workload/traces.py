@@ -27,12 +27,19 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Literal
 
 import attrs
 
-from tokenspeed.sim.workload.model import Session, TraceIssue, Turn, Workload
+from tokenspeed.sim.workload.model import (
+    Session,
+    TraceIssue,
+    Turn,
+    Workload,
+    check_block_size,
+)
 
 OnError = Literal["skip", "raise"]
 
@@ -43,6 +50,7 @@ MAX_TOKENS = 1 << 24
 # Page keys pack a block id as a signed 64-bit integer; the negative half is the simulator's.
 MAX_HASH_ID = (1 << 63) - 1
 _BOM = b"\xef\xbb\xbf"
+_MAX_FLOAT = int(sys.float_info.max)
 
 
 class TraceError(ValueError):
@@ -82,6 +90,12 @@ def _float_field(row: dict, name: str) -> float | None:
     value = row.get(name)
     if value is None:
         return None
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _MAX_FLOAT:
+        # JSON integers are unbounded and math.isfinite raises OverflowError past the float
+        # range; the digit count keeps the message one short line.
+        raise ValueError(
+            f"{name!r} must be a finite number, got an integer of {len(str(abs(value)))} digits"
+        )
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name!r} must be a finite number, got {value!r}")
     if value < 0:
@@ -94,6 +108,8 @@ def _parse_row(text: str, line: int, block_size: int) -> _Row:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON ({exc.msg})") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise ValueError("not valid JSON (nested too deeply)") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     input_length = _int_field(row, "input_length", required=True, minimum=1, maximum=MAX_TOKENS)
@@ -112,7 +128,10 @@ def _parse_row(text: str, line: int, block_size: int) -> _Row:
             f"blocks of {block_size}"
         )
     session_id = row.get("session_id")
-    if session_id is not None and not isinstance(session_id, str | int):
+    # An integer id is accepted (and becomes its decimal string); a bool is not an id.
+    if session_id is not None and (
+        isinstance(session_id, bool) or not isinstance(session_id, str | int)
+    ):
         raise ValueError(f"'session_id' must be a string, got {session_id!r}")
     group_id = _int_field(row, "group_id", required=False, minimum=0)
     return _Row(
@@ -140,6 +159,8 @@ def _read_rows(
     path: Path, block_size: int, on_error: OnError, *, timed: bool
 ) -> tuple[list[_Row], list[TraceIssue]]:
     """timed: replayed at recorded times, so every session's first row needs its timestamp."""
+    # Checked before the first row: each row divides by block_size.
+    check_block_size(block_size)
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
     rows, issues = [], []
