@@ -28,13 +28,12 @@ from tokenspeed.sim.workload import (
     load_mooncake_trace,
 )
 
-# What write_report writes under --out.
-REPORT_FILES = (
-    "report.md",
-    "summary.json",
-    "throughput_vs_interactivity.png",
-    "hit_rate_over_time.png",
-)
+# What write_report writes under --out (checked writable before any simulation runs).
+REPORT_MD = "report.md"
+SUMMARY_JSON = "summary.json"
+THROUGHPUT_PNG = "throughput_vs_interactivity.png"
+HIT_RATE_PNG = "hit_rate_over_time.png"
+REPORT_FILES = (REPORT_MD, SUMMARY_JSON, THROUGHPUT_PNG, HIT_RATE_PNG)
 
 
 def build_parser(prog: str = "python -m tokenspeed.sim") -> argparse.ArgumentParser:
@@ -195,13 +194,13 @@ def write_report(out: Path, results: list[SimResult], command: str) -> Path:
                 for r in results
             ]
         },
-        out / "throughput_vs_interactivity.png",
+        out / THROUGHPUT_PNG,
     )
     plot_hit_rate_over_time(
         {f"concurrency {r.config.concurrency}": r.hit_rate_over_time for r in results},
-        out / "hit_rate_over_time.png",
+        out / HIT_RATE_PNG,
     )
-    (out / "summary.json").write_text(
+    (out / SUMMARY_JSON).write_text(
         json.dumps(
             [
                 _json_safe(
@@ -226,12 +225,12 @@ def write_report(out: Path, results: list[SimResult], command: str) -> Path:
         "",
         results_table([(f"c={r.config.concurrency}", r) for r in results]),
         "",
-        "![throughput vs interactivity](throughput_vs_interactivity.png)",
+        f"![throughput vs interactivity]({THROUGHPUT_PNG})",
         "",
-        "![hit rate over time](hit_rate_over_time.png)",
+        f"![hit rate over time]({HIT_RATE_PNG})",
         "",
     ]
-    path = out / "report.md"
+    path = out / REPORT_MD
     path.write_text("\n".join(lines))
     return path
 
