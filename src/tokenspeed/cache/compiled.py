@@ -16,8 +16,9 @@ logger = logging.getLogger("tokenspeed.cache")
 F = TypeVar("F", bound=Callable)
 
 # TOKENSPEED_CACHE_INTERPRETED=1 runs the loops in the interpreter even where numba is installed
-# (tests check that the fallback computes the same).
-if os.environ.get("TOKENSPEED_CACHE_INTERPRETED"):
+# (tests check that the fallback computes the same); unset, empty or "0" leaves them compiled.
+FORCE_INTERPRETED = os.environ.get("TOKENSPEED_CACHE_INTERPRETED", "0") not in ("", "0")
+if FORCE_INTERPRETED:
     numba = None
 else:
     try:
