@@ -6,6 +6,7 @@ import hashlib
 import struct
 from array import array
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from tokenspeed.cache import CacheConfigError, KeyChain, page_keys_for_blocks, p
 from tokenspeed.cache.keys import (
     KEY_DTYPE,
     KeyBuffer,
+    as_key_int,
     as_page_keys,
     key_at,
     keys_equal,
@@ -202,6 +204,14 @@ def test_keys_outside_128_bits_are_refused():
     for bad in ([-1], [1 << 128]):
         with pytest.raises(CacheConfigError):
             keys_from_ints(bad)
+
+
+def test_keys_must_be_integers_numpy_ones_included():
+    assert keys_to_ints(keys_from_ints([np.uint64(7), np.int64(9)])) == [7, 9]
+    assert as_key_int(np.uint64(5)) == 5 and type(as_key_int(np.uint64(5))) is int
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(CacheConfigError, match="page keys must be integers"):
+            as_key_int(bad)
 
 
 def test_key_buffer_grows_and_its_views_stay_as_they_were():

@@ -28,6 +28,7 @@ history. Splitting the same content into different appends gives the same keys.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from array import array
 from collections.abc import Iterable, Sequence
@@ -72,9 +73,14 @@ def as_key_int(key: PageKey | np.void) -> PageKey:
         if key.dtype != KEY_DTYPE:
             raise CacheConfigError(f"not a page key: {key!r}")
         return key_int(key)
-    if not 0 <= key < 1 << 128:
+    try:
+        # A numpy integer becomes an int (it has no to_bytes); a bool is no key.
+        value = operator.index(key) if not isinstance(key, bool) else None
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < 1 << 128:
         raise CacheConfigError(f"page keys must be integers in [0, 2^128), got {key!r}")
-    return key
+    return value
 
 
 def _key_bytes(key: PageKey | np.void) -> bytes:
