@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenspeed.runtime.agentx_replay import ReplayError, agentx_sessions, replay
+from tokenspeed.runtime.agentx_replay import ReplayError, agentx_sessions, block_tokens, replay
 
 
 class _IdleEngine:
@@ -53,3 +53,67 @@ def test_agentx_sessions_refuses_counts_and_scales_that_make_no_workload(kwargs,
     args = {"num_sessions": 2, "seed": 0, "scale": 1 / 128, "max_turns": 2} | kwargs
     with pytest.raises(ReplayError, match=message):
         agentx_sessions(**args)
+
+
+def _recording_engine(model, max_model_len):
+    """A real engine (tiny model, CPU) that also records the prompt and max_tokens of each
+    request the replay submits."""
+    from tokenspeed.runtime import Engine, EngineConfig
+
+    engine = Engine(
+        model, None, EngineConfig(max_num_seqs=2, max_model_len=max_model_len, page_size=16)
+    )
+    submitted = []
+    add = engine.add_request
+
+    def add_request(rid, prompt, params, **kwargs):
+        submitted.append((rid, list(prompt), params.max_tokens))
+        add(rid, prompt, params, **kwargs)
+
+    engine.add_request = add_request
+    return engine, submitted
+
+
+def test_turns_without_block_ids_still_add_their_new_tokens(tiny):
+    """A trace turn whose tokens have no (or too few) block ids: the un-hashed tokens are unique
+    content, not nothing; a first turn without ids used to be an empty prompt, which the engine
+    refuses, ending the whole replay."""
+    from tokenspeed.sim.workload.model import Session, Turn
+
+    turns = (
+        Turn(new_tokens=5, output_tokens=3),  # no block ids at all
+        Turn(new_tokens=20, output_tokens=2, blocks=(7,)),  # one id for the first 16 tokens
+    )
+    engine, submitted = _recording_engine(tiny, max_model_len=128)
+    result = replay(engine, [Session(sid="s", turns=turns)], concurrency=1, block_size=16)
+    assert result["requests"] == 2 and result["skipped_turns"] == 0
+    assert result["generated_tokens"] == 5
+    (_, first, _), (_, second, _) = submitted
+    assert len(first) == 5 and len(second) == 5 + 3 + 20
+    assert second[8:24] == block_tokens(7, 16, 512)  # the block's tokens, then 4 unique ones
+
+
+def test_turns_use_the_room_up_to_max_model_len_and_stop_past_it(tiny):
+    """The engine serves a prompt of max_model_len - 1 tokens with one output token, and caps
+    an output to the room left; the turn after one that filled the context is skipped."""
+    from tokenspeed.sim.workload.model import Session, Turn
+
+    limit = 32
+    sessions = [
+        Session(sid="edge", turns=(Turn(new_tokens=limit - 1, output_tokens=4, blocks=(1, 2)),)),
+        Session(
+            sid="long",
+            turns=(
+                Turn(new_tokens=10, output_tokens=1000, blocks=(3,)),  # past the limit
+                Turn(new_tokens=1, output_tokens=1, blocks=(4,)),
+            ),
+        ),
+    ]
+    engine, submitted = _recording_engine(tiny, max_model_len=limit)
+    result = replay(engine, sessions, concurrency=2, block_size=16)
+    assert [(rid, len(p), m) for rid, p, m in submitted] == [
+        (("edge", 0), limit - 1, 1),
+        (("long", 0), 10, limit - 10),
+    ]
+    assert result["requests"] == 2 and result["skipped_turns"] == 1
+    assert result["generated_tokens"] == 1 + (limit - 10)

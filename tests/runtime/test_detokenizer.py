@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tokenspeed.runtime.detokenizer import Detokenizer
 from tokenspeed.runtime.sampling_params import SamplingParams
-from tokenspeed.runtime.stop import _UNSETTLED_CHARS, StopChecker
+from tokenspeed.runtime.stop import StopChecker
 from tokenspeed.runtime.tokenizer import BYTE_STREAM, ByteTokenizer, HFTokenizer, WindowRule
 
 CORPUS = [
@@ -314,7 +314,10 @@ def test_a_tokenizer_error_leaves_the_text_as_it_was():
 
 
 class FullDecodeStopChecker:
-    """The stop checker before incremental detokenization (verbatim logic): the reference."""
+    """The stop checker before incremental detokenization (its logic, but each check searches
+    the whole text, not only its last few characters, which a byte-fallback run can rewrite):
+    the reference. An output ends at the first token after which its full decode holds a stop
+    string."""
 
     def __init__(self, params, tokenizer, eos_token_ids):
         self.params = params
@@ -322,8 +325,6 @@ class FullDecodeStopChecker:
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids |= set(eos_token_ids)
-        self._longest_stop = max((len(s) for s in params.stop), default=0)
-        self._checked_len = 0
 
     def check(self, output_ids):
         last = output_ids[-1]
@@ -331,11 +332,8 @@ class FullDecodeStopChecker:
             return last
         if self.params.stop:
             text = self.tokenizer.decode(output_ids)
-            start = max(0, self._checked_len - _UNSETTLED_CHARS - self._longest_stop + 1)
-            self._checked_len = len(text)
-            tail = text[start:]
             for stop in self.params.stop:
-                if stop in tail:
+                if stop in text:
                     return stop
         return None
 

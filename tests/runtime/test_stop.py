@@ -56,3 +56,39 @@ def test_a_stop_string_completed_by_the_last_byte_of_a_character_is_found(stop):
         reasons.append(checker.check(ids))
     end = len(("a" * 30 + stop).encode())
     assert reasons[end - 1] == stop and not any(reasons[: end - 1])
+
+
+def _sentencepiece_with_byte_fallback(tmp_path):
+    """Llama-2's decoder pipeline over a vocabulary without CJK pieces: "日語" is six byte
+    pieces, one run that renders as six U+FFFD until its last byte makes it two characters."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenspeed.runtime.tokenizer import HFTokenizer
+
+    pieces = [("<unk>", 0.0), ("▁", -3.0), ("▁a", -1.0)]
+    pieces += [(f"<0x{b:02X}>", -6.0) for b in range(256)]
+    tok = tokenizers.Tokenizer(tokenizers.models.Unigram(pieces, 0, byte_fallback=True))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    decoders = tokenizers.decoders
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp_path / "sp.json"))
+    return HFTokenizer(tmp_path / "sp.json", ())
+
+
+@pytest.mark.parametrize("stop", ["日語", "語", "a 日語"])
+def test_a_stop_string_spelled_by_the_end_of_a_byte_fallback_run_ends_the_output(tmp_path, stop):
+    """The run's last byte shortens the text (six U+FFFD become "日語"): the stop string ends
+    before where the previous check's text ended, and must still be found at that token, not
+    one token late (or never, when the output ends there)."""
+    tok = _sentencepiece_with_byte_fallback(tmp_path)
+    ids = tok.encode("a 日語 a a")
+    assert tok.decode(ids[:8]) == "a 日語" and tok.decode(ids[:7]) == "a " + "\ufffd" * 5
+    checker = StopChecker(SamplingParams(stop=[stop]), tok, ())
+    reasons = []
+    for k in range(1, len(ids) + 1):  # as the engine does: until a check ends the output
+        reasons.append(checker.check(ids[:k]))
+        checker.text(ids[:k])
+        if reasons[-1] is not None:
+            break
+    assert reasons == [None] * 7 + [stop]
+    assert checker.text(ids[:8]) == "a 日語"[: "a 日語".index(stop)]

@@ -81,17 +81,30 @@ def replay(
     queue = deque(sessions)
     live: dict[object, _Live] = {}
     generated = requests = skipped = 0
+    unique = np.random.default_rng(0x0A9E)  # tokens without a block id: no one else's content
     start = time.monotonic()
+
+    def new_tokens(turn) -> list[int]:
+        """A turn's `new_tokens` tokens: `block_size` per block id (the last one may be partial),
+        then, past its ids (a trace's un-hashed tail; the whole turn when it has none), tokens
+        unique to this turn. Without them a turn with no ids would add nothing to the prompt,
+        and a first turn would be an empty prompt, which the engine refuses."""
+        new: list[int] = []
+        for block in turn.blocks:
+            count = min(block_size, turn.new_tokens - len(new))
+            if count < 1:
+                break
+            new += block_tokens(block, count, vocab)
+        if len(new) < turn.new_tokens:
+            new += unique.integers(3, vocab, size=turn.new_tokens - len(new)).tolist()
+        return new
 
     def submit(state: _Live) -> bool:
         nonlocal requests, skipped
         turn = state.session.turns[state.turn]
-        new: list[int] = []
-        for i, block in enumerate(turn.blocks):
-            count = min(block_size, turn.new_tokens - i * block_size)
-            new += block_tokens(block, count, vocab)
-        prompt = state.history + new
-        max_tokens = min(turn.output_tokens, limit - len(prompt) - 1)
+        prompt = state.history + new_tokens(turn)
+        # The engine takes a prompt shorter than max_model_len and generates up to the limit.
+        max_tokens = min(turn.output_tokens, limit - len(prompt))
         if max_tokens < 1:
             skipped += 1
             return False  # the conversation outgrew the model's limit: it ends here

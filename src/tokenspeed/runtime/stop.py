@@ -29,6 +29,7 @@ class StopChecker:
             self.stop_ids |= set(eos_token_ids)
         self._longest_stop = max((len(s) for s in params.stop), default=0)
         self._checked_len = 0  # length of the text at the previous check
+        self._checked_settled = 0  # length of the detokenizer's settled text then
         self._detok = Detokenizer(tokenizer) if tokenizer is not None else None
         # Where each stop string first occurs in the settled text (None: nowhere), searched up
         # to `_searched` characters; the settled text never changes, so this is never redone.
@@ -42,14 +43,21 @@ class StopChecker:
         if last in self.stop_ids:
             return last
         if self.params.stop:
-            self._detok.update(output_ids)
+            detok = self._detok
+            detok.update(output_ids)
             # A stop string completed by this token ends in the text it added, however long
-            # (one token can be many characters). The previous text's last few characters may
-            # change too: an incomplete UTF-8 sequence decodes to up to 3 replacement
-            # characters until its last byte arrives.
-            start = max(0, self._checked_len - _UNSETTLED_CHARS - self._longest_stop + 1)
-            self._checked_len = len(self._detok)
-            tail = self._detok.text_from(start)
+            # (one token can be many characters), or in earlier text that the token rewrote.
+            # Only the detokenizer's unsettled tail can be rewritten: an incomplete UTF-8
+            # sequence decodes to up to 3 replacement characters until its last byte arrives,
+            # and a byte-fallback run of any length turns from one U+FFFD per byte into the
+            # (fewer) characters it spells, so the text can even get shorter. Settled text
+            # never changes, unless the detokenizer just gave up windows (settled is then "").
+            # The previous bound (the last 3 characters of the previous text) stays a floor.
+            known = min(self._checked_len - _UNSETTLED_CHARS, self._checked_settled)
+            known = min(known, len(detok.settled))
+            start = max(0, known - self._longest_stop + 1)
+            self._checked_len, self._checked_settled = len(detok), len(detok.settled)
+            tail = detok.text_from(start)
             for stop in self.params.stop:
                 if stop in tail:
                     return stop
