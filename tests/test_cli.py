@@ -99,6 +99,15 @@ def test_bad_flags_are_usage_errors_naming_the_flag(no_model_loads, capsys, argv
     assert message in err and "Traceback" not in err
 
 
+def test_more_threads_than_the_machine_can_start_is_a_usage_error(no_model_loads, capsys):
+    # torch.set_num_threads(100000) made libgomp fail to create threads and kill the process.
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--threads", "100000"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --threads: expected at most" in err and "got 100000" in err
+
+
 def test_a_workload_scale_too_small_is_refused_before_the_model_loads(no_model_loads, capsys):
     assert main(["bench", "agentx", "--scale", "1e-6"]) == 2
     err = capsys.readouterr().err

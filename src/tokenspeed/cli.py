@@ -45,6 +45,22 @@ def _non_negative_int(text: str) -> int:
     return _int_at_least(0, text)
 
 
+# Far more threads than CPUs only contend, and past a few thousand OpenMP fails to create them
+# and kills the process (libgomp "Thread creation failed", a segfault) instead of an error.
+_THREADS_PER_CPU = 4
+
+
+def _threads(text: str) -> int:
+    value = _positive_int(text)
+    cpus = os.cpu_count() or 1
+    if value > _THREADS_PER_CPU * cpus:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {_THREADS_PER_CPU * cpus} threads "
+            f"({_THREADS_PER_CPU} per CPU; this machine has {cpus}), got {value}"
+        )
+    return value
+
+
 def _finite_float(text: str, low: float, low_included: bool) -> float:
     bound = f">= {low:g}" if low_included else f"> {low:g}"
     try:
@@ -240,7 +256,7 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
         "generate, 1 for bench agentx, whose latency metrics want every token as it comes)",
     )
     p.add_argument(
-        "--threads", type=_positive_int, default=None,
+        "--threads", type=_threads, default=None,
         help="torch CPU threads (default: 1 for a model under 100M parameters on the CPU, "
         "unless OMP_NUM_THREADS is set; else torch's default)",
     )

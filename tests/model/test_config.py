@@ -5,7 +5,13 @@ import json
 import pytest
 
 from tokenspeed.model import ConfigError, from_hf_config, get_preset, to_hf_config
-from tokenspeed.model.config import KdaConfig, MlaConfig, ModelConfig, MoeConfig
+from tokenspeed.model.config import (
+    ActivationConfig,
+    KdaConfig,
+    MlaConfig,
+    ModelConfig,
+    MoeConfig,
+)
 
 from .hf_kimi_linear import hf_kimi_linear, tiny_hf_config
 
@@ -193,3 +199,115 @@ def test_configs_are_frozen():
     cfg = get_preset("tiny")
     with pytest.raises(AttributeError):
         cfg.hidden_size = 3
+
+
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        # i % 0 raised ZeroDivisionError, a traceback instead of an error naming the field
+        (("moe_layer_freq",), 0, "moe_layer_freq must be a positive integer, got 0"),
+        (("moe_layer_freq",), -2, "moe_layer_freq must be a positive integer, got -2"),
+        (("first_k_dense_replace",), -1, "first_k_dense_replace must be a non-negative"),
+        (("num_hidden_layers",), 0, "num_hidden_layers must be a positive integer, got 0"),
+        # NaN and inf passed `value <= 0`; a zero linear beta divides by zero in SiTU
+        (("routed_scaling_factor",), float("nan"), "routed_scaling_factor must be a finite"),
+        (("rms_norm_eps",), float("inf"), "rms_norm_eps must be a finite positive number"),
+        (("activation_situ_linear_beta",), 0, "situ_linear_beta must be a finite positive"),
+        (("linear_attn_config", "gate_lower_bound"), float("-inf"), "negative and finite"),
+    ],
+)
+def test_layer_plans_and_numbers_that_make_no_model_are_refused(path, value, message):
+    raw = _broken(path, value)
+    if path == ("activation_situ_linear_beta",):
+        raw["hidden_act"] = "situ"
+    with pytest.raises(ConfigError, match=message):
+        from_hf_config(raw)
+
+
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        # bool("false") is True: these turned a part on, or read a switch as a number
+        (("tie_word_embeddings",), "false", "tie_word_embeddings must be true or false"),
+        (("mla_use_output_gate",), "no", "mla_use_output_gate must be true or false"),
+        (("linear_attn_config", "use_full_rank_gate"), "false", "use_full_rank_gate must be"),
+        (("moe_renormalize",), "false", "moe_renormalize / norm_topk_prob must be true"),
+        (("rms_norm_eps",), True, "rms_norm_eps must be a number, got True"),
+        (("routed_scaling_factor",), "2.446", "routed_scaling_factor must be a number"),
+        # int() read 2.7 as token 2 and "5" as token 5
+        (("eos_token_id",), [2.7], "eos_token_id must be an integer or a list of integers"),
+        (("eos_token_id",), "5", "eos_token_id must be an integer or a list of integers"),
+        # True passed `1 <= True <= 27` as layer 1
+        (("linear_attn_config", "kda_layers"), [True, 2, 3], "linear_attn_config.kda_layers must"),
+    ],
+)
+def test_switches_and_numbers_of_the_wrong_kind_name_their_field(path, value, message):
+    with pytest.raises(ConfigError, match=f"wrong type or form: {message}"):
+        from_hf_config(_broken(path, value))
+
+
+def test_switches_written_as_0_or_1_still_read():
+    cfg = from_hf_config(_broken(("tie_word_embeddings",), 1))
+    assert cfg.tie_word_embeddings is True
+    assert from_hf_config(_broken(("moe_renormalize",), 0)).moe.renormalize is False
+
+
+def test_layer_types_and_linear_attn_config_lists_must_agree():
+    listed = get_preset("kimi-linear-48b-a3b").layer_kinds
+    names = {"kda": "linear_attention", "mla": "full_attention"}
+    agreeing = [names[k] for k in listed]
+    raw = _broken(("layer_types",), agreeing)
+    assert from_hf_config(raw) == get_preset("kimi-linear-48b-a3b")
+    shifted = agreeing[1:] + agreeing[:1]  # MLA at 3, 7, ... instead of 4, 8, ...
+    with pytest.raises(ConfigError, match=r"disagree about 1-based layers \[3, 4, 7, 8"):
+        from_hf_config(_broken(("layer_types",), shifted))
+
+
+def _mla():
+    return MlaConfig(num_heads=1, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
+                     v_head_dim=2)
+
+
+@pytest.mark.parametrize(
+    "build,message",
+    [
+        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4,
+                           num_shared_experts=1.5),
+         "MoeConfig.num_shared_experts must be a non-negative integer, got 1.5"),
+        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4,
+                           num_shared_experts=True),
+         "MoeConfig.num_shared_experts must be a non-negative integer, got True"),
+        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4, renormalize=0),
+         "MoeConfig.renormalize must be True or False, got 0"),
+        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4,
+                           routed_scaling_factor=float("inf")),
+         "MoeConfig.routed_scaling_factor must be a finite positive number"),
+        (lambda: KdaConfig(num_heads=2, head_dim=4, full_rank_output_gate=1),
+         "KdaConfig.full_rank_output_gate must be True or False, got 1"),
+        (lambda: KdaConfig(num_heads=2, head_dim=4, gate="lower_bound", gate_lower_bound="-5"),
+         "kda.gate_lower_bound must be a number"),
+        (lambda: MlaConfig(num_heads=1, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
+                           v_head_dim=2, output_gate="yes"),
+         "MlaConfig.output_gate must be True or False"),
+        (lambda: ActivationConfig(kind="situ", situ_linear_beta=0),
+         "ActivationConfig.situ_linear_beta must be a finite positive number, got 0"),
+        (lambda: get_preset("tiny").evolve(bos_token_id=True),
+         "ModelConfig.bos_token_id must be an integer, got True"),
+        (lambda: get_preset("tiny").evolve(pad_token_id=1.5),
+         "ModelConfig.pad_token_id must be an integer, got 1.5"),
+        (lambda: get_preset("tiny").evolve(eos_token_ids=(2.5,)),
+         "ModelConfig.eos_token_ids must hold integers"),
+        (lambda: get_preset("tiny").evolve(tie_word_embeddings=1),
+         "ModelConfig.tie_word_embeddings must be True or False"),
+    ],
+)
+def test_direct_construction_refuses_values_of_the_wrong_kind(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_a_preset_option_it_does_not_take_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"'kimi-k3' takes options \[\], got \['kda_gate'\]"):
+        get_preset("kimi-k3", kda_gate="softplus")
+    with pytest.raises(ConfigError, match=r"preset 'tiny' takes options \['kda_gate'\]"):
+        get_preset("tiny", gate="softplus")

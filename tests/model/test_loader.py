@@ -3,6 +3,7 @@
 import copy
 import json
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -308,3 +309,84 @@ def test_an_unsupported_dtype_in_config_json_is_a_config_error(tiny, tmp_path):
     with pytest.raises(ConfigError, match="config.json dtype 'float64' is not supported"):
         load_checkpoint(path)
     assert torch.equal(_logits(load_checkpoint(path, dtype="float32")), _logits(tiny))
+
+
+def test_a_tensor_stored_in_two_shards_without_an_index_is_an_error(tiny, tmp_path):
+    # Which copy loaded used to be an accident of the file names (the later one won).
+    path, _ = _sharded(tmp_path, tiny)
+    (path / INDEX_FILE).unlink()
+    name = "language_model.model.embed_tokens.weight"
+    save_file({name: torch.zeros(tiny.config.vocab_size, tiny.config.hidden_size)},
+              path / "zz-extra.safetensors")
+    for strict in (True, False):
+        with pytest.raises(CheckpointError, match=f"{name}: in both .* and zz-extra"):
+            load_checkpoint(path, strict=strict)
+
+
+def test_two_spellings_of_one_tensor_are_an_error(tiny, tmp_path):
+    # `language_model.model.norm.weight` and `model.norm.weight` are the same parameter; one of
+    # them used to be dropped silently, even by a strict load.
+    def edit(tensors, config):
+        tensors["language_model.model.norm.weight"] = torch.zeros(tiny.config.hidden_size)
+
+    path = _flat(tmp_path, tiny, edit)
+    with pytest.raises(
+        CheckpointError,
+        match=r"language_model.model.norm.weight and model.norm.weight: both name "
+        r"model.norm.weight",
+    ):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.q_proj.weight",  # was cast silently, its scale unapplied
+        "model.layers.1.block_sparse_moe.experts.0.w1.weight",  # stacking fp8 + fp32 raised
+    ],
+)
+def test_fp8_weights_are_refused_not_read_without_their_scales(tiny, tmp_path, name):
+    def edit(tensors, config):
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(_flat(tmp_path, tiny, edit), strict=False)
+    assert info.value.other == [
+        f"{name}: dtype float8_e4m3fn: FP8 weights need their scales, which the loader does "
+        "not apply (bf16/fp16/fp32 weights and MXFP4 routed experts only)"
+    ]
+
+
+def test_a_dtype_given_only_inside_text_config_is_the_checkpoints(tiny, tmp_path):
+    save_checkpoint(copy.deepcopy(tiny).to(torch.bfloat16), tmp_path, layout="k3")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]
+    config["text_config"]["torch_dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_checkpoint(tmp_path)  # "auto": was float32, twice the memory
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_saving_in_an_unknown_layout_writes_nothing(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="layout must be 'k3' or 'kimi_linear'"):
+        save_checkpoint(tiny, tmp_path / "out", layout="hf")
+    assert not (tmp_path / "out").exists()
+
+
+def test_mxfp4_experts_of_a_width_that_is_no_multiple_of_32_are_a_config_error(tmp_path):
+    # Expected shapes floored cols / 32, so a checkpoint matching them passed the shape check
+    # and building the experts then failed with a bare ValueError (a traceback in the CLI).
+    cfg = get_preset("tiny")
+    cfg = cfg.evolve(moe=attrs.evolve(cfg.moe, expert_intermediate_size=48))
+    model = init_random_weights(KimiForCausalLM(cfg), seed=1)
+
+    def edit(tensors, config):
+        for name in [n for n in tensors if ".experts." in n and n.endswith(".weight")]:
+            rows, cols = tensors.pop(name).shape
+            tensors[name + "_packed"] = torch.zeros(rows, cols // 2, dtype=torch.uint8)
+            tensors[name + "_scale"] = torch.full((rows, cols // 32), 127, dtype=torch.uint8)
+        config["quantization_config"] = {"quant_method": "compressed-tensors",
+                                         "format": "mxfp4-pack-quantized"}
+
+    with pytest.raises(ConfigError, match="multiples of 32; moe.expert_intermediate_size is 48"):
+        load_checkpoint(_flat(tmp_path, model, edit))

@@ -29,6 +29,8 @@ def save_checkpoint(
 ) -> Path:
     """Save `model` under `path` in the K3 (`language_model.` prefix, nested text_config) or the
     flat Kimi Linear layout, split into shards of at most `max_shard_bytes` with an index."""
+    # The config first: a layout it refuses must not leave shards behind in `path`.
+    hf = to_hf_config(model.config, layout=layout)
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -58,7 +60,6 @@ def save_checkpoint(
     with (root / INDEX_FILE).open("w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
 
-    hf = to_hf_config(config, layout=layout)
     hf["dtype"] = _DTYPE_NAMES.get(model.lm_head.weight.dtype, "float32")
     if experts == "mxfp4":
         from .ops.moe.mxfp4 import FORMAT_NAME  # imports Triton: only when needed

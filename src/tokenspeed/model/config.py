@@ -6,6 +6,7 @@ checkpoint `config.json` layouts into this tree and `presets.py` holds named con
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import attrs
@@ -35,9 +36,46 @@ def _optional_positive(instance, attribute, value) -> None:
         _positive(instance, attribute, value)
 
 
+def _non_negative(instance, attribute, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(
+            f"{_name(instance, attribute)} must be a non-negative integer, got {value!r}"
+        )
+
+
 def _positive_float(instance, attribute, value) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{_name(instance, attribute)} must be a positive number, got {value!r}")
+    # NaN passes `value <= 0`, and an infinite scale or epsilon turns every output into NaN.
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(
+            f"{_name(instance, attribute)} must be a finite positive number, got {value!r}"
+        )
+
+
+def _optional_positive_float(instance, attribute, value) -> None:
+    if value is not None:
+        _positive_float(instance, attribute, value)
+
+
+def _bool(instance, attribute, value) -> None:
+    # A switch given as 1 or "false" would be read by truthiness: "false" turns a part on.
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_name(instance, attribute)} must be True or False, got {value!r}")
+
+
+def _optional_token_id(instance, attribute, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ConfigError(f"{_name(instance, attribute)} must be an integer, got {value!r}")
+
+
+def _token_ids(instance, attribute, value) -> None:
+    bad = [v for v in value if not isinstance(v, int) or isinstance(v, bool)]
+    if bad:
+        raise ConfigError(f"{_name(instance, attribute)} must hold integers, got {bad!r}")
 
 
 def _one_of(*choices):
@@ -65,12 +103,15 @@ class KdaConfig:
     conv_kernel: int = field(default=4, validator=_positive)
     gate: KdaGate = field(default="softplus", validator=_one_of("softplus", "lower_bound"))
     gate_lower_bound: float = -5.0
-    full_rank_output_gate: bool = False
+    full_rank_output_gate: bool = field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
-        if self.gate == "lower_bound" and not self.gate_lower_bound < 0:
+        bound = self.gate_lower_bound
+        if not isinstance(bound, int | float) or isinstance(bound, bool):
+            raise ConfigError(f"kda.gate_lower_bound must be a number, got {bound!r}")
+        if self.gate == "lower_bound" and not -math.inf < bound < 0:
             raise ConfigError(
-                f"kda.gate_lower_bound must be negative for the lower-bound gate, "
+                f"kda.gate_lower_bound must be negative and finite for the lower-bound gate, "
                 f"got {self.gate_lower_bound}"
             )
 
@@ -95,7 +136,7 @@ class MlaConfig:
     qk_rope_head_dim: int = field(validator=_positive)
     v_head_dim: int = field(validator=_positive)
     q_lora_rank: int | None = field(default=None, validator=_optional_positive)
-    output_gate: bool = False
+    output_gate: bool = field(default=False, validator=_bool)
 
     @property
     def qk_head_dim(self) -> int:
@@ -123,21 +164,19 @@ class MoeConfig:
     num_experts: int = field(validator=_positive)
     top_k: int = field(validator=_positive)
     expert_intermediate_size: int = field(validator=_positive)
-    num_shared_experts: int = field(default=0)
+    num_shared_experts: int = field(default=0, validator=_non_negative)
     latent_size: int | None = field(default=None, validator=_optional_positive)
-    latent_norm: bool = False
+    latent_norm: bool = field(default=False, validator=_bool)
     routed_scaling_factor: float = field(default=1.0, validator=_positive_float)
     num_groups: int = field(default=1, validator=_positive)
     topk_groups: int = field(default=1, validator=_positive)
-    renormalize: bool = True
+    renormalize: bool = field(default=True, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"moe.top_k ({self.top_k}) exceeds moe.num_experts ({self.num_experts})"
             )
-        if self.num_shared_experts < 0:
-            raise ConfigError(f"moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
         if self.num_experts % self.num_groups:
             raise ConfigError(
                 f"moe.num_groups ({self.num_groups}) must divide moe.num_experts "
@@ -168,7 +207,8 @@ class ActivationConfig:
 
     kind: Activation = field(default="silu", validator=_one_of("silu", "situ"))
     situ_beta: float = field(default=4.0, validator=_positive_float)
-    situ_linear_beta: float | None = 25.0
+    # None leaves `up` uncapped; 0 would divide by zero (NaN outputs).
+    situ_linear_beta: float | None = field(default=25.0, validator=_optional_positive_float)
 
 
 def _kinds(choices: tuple[str, ...]):
@@ -204,10 +244,10 @@ class ModelConfig:
     activation: ActivationConfig = field(factory=ActivationConfig)
     attn_res_block_size: int | None = field(default=None, validator=_optional_positive)
     rms_norm_eps: float = field(default=1e-5, validator=_positive_float)
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = field(default=(), converter=tuple)
-    pad_token_id: int | None = None
+    tie_word_embeddings: bool = field(default=False, validator=_bool)
+    bos_token_id: int | None = field(default=None, validator=_optional_token_id)
+    eos_token_ids: tuple[int, ...] = field(default=(), converter=tuple, validator=_token_ids)
+    pad_token_id: int | None = field(default=None, validator=_optional_token_id)
     max_position_embeddings: int = field(default=1 << 20, validator=_positive)
     name: str = field(default="custom", eq=False)  # informational; not part of equality
 

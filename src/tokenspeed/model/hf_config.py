@@ -67,41 +67,77 @@ class _Reader:
             raise ConfigError(f"config.json lacks {' / '.join(names)}")
         return default
 
+    def flag(self, *names: str, default: bool) -> bool:
+        """A true/false switch; `bool()` of the JSON string "false" would be True."""
+        value = self.get(*names, default=default)
+        if isinstance(value, bool):
+            return value
+        if value in (0, 1) and isinstance(value, int):  # 0 / 1 as some exporters write them
+            return bool(value)
+        raise TypeError(f"{' / '.join(names)} must be true or false, got {value!r}")
+
+    def number(self, *names: str, default: Any = _MISSING) -> Any:
+        """A float field; `float()` would read true as 1.0 and the string "2" as 2.0."""
+        value = self.get(*names, default=default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{' / '.join(names)} must be a number, got {value!r}")
+        return float(value)
+
+
+def _kinds_from_lists(linear: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Layer kinds from linear_attn_config's 1-based `kda_layers` / `full_attn_layers`."""
+    kinds_by_layer: list[str | None] = [None] * num_layers
+    for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
+        for one_based in linear.get(key, ()):
+            if not isinstance(one_based, int) or isinstance(one_based, bool):
+                raise TypeError(
+                    f"linear_attn_config.{key} must list layer numbers, got {one_based!r}"
+                )
+            if not 1 <= one_based <= num_layers:
+                raise ConfigError(
+                    f"linear_attn_config.{key} names layer {one_based}, outside 1..{num_layers}"
+                )
+            if kinds_by_layer[one_based - 1] is not None:
+                raise ConfigError(f"linear_attn_config assigns layer {one_based} more than once")
+            kinds_by_layer[one_based - 1] = kind
+    absent = [i + 1 for i, k in enumerate(kinds_by_layer) if k is None]
+    if absent:
+        raise ConfigError(
+            f"layers {absent} are in neither linear_attn_config.kda_layers nor full_attn_layers"
+        )
+    return tuple(kinds_by_layer)  # type: ignore[arg-type]
+
 
 def _layer_kinds(cfg: _Reader, linear: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
     layer_types = cfg.get("layer_types", default=None)
+    has_lists = "kda_layers" in linear or "full_attn_layers" in linear
     if layer_types is not None:
         mapping = {"linear_attention": "kda", "full_attention": "mla"}
         unknown = sorted({t for t in layer_types if t not in mapping})
         if unknown:
             raise ConfigError(f"layer_types has unsupported entries {unknown}")
         kinds = tuple(mapping[t] for t in layer_types)
-    elif "kda_layers" in linear or "full_attn_layers" in linear:
-        kinds_by_layer: list[str | None] = [None] * num_layers
-        for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
-            for one_based in linear.get(key, ()):
-                if not 1 <= one_based <= num_layers:
-                    raise ConfigError(
-                        f"linear_attn_config.{key} names layer {one_based}, outside 1..{num_layers}"
-                    )
-                if kinds_by_layer[one_based - 1] is not None:
-                    raise ConfigError(
-                        f"linear_attn_config assigns layer {one_based} more than once"
-                    )
-                kinds_by_layer[one_based - 1] = kind
-        absent = [i + 1 for i, k in enumerate(kinds_by_layer) if k is None]
-        if absent:
+        if len(kinds) != num_layers:
             raise ConfigError(
-                f"layers {absent} are in neither linear_attn_config.kda_layers nor full_attn_layers"
+                f"layer_types has {len(kinds)} entries but num_hidden_layers is {num_layers}"
             )
-        kinds = tuple(kinds_by_layer)  # type: ignore[arg-type]
-    else:
-        raise ConfigError("config.json lacks layer_types and linear_attn_config layer lists")
-    if len(kinds) != num_layers:
-        raise ConfigError(
-            f"layer_types has {len(kinds)} entries but num_hidden_layers is {num_layers}"
-        )
-    return kinds
+        # A config carrying both plans (one edited, the other not) is ambiguous: taking
+        # either silently runs some layers as the wrong kind of attention.
+        if has_lists:
+            listed = _kinds_from_lists(linear, num_layers)
+            if listed != kinds:
+                pairs = enumerate(zip(kinds, listed, strict=True))
+                differ = [i + 1 for i, (a, b) in pairs if a != b]
+                raise ConfigError(
+                    f"layer_types and linear_attn_config.kda_layers / full_attn_layers disagree "
+                    f"about 1-based layers {differ}"
+                )
+        return kinds
+    if has_lists:
+        return _kinds_from_lists(linear, num_layers)
+    raise ConfigError("config.json lacks layer_types and linear_attn_config layer lists")
 
 
 def _mlp_kinds(cfg: _Reader, num_layers: int, has_experts: bool) -> tuple[str, ...]:
@@ -121,6 +157,13 @@ def _mlp_kinds(cfg: _Reader, num_layers: int, has_experts: bool) -> tuple[str, .
         return ("dense",) * num_layers
     first_dense = cfg.get("first_k_dense_replace", default=0)
     freq = cfg.get("moe_layer_freq", default=1)
+    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
+        raise ConfigError(
+            f"first_k_dense_replace must be a non-negative integer, got {first_dense!r}"
+        )
+    # 0 would divide by zero below; a negative period is no layer plan.
+    if not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+        raise ConfigError(f"moe_layer_freq must be a positive integer, got {freq!r}")
     return tuple(
         "moe" if i >= first_dense and i % freq == 0 else "dense" for i in range(num_layers)
     )
@@ -131,7 +174,11 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
         return ()
     if isinstance(value, int):
         return (value,)
-    return tuple(int(v) for v in value)
+    ids = tuple(value) if isinstance(value, list | tuple) else (value,)
+    # No int(): it would read 2.7 as token 2 and "5" as token 5.
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise TypeError(f"eos_token_id must be an integer or a list of integers, got {value!r}")
+    return ids
 
 
 def from_hf_config(path_or_dict: str | Path | Mapping[str, Any]) -> ModelConfig:
@@ -155,7 +202,7 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
     router = cfg.get("moe_router_activation_func", default="sigmoid")
     if router != "sigmoid":
         raise ConfigError(f"moe_router_activation_func {router!r} is not supported (sigmoid only)")
-    if not cfg.get("mla_use_nope", default=True):
+    if not cfg.flag("mla_use_nope", default=True):
         raise ConfigError("mla_use_nope=false (rotary MLA) is not supported; Kimi MLA is NoPE")
     heads = cfg.get("num_attention_heads")
     kv_heads = cfg.get("num_key_value_heads", default=heads)
@@ -165,6 +212,8 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
         )
 
     num_layers = cfg.get("num_hidden_layers")
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise ConfigError(f"num_hidden_layers must be a positive integer, got {num_layers!r}")
     num_experts = cfg.get("num_experts", "num_local_experts", "n_routed_experts", default=None)
     lower_bound = linear.get("gate_lower_bound", cfg.get("linear_lower_bound", default=None))
     kda = KdaConfig(
@@ -175,7 +224,7 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
         ),
         gate="lower_bound" if lower_bound is not None else "softplus",
         gate_lower_bound=-5.0 if lower_bound is None else float(lower_bound),
-        full_rank_output_gate=bool(linear.get("use_full_rank_gate", False)),
+        full_rank_output_gate=_Reader(linear).flag("use_full_rank_gate", default=False),
     )
     mla = MlaConfig(
         num_heads=heads,
@@ -184,7 +233,7 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
         qk_nope_head_dim=cfg.get("qk_nope_head_dim"),
         qk_rope_head_dim=cfg.get("qk_rope_head_dim"),
         v_head_dim=cfg.get("v_head_dim"),
-        output_gate=bool(cfg.get("mla_use_output_gate", default=False)),
+        output_gate=cfg.flag("mla_use_output_gate", default=False),
     )
     moe = None
     if num_experts:
@@ -195,11 +244,11 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
             expert_intermediate_size=cfg.get("moe_intermediate_size"),
             num_shared_experts=cfg.get("num_shared_experts", "n_shared_experts", default=0),
             latent_size=latent,
-            latent_norm=bool(latent) and bool(cfg.get("latent_moe_use_norm", default=False)),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", default=1.0)),
+            latent_norm=bool(latent) and cfg.flag("latent_moe_use_norm", default=False),
+            routed_scaling_factor=cfg.number("routed_scaling_factor", default=1.0),
             num_groups=cfg.get("num_expert_group", "n_group", default=1),
             topk_groups=cfg.get("topk_group", default=1),
-            renormalize=bool(cfg.get("moe_renormalize", "norm_topk_prob", default=True)),
+            renormalize=cfg.flag("moe_renormalize", "norm_topk_prob", default=True),
         )
     act = cfg.get("hidden_act", default="silu")
     if act not in ("silu", "situ"):
@@ -207,8 +256,8 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
     if act == "situ":
         activation = ActivationConfig(
             kind="situ",
-            situ_beta=float(cfg.get("activation_situ_beta", default=4.0)),
-            situ_linear_beta=cfg.get("activation_situ_linear_beta", default=None),
+            situ_beta=cfg.number("activation_situ_beta", default=4.0),
+            situ_linear_beta=cfg.number("activation_situ_linear_beta", default=None),
         )
     else:
         activation = ActivationConfig(kind="silu")
@@ -224,8 +273,8 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
         moe=moe,
         activation=activation,
         attn_res_block_size=cfg.get("attn_res_block_size", default=None),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", default=1e-5)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", default=False)),
+        rms_norm_eps=cfg.number("rms_norm_eps", default=1e-5),
+        tie_word_embeddings=cfg.flag("tie_word_embeddings", default=False),
         bos_token_id=cfg.get("bos_token_id", default=None),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id", default=None)),
         pad_token_id=cfg.get("pad_token_id", default=None),

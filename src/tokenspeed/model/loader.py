@@ -85,7 +85,7 @@ class CheckpointIndex:
     """Which file holds each tensor: normalised name -> (file, name inside the file).
 
     unreadable: problems with shard files found while listing them (missing, truncated, not
-    safetensors), reported by `shapes` with the rest.
+    safetensors, a tensor stored twice), reported by `shapes` with the rest.
     """
 
     root: Path
@@ -108,7 +108,13 @@ class CheckpointIndex:
             for file in files:
                 try:
                     with safe_open(file, "pt") as handle:
-                        weight_map.update(dict.fromkeys(handle.keys(), file.name))
+                        for name in handle.keys():  # noqa: SIM118 (a handle, not a dict)
+                            # Which copy would win is an accident of file names.
+                            if name in weight_map:
+                                unreadable.append(
+                                    f"{name}: in both {weight_map[name]} and {file.name}"
+                                )
+                            weight_map[name] = file.name
                 except (OSError, SafetensorError) as err:
                     unreadable.append(f"{file.name}: unreadable ({err})")
         entries, ignored = {}, []
@@ -117,6 +123,10 @@ class CheckpointIndex:
             if normal.startswith(IGNORED_PREFIXES) or name.startswith(IGNORED_PREFIXES):
                 ignored.append(name)
                 continue
+            if normal in entries:
+                # Two spellings of one tensor (`language_model.model.x` and `model.x`): loading
+                # either would silently drop the other.
+                unreadable.append(f"{entries[normal][1]} and {name}: both name {normal}")
             entries[normal] = (file, name)
         return cls(
             root=root, entries=entries, ignored=tuple(ignored), unreadable=tuple(unreadable)
@@ -206,7 +216,14 @@ def resolve_dtype(dtype: torch.dtype | str | None, raw: dict) -> torch.dtype:
         return dtype
     if dtype in (None, "auto"):
         text = text_config_of(raw)
-        stored = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "float32"
+        # K3 may give the dtype only inside text_config, under either spelling.
+        stored = (
+            raw.get("dtype")
+            or raw.get("torch_dtype")
+            or text.get("dtype")
+            or text.get("torch_dtype")
+            or "float32"
+        )
         if not isinstance(stored, str) or stored not in _DTYPES:
             raise ConfigError(
                 f"config.json dtype {stored!r} is not supported: pass a dtype, one of "
@@ -246,7 +263,7 @@ def load_checkpoint(
     handles = {}
     try:
         for spec in specs:
-            parts = []
+            parts, known_problems = [], len(problems)
             for name in plan.sources[spec.target]:
                 file, stored = index.entries[name]
                 try:
@@ -281,7 +298,18 @@ def load_checkpoint(
                     for n, t in zip(plan.sources[spec.target], parts, strict=True)
                     if not t.dtype.is_floating_point
                 ]
+                # FP8 weights are stored scaled (a `weight_scale` / `weight_scale_inv` beside
+                # them); a plain cast reads them without their scales, as wrong weights.
+                problems += [
+                    f"{n}: dtype {str(t.dtype).removeprefix('torch.')}: FP8 weights need "
+                    "their scales, which the loader does not apply (bf16/fp16/fp32 weights "
+                    "and MXFP4 routed experts only)"
+                    for n, t in zip(plan.sources[spec.target], parts, strict=True)
+                    if t.dtype.is_floating_point and t.element_size() == 1
+                ]
                 target_dtype = torch.float32 if spec.keep_fp32 else dtype
+            if len(problems) > known_problems:
+                continue  # reported; combining parts of mixed FP8 / float dtypes would raise
             tensors[spec.target] = combine_parts(spec, parts).to(device=device, dtype=target_dtype)
     finally:
         handles.clear()

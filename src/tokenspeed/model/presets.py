@@ -8,6 +8,7 @@ only instantiated on machines that can hold them.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from .config import ActivationConfig, ConfigError, KdaConfig, MlaConfig, ModelConfig, MoeConfig
@@ -154,4 +155,10 @@ def get_preset(name: str, **options) -> ModelConfig:
         factory = PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+    # Bind first: a TypeError from the call itself could come from inside the factory.
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError:
+        known = sorted(inspect.signature(factory).parameters)
+        raise ConfigError(f"preset {name!r} takes options {known}, got {sorted(options)}") from None
     return factory(**options)

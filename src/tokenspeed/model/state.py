@@ -7,6 +7,7 @@ the latent rows of every token seen so far.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import attrs
@@ -27,7 +28,9 @@ class KdaState:
     recurrent: torch.Tensor
 
     def select(self, index: int) -> KdaState:
-        return KdaState(self.conv[index : index + 1], self.recurrent[index : index + 1])
+        """Request `index` alone (views); an index outside the batch is an IndexError, not the
+        empty state that slicing `index : index + 1` would give."""
+        return KdaState(self.conv[index].unsqueeze(0), self.recurrent[index].unsqueeze(0))
 
 
 @attrs.define(eq=False)
@@ -52,6 +55,13 @@ class DecoderState:
         device: torch.device | str | None = None,
     ) -> DecoderState:
         """Fresh state for requests that have seen no tokens."""
+        try:
+            count = None if isinstance(batch_size, bool) else operator.index(batch_size)
+        except TypeError:
+            count = None
+        if count is None or count < 0:
+            raise ValueError(f"batch_size must be a non-negative integer, got {batch_size!r}")
+        batch_size = count
         kda_cfg, mla_cfg = config.kda, config.mla
         kda = {
             layer: KdaState(

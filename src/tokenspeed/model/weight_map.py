@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import attrs
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 # Parameters that stay fp32 whatever dtype the model is loaded in (decay rates, router).
 FP32_SUFFIXES = ("A_log", "dt_bias", "mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -115,6 +115,14 @@ def _moe_specs(p: str, config: ModelConfig, expert_format: str) -> Iterator[Tens
     m, hidden = config.moe, config.hidden_size
     ck = p.replace(".mlp", ".block_sparse_moe")
     width, inter, experts = m.latent_size or hidden, m.expert_intermediate_size, m.num_experts
+    if expert_format == "mxfp4":
+        # One scale per 32 columns: other widths would floor the expected shapes below and
+        # fail later, as a bare ValueError from building the experts.
+        for what, dim in (("expert width", width), ("moe.expert_intermediate_size", inter)):
+            if dim % 32:
+                raise ConfigError(
+                    f"MXFP4 routed experts need widths that are multiples of 32; {what} is {dim}"
+                )
     yield _copy(f"{p}.gate.weight", (experts, hidden), f"{ck}.gate.weight")
     yield _copy(
         f"{p}.gate.e_score_correction_bias", (experts,), f"{ck}.gate.e_score_correction_bias"
