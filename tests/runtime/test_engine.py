@@ -246,6 +246,17 @@ def test_decode_steps_must_be_positive():
         EngineConfig(decode_steps=0)
 
 
+def test_a_cache_larger_than_the_free_memory_is_refused_before_allocating(tiny):
+    """max_model_len sizes the default cache (2 x max_num_seqs x max_model_len tokens of pages):
+    a figure past the machine's free memory is a clear error, not an allocation the kernel
+    kills the process for."""
+    config = EngineConfig(device="cpu", max_model_len=10**11, max_num_seqs=4, page_size=16)
+    with pytest.raises(EngineConfigError, match=r"GiB .* free"):
+        Engine(tiny, None, config)
+    with pytest.raises(EngineConfigError, match="cache_budget_bytes"):
+        Engine(tiny, None, EngineConfig(device="cpu", cache_budget_bytes=1 << 60))
+
+
 def test_logprobs_are_the_same_in_multi_step_runs(tiny):
     """Per-step logprobs land on the right rows when an earlier row stopped inside the run."""
     a, b = tokens(33, seed=60), tokens(20, seed=61)

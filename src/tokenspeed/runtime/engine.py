@@ -37,7 +37,7 @@ from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import AggregatedScheduler, Request, SchedulerConfig
 from tokenspeed.sched.cache_adapter import CacheManagerPort
 
-from .config import EngineConfig
+from .config import EngineConfig, EngineConfigError
 from .metrics import EngineMetrics
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .runner import ModelRunner
@@ -109,6 +109,41 @@ def cache_geometry(model: KimiForCausalLM, page_size: int) -> CacheGeometry:
     )
 
 
+
+def _free_memory_bytes(device: torch.device) -> int | None:
+    """Memory an allocation could take now on `device`, where it can be read: the GPU's free
+    memory, or Linux's MemAvailable (free plus reclaimable page cache) for the host."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def _check_budget_fits(budget: int, device: torch.device, *, explicit: bool) -> None:
+    """Refuse a cache the device cannot hold before allocating it: past the free memory the
+    allocation fails deep in torch, or on a host the kernel kills the process for it."""
+    free = _free_memory_bytes(device)
+    if free is None or budget <= free:
+        return
+    gib = 1 << 30
+    fix = (
+        "lower cache_budget_bytes"
+        if explicit
+        else "lower max_model_len or max_num_seqs (the default cache holds 2 x max_num_seqs x "
+        "max_model_len tokens), or set cache_budget_bytes"
+    )
+    raise EngineConfigError(
+        f"the cache needs {budget / gib:.1f} GiB but the {device.type} device has "
+        f"{free / gib:.1f} GiB free: {fix}"
+    )
+
 class Engine:
     """One rank serving requests step by step: scheduler, two-tier cache, runner and sampler.
 
@@ -140,6 +175,7 @@ class Engine:
             live_requests=config.max_num_seqs,
             checkpoints=checkpoints,
         )
+        _check_budget_fits(budget, self.device, explicit=config.cache_budget_bytes is not None)
         cache_config = CacheConfig(
             device_budget_bytes=budget,
             max_live_requests=config.max_num_seqs,
