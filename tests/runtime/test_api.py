@@ -50,6 +50,22 @@ def test_generate_waits_for_its_own_requests_not_others_on_the_engine():
     assert not llm.engine.has_unfinished()
 
 
+def test_a_failed_generate_aborts_its_own_requests_and_leaves_others_running():
+    """The cleanup after a refused prompt reports this call's aborts; it does not run a request
+    added to the engine directly to its end (whose outputs nobody would then receive)."""
+    llm = LLM(model="tiny", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16)
+    engine = llm.engine
+    engine.add_request("direct", [9, 10, 11], SamplingParams(max_tokens=40, ignore_eos=True))
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [5, 10**6]}]
+    with pytest.raises(RequestError, match="prompt 1"):
+        llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert engine.num_unfinished == 1  # "direct", and nothing of the failed call
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(outs) == {"direct"} and len(outs["direct"].token_ids) == 40
+
+
 def test_a_failed_step_ends_generate_and_leaves_the_engine_clean():
     llm = LLM(model="tiny", dtype="float32", max_num_seqs=2, max_model_len=256, page_size=16)
     engine = llm.engine

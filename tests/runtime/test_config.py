@@ -59,6 +59,22 @@ def test_bools_are_not_counts(field):
 
 
 @pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("seed", True, "seed must be an integer"),
+        ("seed", 1.5, "seed must be an integer"),
+        ("enable_cuda_graph", "no", "enable_cuda_graph must be True or False"),
+        ("enable_cuda_graph", 0, "enable_cuda_graph must be True or False"),
+    ],
+)
+def test_seed_and_switches_take_their_own_types(field, value, message):
+    # "no" would read as true; a bool or float seed would seed something else than asked.
+    with pytest.raises(EngineConfigError, match=message):
+        EngineConfig(**{field: value})
+    assert EngineConfig(seed=7, enable_cuda_graph=False).seed == 7
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [
         ("max_tokens", True),

@@ -23,6 +23,19 @@ def _positive(instance, attribute, value) -> None:
         )
 
 
+def _integer(instance, attribute, value) -> None:
+    if not _is_int(value):
+        raise EngineConfigError(f"EngineConfig.{attribute.name} must be an integer, got {value!r}")
+
+
+def _switch(instance, attribute, value) -> None:
+    # bool() of "no" or "false" is True: a switch takes exactly True or False.
+    if not isinstance(value, bool):
+        raise EngineConfigError(
+            f"EngineConfig.{attribute.name} must be True or False, got {value!r}"
+        )
+
+
 def _non_negative(instance, attribute, value) -> None:
     if not _is_int(value) or value < 0:
         raise EngineConfigError(
@@ -92,10 +105,10 @@ class EngineConfig:
     decode_batch_sizes: tuple[int, ...] | None = field(default=None, converter=_optional_sizes)
     l2: str = "local"
     l2_capacity_bytes: int = field(default=1 << 30, validator=_positive)
-    enable_cuda_graph: bool = True
+    enable_cuda_graph: bool = field(default=True, validator=_switch)
     checkpoint_interval_pages: int = field(default=64, validator=_positive)
     max_preemptions: int = field(default=8, validator=_non_negative)
-    seed: int = 0
+    seed: int = field(default=0, validator=_integer)
     decode_steps: int = field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:

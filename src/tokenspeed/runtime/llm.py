@@ -141,6 +141,7 @@ class LLM:
                 raise RequestError(f"sampling params must be SamplingParams, got {p!r}")
         ids = [next(self._ids) for _ in prompts]
         ours = set(ids)
+        added: list[int] = []
         results: dict[int, RequestOutput] = {}
         bar = _progress(len(prompts), use_tqdm)
         try:
@@ -151,21 +152,23 @@ class LLM:
                 except RequestError as exc:  # named by its place in the call, not our id
                     detail = str(exc).removeprefix(f"request {rid!r}: ")
                     raise RequestError(f"prompt {index}: {detail}") from None
+                added.append(rid)
             while len(results) < len(ids):
                 for out in engine.step():
                     # Only this call's: a request added to the engine directly may finish
-                    # meanwhile (its outputs are the engine's to report, not this call's).
+                    # meanwhile (generate() steps the engine, so such a request's outputs
+                    # are not delivered to anyone while it runs: do not mix the two).
                     if out.finished and out.request_id in ours and out.request_id not in results:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
         except BaseException:
             # A refused request, a failed step or an interrupt ends the call: none of its
-            # requests may keep running into the next one.
-            for rid in ids:
-                engine.abort(rid, "generate() failed")
-            while engine.has_unfinished():
-                engine.step()  # reports the aborts; nothing is left to compute
+            # requests may keep running into the next one. Step only until their aborts are
+            # reported: a request added to the engine directly is not this call's to finish.
+            aborting = {rid for rid in added if engine.abort(rid, "generate() failed")}
+            while aborting:
+                aborting -= {out.request_id for out in engine.step() if out.finished}
             raise
         finally:
             if bar is not None:
