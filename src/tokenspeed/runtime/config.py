@@ -7,24 +7,22 @@ from attrs import field, frozen
 
 from tokenspeed.sched.config import MAX_DECODE_BATCH_SIZE
 
+from .sampling_params import is_int
+
 
 class EngineConfigError(ValueError):
     """An engine configuration that cannot work; the message names the field."""
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _positive(instance, attribute, value) -> None:
-    if value is not None and (not _is_int(value) or value <= 0):
+    if value is not None and (not is_int(value) or value <= 0):
         raise EngineConfigError(
             f"EngineConfig.{attribute.name} must be a positive integer, got {value!r}"
         )
 
 
 def _integer(instance, attribute, value) -> None:
-    if not _is_int(value):
+    if not is_int(value):
         raise EngineConfigError(f"EngineConfig.{attribute.name} must be an integer, got {value!r}")
 
 
@@ -37,7 +35,7 @@ def _switch(instance, attribute, value) -> None:
 
 
 def _non_negative(instance, attribute, value) -> None:
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         raise EngineConfigError(
             f"EngineConfig.{attribute.name} must be a non-negative integer, got {value!r}"
         )
@@ -130,7 +128,7 @@ class EngineConfig:
         would decode at most 4 at a time)."""
         if (
             not sizes
-            or not all(_is_int(s) for s in sizes)
+            or not all(is_int(s) for s in sizes)
             or list(sizes) != sorted(set(sizes))
             or sizes[0] <= 0
         ):

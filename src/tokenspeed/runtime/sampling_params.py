@@ -30,7 +30,7 @@ def _finite(value) -> bool:
         return False
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     """An int that is not a bool: True is an int to Python but never a count or an id here."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -73,11 +73,11 @@ class SamplingParams:
             f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            _is_int(self.top_k) and -(1 << 63) <= self.top_k < (1 << 63),
+            is_int(self.top_k) and -(1 << 63) <= self.top_k < (1 << 63),
             f"SamplingParams.top_k must be an int in [-2^63, 2^63), got {self.top_k!r}",
         )
         _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            is_int(self.max_tokens) and self.max_tokens >= 1,
             f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}",
         )
         _check(
@@ -85,15 +85,15 @@ class SamplingParams:
             f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}",
         )
         _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"SamplingParams.stop_token_ids must hold token ids, got {self.stop_token_ids!r}",
         )
         _check(
-            self.seed is None or (_is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64)),
+            self.seed is None or (is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64)),
             f"SamplingParams.seed must be None or an int in [-2^63, 2^64), got {self.seed!r}",
         )
         _check(
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
             f"SamplingParams.logprobs must be None or an int >= 0, got {self.logprobs!r}",
         )
 
