@@ -176,3 +176,27 @@ def test_cuda_load_runs_on_a_copy_stream_with_per_layer_events():
     cache.release(h)
     cache.check_integrity()
     cache.close()
+
+
+def test_release_with_publish_after_a_failed_load_releases_and_publishes_nothing():
+    """A preempted request whose load failed is released with publish=True: the untrusted
+    pages must not reach L2, and the release itself must complete (the handle was left live
+    before, holding its pages and slot)."""
+    l2 = LocalHostCache(capacity_bytes=1 << 20)
+    cache = make_manager(l2=l2, async_loads=True)
+    tokens = token_stream(6, 33)
+    keys = _published_then_evicted(cache, tokens)
+    puts = l2.stats().puts
+
+    def broken(index, idx, src):
+        raise RuntimeError("copy engine fault")
+
+    cache.storage._copy_page_layer = broken
+    h = cache.allocate("r", keys, 33)
+    cache.release(h, publish=True)  # does not raise
+    assert h.released
+    assert l2.stats().puts == puts
+    assert cache.get("r") is None
+    cache.check_integrity()
+    assert cache.match(keys, 33).l1_tokens == 0
+    cache.close()

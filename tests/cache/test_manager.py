@@ -112,6 +112,28 @@ def test_a_checkpoint_whose_state_was_never_written_can_be_withdrawn():
     cache.check_integrity()
 
 
+def test_discarding_a_rolling_checkpoint_another_request_holds_changes_nothing():
+    """Two requests with one history share a rolling checkpoint; the one that wrote it cannot
+    discard it (IntegrityError), and the refusal leaves its pin and its rolling entry as they
+    were (before, it dropped its own pin first and then raised)."""
+    cache = make_manager(pages=64)
+    tokens = token_stream(7, 41)
+    keys = KeyChain(P).append_tokens(tokens)
+    a = cache.allocate("a", keys, 41)
+    b = cache.allocate("b", keys, 41)
+    slot = cache.checkpoint(a, 40, kind=CheckpointKind.ROLLING, from_live=False)
+    assert slot is not None
+    assert cache.checkpoint(b, 40, kind=CheckpointKind.ROLLING, from_live=False) is None
+    with pytest.raises(IntegrityError, match="held by another"):
+        cache.discard_checkpoint(a, 40, slot)
+    assert cache.has_checkpoint(a, 40)
+    assert a._rolling is not None and a._rolling.refcount == 2  # a's pin and b's
+    cache.check_integrity()
+    cache.release(b)
+    cache.release(a)
+    cache.check_integrity()
+
+
 def test_a_failed_snapshot_of_the_live_state_leaves_no_checkpoint(monkeypatch):
     cache = make_manager(pages=32)
     tokens = token_stream(4, 41)
@@ -655,3 +677,25 @@ def test_has_checkpoint_reports_exactly_the_checkpointed_lengths():
     assert not cache.has_checkpoint(handle, 4) and not cache.has_checkpoint(handle, 7)
     assert not cache.has_checkpoint(handle, 16)
     cache.release(handle)
+
+
+@pytest.mark.parametrize("call", ["match", "allocate", "reserve", "extend", "evict"])
+def test_token_and_page_counts_refuse_bools(call):
+    """True is an int to Python; as a token or page count it is a caller's bug (a flag passed
+    where a length goes), refused like any other non-count instead of read as 1."""
+    cache = make_manager(pages=32)
+    tokens = token_stream(8, 9)
+    keys = KeyChain(P).append_tokens(tokens)
+    with pytest.raises(InvalidRequestError):
+        if call == "match":
+            cache.match(keys, True)
+        elif call == "allocate":
+            cache.allocate("a", keys, True)
+        elif call == "reserve":
+            cache.allocate("a", keys, 9, reserve_tokens=True)
+        elif call == "extend":
+            h = cache.allocate("a", keys, 1)
+            cache.extend(h, True)
+        else:
+            cache.evict(pages=True)
+    cache.check_integrity()

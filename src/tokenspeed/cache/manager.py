@@ -20,6 +20,7 @@ cover) lives in `match`; fetching the L2 part of a hit lives in `tiering.py`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import Counter
@@ -63,6 +64,11 @@ logger = logging.getLogger("tokenspeed.cache")
 
 _NO_SOURCES = np.zeros(0, dtype=np.int64)
 _NO_SOURCES.flags.writeable = False
+
+
+def _is_count(value: object) -> bool:
+    """A Python int that is not a bool (True is an int to Python, never a token count)."""
+    return isinstance(value, int) and value.__class__ is not bool
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -178,7 +184,7 @@ class CacheManager:
         prompt_tokens: the prompt length; the hit is at most the last page boundary before it,
             so at least one token is left to compute.
         """
-        if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+        if not _is_count(prompt_tokens) or prompt_tokens < 1:
             raise InvalidRequestError(f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
         P = self.page_size
         page_keys = as_page_keys(page_keys)
@@ -276,10 +282,10 @@ class CacheManager:
         """
         if request_id in self._requests:
             raise DuplicateRequestError(f"request {request_id!r} already holds cache")
-        if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+        if not _is_count(prompt_tokens) or prompt_tokens < 1:
             raise InvalidRequestError(f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
         reserve = prompt_tokens if reserve_tokens is None else reserve_tokens
-        if not isinstance(reserve, int) or reserve < 1:
+        if not _is_count(reserve) or reserve < 1:
             raise InvalidRequestError(f"reserve_tokens must be >= 1, got {reserve_tokens!r}")
         P = self.page_size
         if _ceil_div(reserve, P) > self._pages.capacity:
@@ -392,7 +398,7 @@ class CacheManager:
         keys of pages that became full. Raises RequestReleasedError, InvalidRequestError (a
         shrink), BudgetTooSmallError, CacheFullError; nothing changes when it raises."""
         self._check_live(handle)
-        if not isinstance(num_tokens, int) or num_tokens < handle.num_tokens:
+        if not _is_count(num_tokens) or num_tokens < handle.num_tokens:
             raise InvalidRequestError(
                 f"extend of request {handle.request_id!r} to {num_tokens!r} tokens: it already "
                 f"holds {handle.num_tokens} (extend never shrinks)"
@@ -438,7 +444,7 @@ class CacheManager:
         """
         self._check_live(handle)
         P = self.page_size
-        n, rest = divmod(num_tokens, P) if isinstance(num_tokens, int) else (0, 1)
+        n, rest = divmod(num_tokens, P) if _is_count(num_tokens) else (0, 1)
         if rest or not 0 < num_tokens <= handle.num_tokens or n > len(handle._keys):
             raise InvalidRequestError(
                 f"checkpoint of request {handle.request_id!r} at {num_tokens!r} tokens: must be a "
@@ -493,14 +499,15 @@ class CacheManager:
         entry = self._ckpts.get(handle._keys[n - 1])
         if entry is None or entry.slot != slot:
             return False
-        if handle._rolling is entry:
-            handle._rolling = None
-            self._ckpts.unpin(entry)
-        if entry.refcount:
+        own = handle._rolling is entry
+        if entry.refcount > own:  # checked before anything changes: a refusal changes nothing
             raise IntegrityError(
                 f"checkpoint slot {slot} of request {handle.request_id!r} is held by another "
                 "request: it cannot be a state this request has just failed to write"
             )
+        if own:
+            handle._rolling = None
+            self._ckpts.unpin(entry)
         self._ckpts.remove(entry)
         self.counters.checkpoints_discarded += 1
         return True
@@ -537,11 +544,16 @@ class CacheManager:
     def release(self, handle: RequestCache, *, publish: bool = False) -> None:
         """Give the request's cache back: pages it wrote and registered stay cached (evictable),
         the rest is freed; its live slot is freed; a rolling checkpoint becomes a turn-end one.
-        With publish=True, `publish` first (preemption: the state goes to L2, never dropped).
-        Raises RequestReleasedError when released twice."""
+        With publish=True, `publish` first (preemption: the state goes to L2, never dropped),
+        unless the request's load failed (then nothing is published). Raises
+        RequestReleasedError when released twice."""
         self._check_live(handle)
         if publish:
-            self.publish(handle)
+            # A failed load raises TransferError before publish reads anything: none of it may
+            # reach L2, and the release below drops its pages. Raising here would leave the
+            # handle live, holding its pages and slot, for a caller that only wanted it gone.
+            with contextlib.suppress(TransferError):
+                self.publish(handle)
         try:
             handle.load.synchronize()
             failed = False
@@ -567,8 +579,10 @@ class CacheManager:
     def evict(self, *, pages: int = 0, checkpoints: int = 0) -> tuple[int, int]:
         """Evict up to this many cached pages and checkpoints (LRU, written back to L2 first when
         L2 lacks them). Held entries are never evicted. Returns (pages, checkpoints) evicted."""
-        if pages < 0 or checkpoints < 0:
-            raise InvalidRequestError("evict counts must be >= 0")
+        if not (_is_count(pages) and _is_count(checkpoints)) or pages < 0 or checkpoints < 0:
+            raise InvalidRequestError(
+                f"evict counts must be ints >= 0, got {pages!r}, {checkpoints!r}"
+            )
         n_pages = self._pages.evict(pages, self._tiering.writeback_pages)
         n_ckpts = self._ckpts.evict(checkpoints, self._tiering.writeback_checkpoints)
         return n_pages, n_ckpts
