@@ -121,6 +121,53 @@ def test_to_hf_config_round_trips(name, layout):
     assert from_hf_config(to_hf_config(cfg, layout=layout)) == cfg
 
 
+def _k3_situ(**changes):
+    """K3's config.json with some SiTU keys changed; a value of ... drops the key."""
+    text = dict(K3_TEXT)
+    for key, value in changes.items():
+        if value is ...:
+            del text[key]
+        else:
+            text[key] = value
+    return {"model_type": "kimi_k3", "text_config": text}
+
+
+@pytest.mark.parametrize(
+    "changes,beta,linear_beta",
+    [
+        ({}, 4.0, 25.0),  # as K3 ships: both set
+        # K3's modeling code takes both with getattr(config, key, None) and runs
+        # SituAndMul(beta or 1.0, linear_beta): an absent (or null) linear beta leaves `up`
+        # uncapped, and an absent (or null) beta is 1, whatever K3's own config.json sets.
+        ({"activation_situ_linear_beta": ...}, 4.0, None),
+        ({"activation_situ_linear_beta": None}, 4.0, None),
+        ({"activation_situ_beta": ...}, 1.0, 25.0),
+        ({"activation_situ_beta": None}, 1.0, 25.0),
+    ],
+)
+def test_situ_betas_a_config_omits_read_as_k3s_modeling_code_reads_them(changes, beta, linear_beta):
+    act = from_hf_config(_k3_situ(**changes)).activation
+    assert act == ActivationConfig(kind="situ", situ_beta=beta, situ_linear_beta=linear_beta)
+
+
+@pytest.mark.parametrize("linear_beta", [25.0, None, 7.5])
+@pytest.mark.parametrize("beta", [4.0, 1.0, 2.5])
+@pytest.mark.parametrize("layout", ["k3", "kimi_linear"])
+def test_situ_betas_round_trip_through_config_json(tmp_path, layout, beta, linear_beta):
+    cfg = get_preset("tiny").evolve(
+        activation=ActivationConfig(kind="situ", situ_beta=beta, situ_linear_beta=linear_beta)
+    )
+    hf = to_hf_config(cfg, layout=layout)
+    text = hf["text_config"] if layout == "k3" else hf
+    # Both written, an uncapped `up` as an explicit null: any reader, ours or the reference's,
+    # gets the values meant rather than its defaults for absent keys.
+    assert text["activation_situ_beta"] == beta
+    assert "activation_situ_linear_beta" in text
+    assert text["activation_situ_linear_beta"] == linear_beta
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert from_hf_config(tmp_path).activation == cfg.activation
+
+
 def _broken(path, value):
     raw = json.loads(json.dumps(KIMI_LINEAR_RELEASE))
     node = raw

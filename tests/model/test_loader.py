@@ -390,3 +390,62 @@ def test_mxfp4_experts_of_a_width_that_is_no_multiple_of_32_are_a_config_error(t
 
     with pytest.raises(ConfigError, match="multiples of 32; moe.expert_intermediate_size is 48"):
         load_checkpoint(_flat(tmp_path, model, edit))
+
+
+@pytest.fixture(scope="module")
+def tiny_tied():
+    cfg = get_preset("tiny").evolve(tie_word_embeddings=True)
+    return init_random_weights(KimiForCausalLM(cfg), seed=12).eval()
+
+
+def test_a_tied_checkpoint_that_also_stores_an_equal_lm_head_loads_tied(
+    tiny_tied, tmp_path, caplog
+):
+    """Exports often keep the redundant copy of a tied head; transformers loads such
+    checkpoints, and so must strict loading (before, lm_head.weight was 'unexpected')."""
+
+    def edit(tensors, config):
+        assert "lm_head.weight" not in tensors  # our writer leaves the tied copy out
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+
+    with caplog.at_level("WARNING", logger="tokenspeed"):
+        model = load_checkpoint(_flat(tmp_path, tiny_tied, edit))
+    assert not caplog.records  # redundant, not suspicious: loaded quietly
+    assert model.config == tiny_tied.config and model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(_logits(model), _logits(tiny_tied))
+
+
+def test_a_stored_lm_head_that_is_no_copy_of_a_tied_embedding_is_used_as_transformers_does(
+    tmp_path, caplog
+):
+    """transformers (5.x) does not tie weights that a checkpoint stores with different values
+    (it warns and keeps both), and its KimiLinearForCausalLM never ties at all, so its
+    `save_pretrained` with tie_word_embeddings=true writes a head that is not the embedding.
+    Such a checkpoint loads untied, with the stored head, and the same logits as transformers."""
+    from .hf_kimi_linear import save_tiny_kimi_linear
+
+    hf = save_tiny_kimi_linear(tmp_path, seed=3, tie_word_embeddings=True)
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    with caplog.at_level("WARNING", logger="tokenspeed"):
+        ours = load_checkpoint(tmp_path, dtype=torch.float32)
+    assert "lm_head.weight differs from model.embed_tokens.weight" in caplog.text
+    assert not ours.config.tie_word_embeddings  # the config describes the model as loaded
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    assert torch.equal(ours.lm_head.weight, hf.lm_head.weight.detach())
+    ids = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(1))
+    logits = ours(ids, ForwardBatch.build([23]), ours.empty_state()).logits
+    with torch.no_grad():
+        expected = hf(input_ids=ids[None]).logits[0]
+    assert (logits - expected).abs().max().item() <= 1e-4
+    # Saved again, it is an untied checkpoint that round-trips as it is.
+    again = load_checkpoint(save_checkpoint(ours, tmp_path / "again", layout="kimi_linear"))
+    assert again.config == ours.config and torch.equal(again.lm_head.weight, ours.lm_head.weight)
+
+
+def test_a_mis_shaped_lm_head_beside_a_tied_embedding_is_reported(tiny_tied, tmp_path):
+    def edit(tensors, config):
+        tensors["lm_head.weight"] = torch.zeros(3, 4)
+
+    with pytest.raises(CheckpointError, match=r"lm_head.weight: shape \[3, 4\], expected"):
+        load_checkpoint(_flat(tmp_path, tiny_tied, edit))

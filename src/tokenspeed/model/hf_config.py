@@ -254,9 +254,13 @@ def _from_raw(raw: dict[str, Any]) -> ModelConfig:
     if act not in ("silu", "situ"):
         raise ConfigError(f"hidden_act {act!r} is not supported (silu or situ)")
     if act == "situ":
+        # Absent (or null) keys mean what K3's own modeling code makes of them: it reads both
+        # with getattr(config, key, None) and runs SituAndMul(beta or 1.0, linear_beta), so
+        # no linear beta leaves `up` uncapped and no beta is 1. K3's config.json sets 4 and 25
+        # (ActivationConfig's defaults), and `to_hf_config` always writes both, None as null.
         activation = ActivationConfig(
             kind="situ",
-            situ_beta=cfg.number("activation_situ_beta", default=4.0),
+            situ_beta=cfg.number("activation_situ_beta", default=1.0),
             situ_linear_beta=cfg.number("activation_situ_linear_beta", default=None),
         )
     else:

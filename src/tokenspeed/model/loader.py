@@ -6,11 +6,18 @@ unexpected tensors and tensors of the wrong shape, each by its checkpoint name, 
 are missing, unreadable or lack a tensor the index places in them. Tensors whose values turn out
 unusable (integer data for a floating-point parameter, say) are collected while loading and
 reported together before the model is built.
+
+A checkpoint whose config ties the LM head to the embedding (`tie_word_embeddings`) may store
+`lm_head.weight` anyway (transformers' `save_pretrained` of KimiLinearForCausalLM does, as do
+exports that keep the redundant copy). A copy equal to the embedding is loaded tied, quietly; one
+that differs is used as the head, untied, with a warning: transformers does not tie weights a
+checkpoint stores with different values, and its Kimi Linear model never ties at all.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,7 +29,9 @@ from .config import ConfigError, ModelConfig
 from .hf_config import from_hf_config, load_config_json, text_config_of
 from .kimi import KimiForCausalLM
 from .layers.moe import use_mxfp4_experts
-from .weight_map import TensorSpec, check_part_shape, combine_parts, tensor_specs
+from .weight_map import TensorSpec, check_part_shape, combine_parts, lm_head_spec, tensor_specs
+
+logger = logging.getLogger("tokenspeed.model")
 
 INDEX_FILE = "model.safetensors.index.json"
 # Multimodal parts of K3 checkpoints that the text model does not use.
@@ -247,6 +256,8 @@ def load_checkpoint(
     dtype: the model's dtype ("auto" takes the checkpoint's); decay rates and the router stay
     fp32, and MXFP4 routed experts stay packed (`layers.moe.Mxfp4Experts`, never upcast).
     strict: unexpected tensors are an error (multimodal towers are always skipped).
+    A tied config with a stored `lm_head.weight` that differs from the embedding loads untied
+    (the returned model's config has tie_word_embeddings=False), as transformers loads it.
     Raises CheckpointError listing missing, unexpected and mis-shaped tensors by name.
     """
     root = Path(path)
@@ -256,6 +267,11 @@ def load_checkpoint(
     dtype = resolve_dtype(dtype, raw)
     index = CheckpointIndex.open(root)
     specs = tensor_specs(config, experts)
+    # A tied head stored anyway is read (and shape-checked) like any tensor; whether it is the
+    # embedding is known only from its values, after loading.
+    stored_tied_head = config.tie_word_embeddings and "lm_head.weight" in index.entries
+    if stored_tied_head:
+        specs.append(lm_head_spec(config))
     plan = _plan(specs, index, strict)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -316,6 +332,19 @@ def load_checkpoint(
     if problems:
         raise CheckpointError(other=problems)
 
+    if stored_tied_head:
+        head = tensors.pop("lm_head.weight")
+        # Compared as loaded (in the model's dtype): a difference the cast rounds away would
+        # make no difference to the model either.
+        if not torch.equal(head, tensors["model.embed_tokens.weight"]):
+            logger.warning(
+                "%s: lm_head.weight differs from model.embed_tokens.weight although the config "
+                "sets tie_word_embeddings; loading them untied with the stored head, as "
+                "transformers does (the model's config says tie_word_embeddings=False)",
+                root,
+            )
+            config = config.evolve(tie_word_embeddings=False)
+            tensors["lm_head.weight"] = head
     if config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     with torch.device("meta"):

@@ -208,8 +208,14 @@ def tensor_specs(config: ModelConfig, expert_format: str = "dense") -> list[Tens
     if config.uses_attn_res:
         specs += _attn_res_specs("model.output_attn_res", "model.output_attn_res", hidden)
     if not config.tie_word_embeddings:
-        specs.append(_copy("lm_head.weight", (config.vocab_size, hidden)))
+        specs.append(lm_head_spec(config))
     return specs
+
+
+def lm_head_spec(config: ModelConfig) -> TensorSpec:
+    """The LM head. A tied model has none of its own, but checkpoints may store one anyway
+    (the loader reads it then, to see whether it is the embedding)."""
+    return _copy("lm_head.weight", (config.vocab_size, config.hidden_size))
 
 
 def combine_parts(spec: TensorSpec, parts: list[torch.Tensor]) -> torch.Tensor:
