@@ -117,3 +117,30 @@ def test_turns_use_the_room_up_to_max_model_len_and_stop_past_it(tiny):
     ]
     assert result["requests"] == 2 and result["skipped_turns"] == 1
     assert result["generated_tokens"] == 1 + (limit - 10)
+
+
+def test_skipped_turns_count_every_turn_never_sent(tiny):
+    """A turn that no longer fits ends its session: its later turns, and the subagent sessions
+    those turns would have launched, are never sent either. They used to go uncounted (one skip
+    per ended session), so requests + skipped_turns fell short of the workload's turns."""
+    from tokenspeed.sim.workload.model import Session, Turn
+
+    def sub(sid):
+        return Session(sid=sid, turns=(Turn(new_tokens=1, output_tokens=1),) * 2, kind="subagent")
+
+    limit = 32
+    long = Session(
+        sid="long",
+        turns=(
+            Turn(new_tokens=10, output_tokens=1000, blocks=(3,)),  # fills the context
+            Turn(new_tokens=1, output_tokens=1, subagents=(sub("a"),)),  # skipped
+            Turn(new_tokens=1, output_tokens=1),
+            Turn(new_tokens=1, output_tokens=1, subagents=(sub("b"), sub("c"))),
+        ),
+    )
+    short = Session(sid="short", turns=(Turn(new_tokens=4, output_tokens=2),))
+    engine, submitted = _recording_engine(tiny, max_model_len=limit)
+    result = replay(engine, [long, short], concurrency=2, block_size=16)
+    assert sorted(rid for rid, _, _ in submitted) == [("long", 0), ("short", 0)]
+    # Turns 1-3 of "long", and the two turns of each of its three subagents.
+    assert result["requests"] == 2 and result["skipped_turns"] == 3 + 3 * 2

@@ -347,6 +347,69 @@ def test_inter_token_latencies_of_a_multi_step_run_share_its_time(tiny):
     assert engine.metrics.summary()["p90_interactivity_tok_s"] <= 100
 
 
+def test_p90_interactivity_is_the_simulators_per_request_score(tiny):
+    """AgentX scores interactivity per request, as `sim.cluster.records.summarize` does: 1 / the
+    request's mean inter-token latency, then the value 90% of requests reach or beat (1 / the
+    P90 of those means). The engine's used to be 1 / the P90 of every token's latency, which
+    weights a request by its length: here the slow short request's tokens set it alone."""
+    from tokenspeed.sim.cluster.records import RequestRecord, summarize
+
+    engine = small_engine(tiny)
+    real, delay = engine.runner.decode, [0.0]
+
+    def slow(*args, **kwargs):
+        time.sleep(delay[0])
+        return real(*args, **kwargs)
+
+    engine.runner.decode = slow
+    done = {}
+    for rid, max_tokens, seconds in [
+        ("long", 12, 0.0),
+        ("slow", 4, 0.03),
+        ("mid", 6, 0.01),
+        ("one", 1, 0.0),
+    ]:
+        delay[0] = seconds
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        done |= run(engine, [(rid, tokens(10, seed=len(done)), params)])
+    records = [
+        RequestRecord(
+            rid=rid,
+            session=rid,
+            kind="main",
+            arrival=out.metrics.arrival_time,
+            prompt_tokens=10,
+            output_tokens=len(out.token_ids),
+            first_token=out.metrics.first_token_time,
+            finish=out.metrics.last_token_time,
+            generated=len(out.token_ids),
+        )
+        for rid, out in done.items()
+    ]
+    sim = summarize(
+        records, start=min(r.arrival for r in records), num_gpus=1, events=0, wall_s=0.0
+    )
+    assert engine.metrics.summary()["p90_interactivity_tok_s"] == pytest.approx(
+        sim.p90_interactivity, rel=1e-9
+    )
+
+
+
+def test_p90_interactivity_leaves_out_aborted_and_single_token_requests(tiny):
+    """As in the simulator: an aborted request, and one whose tokens came all at once (one
+    token), have no interactivity to score; with nothing scored it is None, not infinite."""
+    engine = small_engine(tiny)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    run(engine, [("one", tokens(10, seed=1), one)])
+    engine.add_request("gone", tokens(10, seed=2), GREEDY)
+    for _ in range(3):
+        engine.step()  # its prefill and first decode steps
+    assert engine.abort("gone")
+    run(engine, [])
+    assert engine.metrics.request_itls == [] and len(engine.metrics.itls) >= 1
+    assert engine.metrics.summary()["p90_interactivity_tok_s"] is None
+
+
 def test_a_request_preempted_by_a_failed_step_and_then_aborted_is_not_resumed(tiny):
     """The scheduler preempts a request to make room, then the step's forward fails: the
     preempted request is not in the failed batch, and waits to be queued again by the next step.

@@ -56,6 +56,12 @@ def small_agentx(scale: float = 1 / 64) -> AgentXConfig:
     )
 
 
+def _turns_in(turns) -> int:
+    """How many turns `turns` hold, counting those of the subagent sessions they launch, and
+    of the subagents those launch, and so on."""
+    return sum(1 + sum(_turns_in(sub.turns) for sub in turn.subagents) for turn in turns)
+
+
 def block_tokens(block_id: int, count: int, vocab: int) -> list[int]:
     rng = np.random.default_rng([0x70C5, block_id])
     return rng.integers(3, vocab, size=count).tolist()
@@ -71,7 +77,15 @@ class _Live:
 def replay(
     engine: Engine, sessions: list[Session], concurrency: int, block_size: int
 ) -> dict[str, float | int | None]:
-    """Run every turn of `sessions` (subagents included); returns throughput and latency."""
+    """Run every turn of `sessions` (subagents included); returns throughput and latency.
+
+    A turn whose prompt no longer leaves room for one output token under `max_model_len` ends
+    its session there. `skipped_turns` counts every turn that was therefore never sent: that
+    turn, the session's later turns, and all turns of the subagent sessions those turns would
+    have launched (a subagent starts when its turn finishes). So `requests + skipped_turns` is
+    every turn of `sessions`, subagents included. `p90_interactivity_tok_s` is the engine's:
+    1 / the P90 of per-request mean inter-token latency, as the simulator scores it.
+    """
     # With no session allowed to run, nothing is ever submitted and the loop below would step an
     # idle engine forever.
     _check_positive_int("concurrency", concurrency)
@@ -106,8 +120,10 @@ def replay(
         # The engine takes a prompt shorter than max_model_len and generates up to the limit.
         max_tokens = min(turn.output_tokens, limit - len(prompt))
         if max_tokens < 1:
-            skipped += 1
-            return False  # the conversation outgrew the model's limit: it ends here
+            # The conversation outgrew the model's limit: it ends here, and nothing this turn or
+            # a later one would have started (their subagents) runs either.
+            skipped += _turns_in(state.session.turns[state.turn :])
+            return False
         state.history = prompt
         rid = (state.session.sid, state.turn)
         engine.add_request(

@@ -369,7 +369,14 @@ class Engine:
         outputs = [self._output(r) for r in moved.values()]
         for record in moved.values():
             if record.finish_reason is not None:
-                self._records.pop(record.rid, None)
+                if self._records.pop(record.rid, None) is not None and (
+                    record.finish_reason != "abort"
+                ):
+                    # Interactivity is scored per finished request (as the simulator does).
+                    m = record.metrics
+                    self.metrics.record_finished(
+                        m.first_token_time, m.last_token_time, len(record.output_ids)
+                    )
                 self._boundary.pop(record.rid, None)
                 self.sampler.forget(record.rid)
         return outputs

@@ -1,4 +1,12 @@
-"""Engine-wide serving metrics: time to first token, inter-token latency, prefix hit rate."""
+"""Engine-wide serving metrics: time to first token, inter-token latency, prefix hit rate.
+
+Interactivity is scored as the simulator scores it (`tokenspeed.sim.cluster.records`), so that
+engine runs and simulated ones compare: a finished (not aborted) request with two tokens or more
+has an interactivity of 1 / its mean inter-token latency (first token to last), and P90
+interactivity is the value 90% of those requests reach or beat, 1 / the P90 of their mean ITLs.
+`itl_p90_s` stays per token. Percentiles interpolate linearly between samples, as the
+simulator's do.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,14 @@ import attrs
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]), the simulator's; None for no values."""
     if not values:
         return None
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @attrs.define
@@ -25,7 +36,8 @@ class EngineMetrics:
     busy_seconds: float = 0.0
     queue_depth: int = 0
     ttfts: list[float] = attrs.Factory(list)
-    itls: list[float] = attrs.Factory(list)
+    itls: list[float] = attrs.Factory(list)  # one per token after a request's first
+    request_itls: list[float] = attrs.Factory(list)  # one per finished request: its mean ITL
 
     def record_step(self, plan, seconds: float, steps: int = 1) -> None:
         """A plan's forwards: one, or `steps` decode steps of a multi-step run."""
@@ -46,12 +58,18 @@ class EngineMetrics:
     def record_itl(self, seconds: float) -> None:
         self.itls.append(seconds)
 
+    def record_finished(self, first_token_time, last_token_time, tokens: int) -> None:
+        """A request that finished (not aborted) with `tokens` output tokens. Its mean ITL is
+        what a user of it saw; one token, or all tokens at once, has none (as in the sim)."""
+        if tokens > 1 and first_token_time is not None and last_token_time > first_token_time:
+            self.request_itls.append((last_token_time - first_token_time) / (tokens - 1))
+
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def summary(self) -> dict[str, float | None]:
-        p90_itl = percentile(self.itls, 90)
+        p90_request_itl = percentile(self.request_itls, 90)
         return {
             "steps": self.steps,
             "prefill_tokens": self.prefill_tokens,
@@ -59,7 +77,8 @@ class EngineMetrics:
             "prefix_hit_rate": self.hit_rate,
             "ttft_mean_s": sum(self.ttfts) / len(self.ttfts) if self.ttfts else None,
             "ttft_p90_s": percentile(self.ttfts, 90),
-            "itl_p90_s": p90_itl,
-            "p90_interactivity_tok_s": 1.0 / p90_itl if p90_itl else None,
+            "itl_p90_s": percentile(self.itls, 90),  # per token
+            # Per request, as AgentX and the simulator score it (see the module docstring).
+            "p90_interactivity_tok_s": 1.0 / p90_request_itl if p90_request_itl else None,
             "queue_depth": self.queue_depth,
         }
