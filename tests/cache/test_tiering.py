@@ -226,3 +226,23 @@ def test_a_publish_larger_than_the_host_tier_counts_only_what_it_keeps():
     assert l2.contains(ObjectKind.CHECKPOINT, keys[7:8]).tolist() == [False]
     cache.release(h)
     cache.check_integrity()
+
+
+def test_a_publish_around_pages_already_in_l2_writes_only_the_missing_ones():
+    # Pages 2 and 3 are in L2 already (another path wrote them): the prefix check finds none,
+    # and the missing pages are two stretches, written in one batch that is no single run.
+    g = tiny_geometry()
+    l2 = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
+    cache = make_manager(g, l2=l2, metadata_only=True)
+    keys = KeyChain(P).append_tokens(token_stream(8, 33))
+    l2.put_many(ObjectKind.PAGE, keys[2:4], [2, 3])
+    h = cache.allocate("a", keys, 33)
+    cache.checkpoint(h, 16, kind=CheckpointKind.TURN_END)
+    cache.checkpoint(h, 32, kind=CheckpointKind.TURN_END)
+    assert cache.publish(h) == 6 + 2
+    assert l2.contains(ObjectKind.PAGE, keys[:8]).all()
+    assert l2.contains(ObjectKind.CHECKPOINT, keys[3:8:4]).tolist() == [True, True]
+    assert (l2.stats().puts, len(l2._runs.run_slots[: l2._runs._used])) == (2 + 6 + 2, 0)
+    assert cache.publish(h) == 0  # all there now
+    cache.release(h)
+    cache.check_integrity()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .compiled import jit
+
 
 def compacted(
     ids: np.ndarray, stamps: np.ndarray, head: int, tail: int, live: np.ndarray, extra: int
@@ -26,3 +28,20 @@ def compacted(
     new_ids[:k] = kept_ids
     new_stamps[:k] = kept_stamps
     return new_ids, new_stamps, k
+
+
+@jit
+def compact_in_place(ids, stamps, head, tail, current):
+    """Move the live entries of a log's head..tail to its front, in order, in place (one pass,
+    no temporary arrays); an entry is live while its id still carries its stamp.
+
+    ids, stamps: [size] int64, the log; current: [ids] int64, each id's stamp now. Returns how
+    many entries were kept (they are now entries 0..kept)."""
+    kept = 0
+    for h in range(head, tail):
+        i = ids[h]
+        if current[i] == stamps[h]:
+            ids[kept] = i
+            stamps[kept] = stamps[h]
+            kept += 1
+    return kept

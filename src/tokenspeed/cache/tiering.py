@@ -24,7 +24,7 @@ from .checkpoints import CheckpointEntry, CheckpointKind, CheckpointManager
 from .compiled import jit
 from .config import CacheGeometry
 from .handles import PrefixMatch
-from .keys import PageKeys, keys_to_ints
+from .keys import PageKeys, key_int
 from .l2.base import HostCache, HostObject, ObjectKind
 from .l2.guarded import GuardedL2
 from .mla_pages import MlaPageManager
@@ -138,20 +138,21 @@ class Tiering:
             return HitPlan(sources, tier, [], None)
         P = self.geometry.page_size
         from_l2 = np.flatnonzero(from_l2_mask)  # hit pages that come from L2, ascending
-        kept = np.zeros(hit, dtype=bool)  # L2 pages read and verified in an earlier pass
+        # [hit] bool, the L2 pages read and verified in earlier passes: made when a first pass
+        # fails (the usual fetch reads every L2 page of the hit once and is done).
+        kept: np.ndarray | None = None
         payloads: dict[int, torch.Tensor] | None = {} if self.storage is not None else None
         checkpoint = None
+        need = from_l2  # the L2 pages still to read below `hit`
         while hit > 0:
-            need = from_l2[: np.searchsorted(from_l2, hit)]
-            need = need[~kept[need]]
+            good = need
             first_bad = -1
             if len(need):
                 ok, got = self._read(ObjectKind.PAGE, keys[need], need)
                 bad = np.flatnonzero(~ok)
-                good = need if not len(bad) else need[: bad[0]]
                 if len(bad):
+                    good = need[: bad[0]]
                     first_bad = int(need[bad[0]])
-                kept[good] = True
                 if payloads is not None:
                     payloads.update(zip(good.tolist(), got, strict=False))
             if first_bad < 0 and tier == "l2":
@@ -164,9 +165,14 @@ class Tiering:
             # Something vanished or failed verification: fall back to a shallower checkpoint
             # that the remaining readable pages still cover.
             self.counters.l2_fetch_failures += 1
+            if kept is None:
+                kept = np.zeros(len(sources), dtype=bool)
+            kept[good] = True
             limit = first_bad if first_bad >= 0 else hit - 1
             best, tier = self.deepest_checkpoint(keys, limit)
             hit = best + 1
+            need = from_l2[: np.searchsorted(from_l2, hit)]
+            need = need[~kept[need]]
         else:
             return HitPlan(sources[:0], None, [], None)
         sources = sources[:hit]
@@ -227,24 +233,35 @@ class Tiering:
         objects L2 lacked, those each write reports stored when it returned (`HostCache.put`).
         Pages that the checkpoint write then evicts still count; in an LRU tier that takes a
         publish larger than the whole tier, and finding them would cost a lookup per publish."""
-        assert self.l2 is not None
+        l2 = self.l2
+        assert l2 is not None
         deepest = path[-1]
         # Earlier turns usually published the start already: skip the present prefix cheaply.
-        first = self.l2.prefix_present(ObjectKind.PAGE, keys[:deepest])
-        present = self.l2.contains(ObjectKind.PAGE, keys[first:deepest])
-        missing = first + np.flatnonzero(~present)
-        ckpt_keys = keys[np.array(path, dtype=np.int64) - 1]
-        present = self.l2.contains(ObjectKind.CHECKPOINT, ckpt_keys)
-        entries = [
-            self.ckpts.index[key]
-            for key, p in zip(keys_to_ints(ckpt_keys), present.tolist(), strict=True)
-            if not p
-        ]
+        first = l2.prefix_present(ObjectKind.PAGE, keys[:deepest])
+        present = l2.contains(ObjectKind.PAGE, keys[first:deepest])
+        missing = np.flatnonzero(~present)
+        missing += first
+        # One checkpoint (the usual publish): a slice, no index array.
+        ckpt_keys = (
+            keys[deepest - 1 : deepest]
+            if len(path) == 1
+            else keys[np.array(path, dtype=np.int64) - 1]
+        )
+        present = l2.contains(ObjectKind.CHECKPOINT, ckpt_keys)
+        index = self.ckpts.index
+        entries = [index[key_int(ckpt_keys[i])] for i, p in enumerate(present.tolist()) if not p]
         # Both lookups come before the writes (what is written does not depend on what the
         # writes evict); pages first, then checkpoints.
-        # The missing pages are usually one stretch of the chain: a run for the host tier.
-        chain = len(missing) > 1 and int(missing[-1] - missing[0]) == len(missing) - 1
-        stored = self._put_pages(keys[missing], missing, page_ids[missing], chain=chain)
+        # The missing pages are usually one stretch of the chain: a run for the host tier, and
+        # slices (views) of the keys and page ids instead of gathered copies.
+        k = len(missing)
+        if k > 1 and int(missing[-1] - missing[0]) == k - 1:
+            start = int(missing[0])
+            stored = self._put_pages(
+                keys[start : start + k], missing, page_ids[start : start + k], chain=True
+            )
+        else:
+            stored = self._put_pages(keys[missing], missing, page_ids[missing])
         stored += self._put_checkpoints(entries) if entries else 0
         self.counters.objects_published += stored
         return stored

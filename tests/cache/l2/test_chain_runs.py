@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tokenspeed.cache import IntegrityError
-from tokenspeed.cache.l2.chain_runs import ChainRuns
+from tokenspeed.cache.l2.chain_runs import ChainRuns, _fill_run
 
 
 def test_runs_are_renumbered_by_compaction_and_dropped_whole():
@@ -47,3 +47,13 @@ def test_integrity_check_catches_a_run_over_a_slot_that_holds_no_page():
     runs.run_of[9] = 0  # a slot naming a run that does not list it
     with pytest.raises(IntegrityError):
         runs.check_integrity(pages)
+
+
+def test_a_run_s_slots_are_listed_and_name_the_run_and_their_offsets():
+    run_of = np.full(10, -1, dtype=np.int64)
+    run_off = np.zeros(10, dtype=np.int64)
+    run_slots = np.zeros(8, dtype=np.int64)
+    _fill_run(np.array([7, 2, 5], dtype=np.int64), 4, 3, run_of, run_off, run_slots)
+    assert run_slots.tolist() == [0, 0, 0, 7, 2, 5, 0, 0]
+    assert run_of.tolist() == [-1, -1, 4, -1, -1, 4, -1, 4, -1, -1]
+    assert (run_off[7], run_off[2], run_off[5]) == (0, 1, 2)

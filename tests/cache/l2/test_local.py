@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenspeed.cache import CacheConfigError, HostCache, IntegrityError, LocalHostCache, ObjectKind
-from tokenspeed.cache.keys import keys_from_ints
+from tokenspeed.cache.keys import KEY_DTYPE, keys_from_ints, keys_to_ints
 from tokenspeed.cache.l2.base import HostObject
+from tokenspeed.cache.l2.local import _clear_slots, _store_new
 
 from ..helpers import tiny_geometry
 
@@ -432,3 +433,33 @@ def test_a_run_vouches_for_its_pages_only_while_all_are_there():
     assert len(np.flatnonzero(l2._runs.run_of >= 0)) == 0
     assert l2.prefix_present(PAGE, chain) == 7
     l2.check_integrity()
+
+
+def test_new_objects_fill_their_columns_unless_a_key_repeats():
+    keys = keys_from_ints([11, 12, 13])
+    pos, sizes = np.zeros(8, dtype=np.int64), np.zeros(8, dtype=np.int64)
+    key_col, kind_of = np.zeros(8, dtype=KEY_DTYPE), np.full(8, -1, dtype=np.int8)
+    slots = np.array([-1, 4, -1], dtype=np.int64)  # the middle object is already stored
+    new, taken = np.array([0, 2]), np.array([6, 5])
+    positions = np.array([30, 31, 32], dtype=np.int64)
+    columns = (pos, sizes, key_col, kind_of, slots)
+    # setdefault found the second new key under another slot: a repeat, nothing is written.
+    assert not _store_new(np.array([6, 1]), taken, new, keys[new], positions, 9, 1, *columns)
+    assert not pos.any() and not sizes.any() and (kind_of == -1).all()
+    assert slots.tolist() == [-1, 4, -1]
+    assert _store_new(taken, taken, new, keys[new], positions, 9, 1, *columns)
+    assert slots.tolist() == [6, 4, 5]
+    assert (pos[6], pos[5], sizes[6], sizes[5], kind_of[6], kind_of[5]) == (30, 32, 9, 9, 1, 1)
+    assert keys_to_ints(key_col[[6, 5]]) == [11, 13]
+
+
+def test_released_slots_are_cleared_and_pushed_on_the_free_stack():
+    key_col = keys_from_ints(range(1, 9))
+    kind_of = np.zeros(8, dtype=np.int8)
+    sizes = np.arange(10, 18, dtype=np.int64)
+    free_stack = np.full(8, -1, dtype=np.int64)
+    freed = _clear_slots(np.array([5, 2], dtype=np.int64), key_col, kind_of, sizes, free_stack, 3)
+    assert freed == 15 + 12
+    assert free_stack.tolist() == [-1, -1, -1, 5, 2, -1, -1, -1]
+    assert keys_to_ints(key_col) == [1, 2, 0, 4, 5, 0, 7, 8]
+    assert kind_of.tolist() == [0, 0, -1, 0, 0, -1, 0, 0]

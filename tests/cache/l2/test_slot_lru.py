@@ -74,3 +74,30 @@ def test_the_log_compacts_without_losing_the_order():
     victims, _, _ = lru.oldest(np.ones(4, dtype=np.int64), 4)
     assert victims.tolist() == [1, 3, 2, 0]
     lru.check_integrity()
+
+
+def test_an_eviction_of_more_objects_than_the_first_pass_holds_lists_them_all():
+    # `oldest` fills its first 64 victims in one pass and walks the log again for more.
+    lru = SlotLru(300)
+    lru.touch(np.arange(300, dtype=np.int64))
+    lru.touch(np.arange(0, 300, 2, dtype=np.int64))  # the even slots are now the newest
+    nbytes = np.ones(300, dtype=np.int64)
+    for need in (1, 63, 64, 65, 200, 10**6):
+        victims, freed, position = lru.oldest(nbytes, need)
+        want = (list(range(1, 300, 2)) + list(range(0, 300, 2)))[:need]
+        assert victims.tolist() == want and freed == len(want)
+    lru.consume(position)
+    lru.forget(victims)
+    lru.check_integrity()
+
+
+def test_the_log_grows_when_its_live_entries_fill_it():
+    lru = SlotLru(4)
+    lru.grow(1000)
+    for i in range(10):  # ever more distinct slots: compaction alone cannot make room
+        lru.touch(np.arange(100 * i, 100 * (i + 1), dtype=np.int64))
+        lru.touch(np.arange(0, 100 * (i + 1), 7, dtype=np.int64))
+        lru.check_integrity()
+    victims, _, _ = lru.oldest(np.ones(1000, dtype=np.int64), 10**9)
+    # Each slot once, in touch order: the multiples of 7 were touched again last.
+    assert victims.tolist() == [s for s in range(1000) if s % 7] + list(range(0, 1000, 7))

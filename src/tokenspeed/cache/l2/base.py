@@ -96,6 +96,9 @@ class HostCache(ABC):
     def __init__(self, *, metadata_only: bool) -> None:
         self.metadata_only = metadata_only
         self.geometry: CacheGeometry | None = None
+        # (geometry, page bytes, checkpoint bytes): `object_bytes` is asked on every batch, and
+        # the geometry's sizes are products computed on each access.
+        self._sizes: tuple[CacheGeometry | None, int, int] = (None, 0, 0)
         self.counters = L2Counters()
 
     def bind(self, geometry: CacheGeometry, *, metadata_only: bool) -> None:
@@ -115,9 +118,12 @@ class HostCache(ABC):
             )
 
     def object_bytes(self, kind: ObjectKind) -> int:
-        g = self.geometry
-        assert g is not None, "bind() first"
-        return g.mla_page_bytes if kind is ObjectKind.PAGE else g.kda_state_bytes
+        g, page, checkpoint = self._sizes
+        if g is not self.geometry:  # bound since the last call (or never)
+            g = self.geometry
+            assert g is not None, "bind() first"
+            g, page, checkpoint = self._sizes = (g, g.mla_page_bytes, g.kda_state_bytes)
+        return page if kind is ObjectKind.PAGE else checkpoint
 
     @abstractmethod
     def contains(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:

@@ -38,6 +38,17 @@ def _drop_runs(slots, run_of, run_start, run_len, run_slots):
     return left
 
 
+@jit
+def _fill_run(slots, r, base, run_of, run_off, run_slots):
+    """Run r's slots ([n] int64, in chain order) listed from `base` of `run_slots`, each naming
+    the run and its offset in it."""
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        run_slots[base + i] = s
+        run_of[s] = r
+        run_off[s] = i
+
+
 class ChainRuns:
     """The runs over a tier's slots: per slot its run (-1: none) and offset; per run the start
     of its slots in one flat array, and its length (0 once dropped)."""
@@ -80,13 +91,11 @@ class ChainRuns:
         r = self._runs
         self._runs += 1
         base = self._used
-        self.run_slots[base : base + n] = slots
         self._used += n
         self._live += n
         self.run_start[r] = base
         self.run_len[r] = n
-        self.run_of[slots] = r
-        self.run_off[slots] = np.arange(n)
+        _fill_run(slots, r, base, self.run_of, self.run_off, self.run_slots)
 
     def forget(self, slots: np.ndarray) -> None:
         """These slots' objects left: the runs holding any of them are dropped."""

@@ -49,6 +49,8 @@ class GuardedL2:
 
     def _count(self, what: str, n: object, lo: int | None, hi: int | None, fallback: T) -> int | T:
         """`n` as an int in [lo, hi] (None: unbounded), else `fallback`, the answer refused."""
+        if type(n) is int and (lo is None or n >= lo) and (hi is None or n <= hi):
+            return n  # what the backends answer (checked on every call: the cheap test first)
         if isinstance(n, (int, np.integer)) and not isinstance(n, bool):
             n = int(n)
             if (lo is None or n >= lo) and (hi is None or n <= hi):
@@ -146,9 +148,7 @@ class GuardedL2:
             checked.append(payload if ok else None)
         return checked
 
-    def get_present(
-        self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]
-    ) -> np.ndarray:
+    def get_present(self, kind: ObjectKind, keys: PageKeys, positions: Sequence[int]) -> np.ndarray:
         """[n] bool (all False when the backend failed or answered something else)."""
         try:
             out = self.inner.get_present(kind, keys, positions)

@@ -50,6 +50,47 @@ def _all_readable(slots, pos, nbytes, positions, expected):
     return True
 
 
+@jit
+def _store_new(
+    got, taken, new, new_keys, positions, nbytes, kind, pos, sizes, key_col, kind_of, slots
+):
+    """Fill the columns for a batch's new objects, unless a key repeats in the batch.
+
+    taken: [k] int64, the slots handed out for them; got: [k] int64, what `KeyTable.setdefault`
+    answered for their keys (equal to `taken` unless a key repeats); new: [k] int64, their indices
+    in the batch; new_keys: [k] KEY_DTYPE; positions: [n] int64, the whole batch's; slots: [n]
+    int64, the batch's lookup (-1 at the new objects), given each new object's slot. Returns
+    False, having written nothing, where `got` differs from `taken`."""
+    k = taken.shape[0]
+    for i in range(k):
+        if got[i] != taken[i]:
+            return False
+    for i in range(k):
+        s = taken[i]
+        j = new[i]
+        pos[s] = positions[j]
+        sizes[s] = nbytes
+        key_col[s] = new_keys[i]
+        kind_of[s] = kind
+        slots[j] = s
+    return True
+
+
+@jit
+def _clear_slots(slots, key_col, kind_of, sizes, free_stack, top):
+    """Slots ([m] int64) whose objects left: name no key and no kind from now on, and go on the
+    free stack at `top` in this order. Returns the bytes their objects held."""
+    freed = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        key_col[s]["lo"] = 0
+        key_col[s]["hi"] = 0
+        kind_of[s] = _NONE
+        freed += sizes[s]
+        free_stack[top + i] = s
+    return freed
+
+
 def crc32(payload: torch.Tensor) -> int:
     return zlib.crc32(payload.numpy())
 
@@ -118,10 +159,11 @@ class LocalHostCache(HostCache):
 
     def _slots(self, kind: ObjectKind, keys: PageKeys) -> np.ndarray:
         """[n] int64: the slot holding each key's object of this kind, -1 where absent (a
-        chain stored in one go usually sits in consecutive slots: the lookup follows them)."""
+        chain stored in one go usually sits in consecutive slots: the lookup follows them; one
+        key has no neighbour to follow, and the plain lookup is the cheaper call)."""
         if kind is ObjectKind.PAGE:
-            return self._pages.lookup(keys, self._near_pages)
-        return self._checkpoints.lookup(keys, self._near_checkpoints)
+            return self._pages.lookup(keys, self._near_pages if len(keys) > 1 else None)
+        return self._checkpoints.lookup(keys, self._near_checkpoints if len(keys) > 1 else None)
 
     def _set_near(self) -> None:
         """Where each kind's lookups look first (`KeyTable.lookup`): the key column."""
@@ -136,7 +178,11 @@ class LocalHostCache(HostCache):
         """[n] int64 unused slots, the top of the free stack in stack order (the columns grow
         when the free slots run out)."""
         top = self._free_top
-        k = min(n, top)
+        if n <= top:  # the usual case: no growth
+            self._free_top = top - n
+            # A copy: the stack's top is rewritten as soon as slots are freed.
+            return self._free_stack[top - n : top].copy()
+        k = top
         got = self._free_stack[top - k : top].copy()
         self._free_top = top - k
         if k < n:
@@ -171,18 +217,20 @@ class LocalHostCache(HostCache):
         self._lru.grow(size)
         self._runs.grow(size)
 
-    def _release(self, slots: np.ndarray) -> None:
-        """Slots whose objects left their store: clear them and return them to the free list."""
+    def _release(self, slots: np.ndarray) -> int:
+        """Slots whose objects left their store: clear them and return them to the free list.
+        Returns the bytes their objects held (not yet taken off the byte count)."""
         self._presence += 1
         self._lru.forget(slots)
         self._runs.forget(slots)
-        self._keys[slots] = 0
-        self._kind_of[slots] = _NONE
         if not self.metadata_only:
             listed = slots.tolist()
             exhaust(map(self._payload.__setitem__, listed, repeat(None)))
             exhaust(map(self._crc.__setitem__, listed, repeat(None)))
-        self._push_free(slots)
+        top = self._free_top
+        freed = _clear_slots(slots, self._keys, self._kind_of, self._nbytes, self._free_stack, top)
+        self._free_top = top + len(slots)
+        return int(freed)
 
     def _evict(self, need: int) -> None:
         """Evict least recently used objects until `need` more bytes are free."""
@@ -198,8 +246,7 @@ class LocalHostCache(HostCache):
             self._pages.delete(self._keys[slots[~ckpt]])
         else:  # only pages (the common case)
             self._pages.delete(self._keys[slots])
-        self._bytes -= int(self._nbytes[slots].sum())
-        self._release(slots)
+        self._bytes -= self._release(slots)
 
     # ---------------------------------------------------------------------------- lookups
     def contains(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> np.ndarray:
@@ -352,7 +399,21 @@ class LocalHostCache(HostCache):
             new_keys = keys[new] if k < n else keys
             taken = self._take_slots(k)
             got = store.setdefault(new_keys, taken)
-            if np.count_nonzero(got != taken):  # a key repeats within the batch
+            # The victims' slots are not among `taken`: the columns may be filled first.
+            if not _store_new(
+                got,
+                taken,
+                new,
+                new_keys,
+                np.asarray(positions, dtype=np.int64),
+                nbytes,
+                _PAGE if kind is ObjectKind.PAGE else _CHECKPOINT,
+                self._pos,
+                self._nbytes,
+                self._keys,
+                self._kind_of,
+                slots,
+            ):  # a key repeats within the batch
                 store.delete(new_keys[got == taken])
                 self._push_free(taken)
                 return False
@@ -360,12 +421,6 @@ class LocalHostCache(HostCache):
                 self._lru.consume(position)
                 self._drop_slots(victims)
                 self.counters.evictions += len(victims)
-            new_positions = np.asarray(positions, dtype=np.int64)[new]
-            self._pos[taken] = new_positions
-            self._nbytes[taken] = nbytes
-            self._keys[taken] = new_keys
-            self._kind_of[taken] = _KIND[kind]
-            slots[new] = taken
             self._presence += 1
             self._bytes += k * nbytes
             self.counters.puts += k
@@ -452,8 +507,7 @@ class LocalHostCache(HostCache):
     # ---------------------------------------------------------------------------- removal
     def _drop(self, kind: ObjectKind, key: PageKey) -> None:
         s = int(self._store(kind).delete(key_array(key))[0])
-        self._bytes -= int(self._nbytes[s])
-        self._release(np.array([s], dtype=np.int64))
+        self._bytes -= self._release(np.array([s], dtype=np.int64))
 
     def remove(self, kind: ObjectKind, keys: PageKeys | Sequence[PageKey]) -> int:
         self._mutations += 1

@@ -14,9 +14,10 @@ import numpy as np
 
 from ..compiled import jit
 from ..errors import IntegrityError
-from ..stamped_log import compacted
+from ..stamped_log import compact_in_place
 
 FREE = -1  # the stamp of a slot that holds no object
+_OLDEST_ROOM = 64  # victims `SlotLru.oldest` collects in its first pass over the log
 
 
 @jit
@@ -32,16 +33,17 @@ def _touch(stamp, log_slot, log_stamp, tail, clock, slots):
 
 @jit
 def _oldest(stamp, log_slot, log_stamp, head, tail, nbytes, need, out):
-    """Live log entries from `head` until their bytes reach `need` (or the log ends). With `out`
-    of length 0, only counts. Returns (entries, bytes, the position after the last)."""
+    """Live log entries from `head` until their bytes reach `need` (or the log ends); the first
+    len(out) of their slots are written to `out` ([m] int64), the rest only counted. Returns
+    (entries, bytes, the position after the last)."""
     freed = 0
     found = 0
     h = head
-    fill = out.shape[0] > 0
+    room = out.shape[0]
     while freed < need and h < tail:
         s = log_slot[h]
         if stamp[s] == log_stamp[h]:
-            if fill:
+            if found < room:
                 out[found] = s
             found += 1
             freed += nbytes[s]
@@ -71,7 +73,8 @@ class SlotLru:
         n = len(slots)
         if not n:
             return
-        self._room(n)
+        if self._tail + n > len(self._log_slot):
+            self._room(n)
         _touch(
             self.stamp,
             self._log_slot,
@@ -95,26 +98,31 @@ class SlotLru:
         `need` (all live ones if they do not). Returns (slots, bytes they hold, log position
         after the last of them); nothing is consumed until `consume(position)`."""
         args = (self.stamp, self._log_slot, self._log_stamp, self._head, self._tail, nbytes, need)
-        count, _, _ = _oldest(*args, np.zeros(0, dtype=np.int64))
-        slots = np.empty(count, dtype=np.int64)
-        _, freed, position = _oldest(*args, slots)
-        return slots, int(freed), int(position)
+        # An eviction usually makes room for one write, a few objects: one pass fills them in;
+        # only a larger one walks the log a second time to fill an array of the size it found.
+        slots = np.empty(_OLDEST_ROOM, dtype=np.int64)
+        count, freed, position = _oldest(*args, slots)
+        if count > _OLDEST_ROOM:
+            slots = np.empty(count, dtype=np.int64)
+            _oldest(*args, slots)
+        return slots[:count], int(freed), int(position)
 
     def consume(self, position: int) -> None:
         """Drop the log entries before `position` (from `oldest`; their slots are evicted)."""
         self._head = position
 
     def _room(self, n: int) -> None:
-        """Room for n more log entries: drop the consumed head and the stale entries; grow if
-        that is not enough."""
-        if self._tail + n <= len(self._log_slot):
-            return
-        head, tail = self._head, self._tail
-        live = self.stamp[self._log_slot[head:tail]] == self._log_stamp[head:tail]
-        self._log_slot, self._log_stamp, self._tail = compacted(
-            self._log_slot, self._log_stamp, head, tail, live, n
-        )
-        self._head = 0
+        """Room for n more log entries, called when the log is full: drop the consumed head and
+        the stale entries; grow if that is not enough."""
+        kept = compact_in_place(self._log_slot, self._log_stamp, self._head, self._tail, self.stamp)
+        self._head, self._tail = 0, kept
+        size = len(self._log_slot)
+        if 2 * (kept + n) > size:  # doubled past what is needed (as `compacted` sizes a log)
+            size = 2 * (kept + n)
+            for name in ("_log_slot", "_log_stamp"):
+                grown = np.zeros(size, dtype=np.int64)
+                grown[:kept] = getattr(self, name)[:kept]
+                setattr(self, name, grown)
 
     def check_integrity(self) -> None:
         """Log stamps strictly increase; every stamped slot has exactly one live log entry."""
