@@ -4,6 +4,7 @@ every request is accounted for (finished, or aborted with a reason), the caches 
 integrity checks after the drain, and the run is reproducible."""
 
 import random
+import sys
 
 import attrs
 import pytest
@@ -20,7 +21,8 @@ from tests.sim.cluster.helpers import (
 )
 from tokenspeed.cache import CheckpointPolicy
 from tokenspeed.sched import SchedulerConfig
-from tokenspeed.sim.cluster import L2Mode, ranks, simulate
+from tokenspeed.sim.cluster import L2Mode, Mode, build_simulator, ranks, simulate
+from tokenspeed.sim.cluster.pd_sim import PDSimulator
 from tokenspeed.sim.workload import AgentXWorkload
 
 
@@ -123,3 +125,75 @@ def test_random_clusters_over_failing_host_tiers(monkeypatch):
 @pytest.mark.parametrize("seed", range(6, 60))
 def test_many_random_clusters_over_failing_host_tiers(seed, monkeypatch):
     play_over_failing_tiers(seed, monkeypatch)
+
+
+class RouterViewChecked(PDSimulator):
+    """Checks, at every arrival, the per-rank values the simulator keeps for the router: a rank
+    that any scheduler call touched since the last pick must be marked stale, and the value kept
+    for any other rank must be what the rank reports now."""
+
+    _CALLS = (
+        "add",
+        "schedule",
+        "complete",
+        "abort",
+        "preempt",
+        "release",
+        "start",
+        "admit_pending",
+    )
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.touched: set = set()
+        self.reused = 0
+        for kind, ranks_ in (("prefill", self.prefill), ("decode", self.decode)):
+            for rank in ranks_:
+                for name in self._CALLS:
+                    if hasattr(rank.sched, name):
+                        self._watch(rank.sched, name, (kind, rank.idx))
+
+    def _watch(self, sched, name, key) -> None:
+        call = getattr(sched, name)
+
+        def watched(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.touched.add(key)
+
+        setattr(sched, name, watched)
+
+    def _admit_request(self, req) -> None:
+        for kind, ranks_, kept, stale in (
+            ("prefill", self.prefill, self._prefill_work, self._stale_prefill),
+            ("decode", self.decode, self._decode_loads, self._stale_decode),
+        ):
+            for rank, value in zip(ranks_, kept, strict=True):
+                if (kind, rank.idx) in self.touched:
+                    assert rank.idx in stale, (self.now, kind, rank.idx)
+                elif rank.idx not in stale:
+                    now = (
+                        rank.sched.outstanding_tokens() if kind == "prefill" else rank.sched.load()
+                    )
+                    assert value == now, (self.now, kind, rank.idx)
+                    self.reused += 1
+        self.touched.clear()
+        super()._admit_request(req)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_router_view_kept_between_arrivals_is_every_ranks_current_load(seed):
+    config, workload = random_scenario(seed)
+    if config.mode is not Mode.PD:  # the same scenario on a P/D cluster
+        config = attrs.evolve(config, mode=Mode.PD, decode_ranks=2)
+    sim = RouterViewChecked(config, workload, TOY_COST)
+    sim.run()
+    assert sim.reused > 0
+
+
+def test_router_view_kept_between_arrivals_over_failing_host_tiers(monkeypatch):
+    # `simulate` builds its simulator in the module of `build_simulator`.
+    monkeypatch.setattr(sys.modules[build_simulator.__module__], "PDSimulator", RouterViewChecked)
+    for seed in range(6):
+        play_over_failing_tiers(seed, monkeypatch)

@@ -15,7 +15,14 @@ is in flight, exactly where a real engine would let it join.
 
 from __future__ import annotations
 
-from tokenspeed.sched import Request, RequestState, Router, RouterConfig, TransferGate
+from tokenspeed.sched import (
+    DecodeLoad,
+    Request,
+    RequestState,
+    Router,
+    RouterConfig,
+    TransferGate,
+)
 from tokenspeed.sim.cluster.config import ClusterConfig
 from tokenspeed.sim.cluster.engine import EventLoop
 from tokenspeed.sim.cluster.ranks import (
@@ -60,6 +67,15 @@ class PDSimulator(EventLoop):
             )
         )
         self.gate = TransferGate(config.admission)
+        # What the router compares, per rank, kept between arrivals: every arrival needs all of
+        # them, but only the ranks something happened on since the last one can have moved. A
+        # rank is marked stale right after any scheduler call on it (`_prefill_moved`,
+        # `_decode_moved`) and asked again at the next pick, so the router sees exactly the
+        # values it would get by asking every rank.
+        self._prefill_work = [0] * config.prefill_ranks
+        self._decode_loads = [DecodeLoad(0, 0)] * config.decode_ranks
+        self._stale_prefill = set(range(config.prefill_ranks))
+        self._stale_decode = set(range(config.decode_ranks))
         g = config.geometry
         self._bytes_per_token = g.mla_page_bytes / g.page_size
         self._state_bytes = g.kda_state_bytes
@@ -70,19 +86,33 @@ class PDSimulator(EventLoop):
 
     # ---- routing ------------------------------------------------------------------------------
     def _admit_request(self, req: Request) -> None:
-        p = self.router.pick_prefill(
-            [r.sched.outstanding_tokens() for r in self.prefill], req.session
-        )
-        d = self.router.pick_decode([r.sched.load() for r in self.decode])
+        for i in self._stale_prefill:
+            self._prefill_work[i] = self.prefill[i].sched.outstanding_tokens()
+        self._stale_prefill.clear()
+        for i in self._stale_decode:
+            self._decode_loads[i] = self.decode[i].sched.load()
+        self._stale_decode.clear()
+        p = self.router.pick_prefill(self._prefill_work, req.session)
+        d = self.router.pick_decode(self._decode_loads)
         req.prefill_rank, req.decode_rank = p, d
         if self.gate.on_route(req.rid):
             self._queue_prefill(req)
         self.decode[d].sched.add(req)
+        self._decode_moved(self.decode[d])
         self._admit_decode(self.decode[d])
+
+    def _prefill_moved(self, rank: PrefillRank) -> None:
+        """A scheduler call on `rank` may have changed its outstanding work."""
+        self._stale_prefill.add(rank.idx)
+
+    def _decode_moved(self, rank: DecodeRank) -> None:
+        """A scheduler call on `rank` may have changed its load (queues or free pages)."""
+        self._stale_decode.add(rank.idx)
 
     def _queue_prefill(self, req: Request) -> None:
         rank = self.prefill[req.prefill_rank]
         rank.sched.add(req)
+        self._prefill_moved(rank)
         self._kick_prefill(rank)
 
     # ---- prefill ranks ------------------------------------------------------------------------
@@ -90,6 +120,7 @@ class PDSimulator(EventLoop):
         if rank.busy:
             return
         batch = rank.sched.schedule()
+        self._prefill_moved(rank)
         self._drain_prefill_aborts(rank)
         if batch is None:
             return
@@ -115,7 +146,9 @@ class PDSimulator(EventLoop):
 
     def _prefill_done(self, rank: PrefillRank) -> None:
         rank.busy = False
-        for req in rank.sched.complete(rank.batch):
+        done = rank.sched.complete(rank.batch)
+        self._prefill_moved(rank)
+        for req in done:
             rank.admitted.discard(req.rid)
             self.records[req.rid].prefill_end = self.now
             if req.state is RequestState.FINISHED:  # a one-token answer
@@ -137,7 +170,9 @@ class PDSimulator(EventLoop):
         prefill, decode = self.prefill[req.prefill_rank], self.decode[req.decode_rank]
         prefill.admitted.discard(req.rid)
         prefill.sched.abort(req.rid, req.abort_reason)
+        self._prefill_moved(prefill)
         decode.sched.abort(req.rid, req.abort_reason)
+        self._decode_moved(decode)
         self._aborted(req)
         self.at(self.now, self._kick_prefill, prefill)
         self.at(self.now, self._kick_decode_idle, decode)
@@ -146,7 +181,9 @@ class PDSimulator(EventLoop):
         """The request will not reach decode: give back its decode reservation."""
         self.gate.forget(req.rid)
         rank = self.decode[req.decode_rank]
-        if rank.sched.abort(req.rid, req.abort_reason or "finished in prefill") is not None:
+        held = rank.sched.abort(req.rid, req.abort_reason or "finished in prefill")
+        self._decode_moved(rank)
+        if held is not None:
             self._admit_decode(rank)
 
     # ---- transfer -----------------------------------------------------------------------------
@@ -161,17 +198,20 @@ class PDSimulator(EventLoop):
     def _transfer_done(self, req: Request) -> None:
         prefill = self.prefill[req.prefill_rank]
         prefill.sched.release(req)
+        self._prefill_moved(prefill)
         rec = self.records[req.rid]
         if rec.first_token is None:
             rec.first_token = self.now
         decode = self.decode[req.decode_rank]
         decode.sched.start(req)
+        self._decode_moved(decode)
         self._kick_decode(decode)
         self._kick_prefill(prefill)  # its pages are free now
 
     # ---- decode ranks -------------------------------------------------------------------------
     def _admit_decode(self, rank: DecodeRank) -> None:
         admitted = rank.sched.admit_pending()
+        self._decode_moved(rank)
         while rank.sched.aborted:  # requests that can never fit on this decode rank
             self._abort_everywhere(rank.sched.aborted.pop())
         for req in admitted:
@@ -189,6 +229,7 @@ class PDSimulator(EventLoop):
             self.cut_run(rank, self._decode_done)
             return
         batch = rank.sched.schedule(max_steps=self.config.max_decode_steps)
+        self._decode_moved(rank)
         self._drain_decode_side_effects(rank)
         if batch is None:
             return
@@ -215,7 +256,9 @@ class PDSimulator(EventLoop):
         if epoch != rank.epoch:
             return  # superseded by a cut
         rank.busy = False
-        for req in rank.sched.complete(rank.batch, rank.steps):
+        done = rank.sched.complete(rank.batch, rank.steps)
+        self._decode_moved(rank)
+        for req in done:
             self._finished(req)
         rank.batch = None
         self._admit_decode(rank)
