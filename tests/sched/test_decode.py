@@ -291,3 +291,35 @@ def test_start_of_a_request_that_ended_meanwhile_keeps_its_reservation_for_abort
         sched.start(r)
     assert sched.abort("r", "client gone") is r
     assert not cache.holds("r") and cache.used_pages == 0 and not sched.running
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_a_stale_row_does_not_touch_a_new_request_under_the_same_id(eos):
+    """The old request was aborted while its step ran, and a new request under the same id was
+    added and started before the step completed. Before, complete() recognised stale rows by id:
+    the old row (its last token due, or an EOS named by id) published and released the new
+    request's cache, dropped it from `running`, and raised moving the aborted request to
+    FINISHED."""
+    sched, cache = _sched()
+    old = _prefilled("x", 40, 2 if not eos else 9)
+    _join(sched, old)
+    batch = sched.schedule()
+    assert batch.requests == (old,)
+    assert sched.abort("x", "client gone") is old  # mid-step
+    new = _prefilled("x", 50, 6, content="new")
+    _join(sched, new)
+    held, computed = cache.pages["x"], new.num_computed
+    log_len = len(cache.log)
+
+    assert sched.complete(batch, finished={"x"} if eos else ()) == []
+
+    assert old.state is RequestState.ABORTED and old.num_output == 1
+    assert len(cache.calls("release", "x")) == 1  # the abort's: the old one is released once
+    assert cache.log[log_len:] == []  # no checkpoint, publish or release for the stale row
+    assert sched.running == {"x": new} and new.state is RequestState.DECODING
+    assert new.num_output == 1 and new.num_computed == computed and cache.pages["x"] == held
+    # The new request decodes on as if the old batch had never been reported.
+    for _ in range(5):
+        done = sched.complete(sched.schedule())
+    assert done == [new] and new.state is RequestState.FINISHED and new.num_output == 6
+    assert not cache.holds("x") and len(cache.calls("release", "x")) == 2

@@ -8,7 +8,7 @@ from tokenspeed.sched.request import RequestState
 P = 16
 
 
-def _sched(*, budget=128, pages=1000, disaggregated=True, live=100, max_reqs=64):
+def _sched(*, budget=128, pages=1000, disaggregated=True, live=100, max_reqs=64, max_preempt=8):
     cache = FakeCache(page_size=P, num_pages=pages, live_slots=live)
     cfg = SchedulerConfig(
         page_size=P,
@@ -16,6 +16,7 @@ def _sched(*, budget=128, pages=1000, disaggregated=True, live=100, max_reqs=64)
         checkpoint_interval_pages=4,
         max_prefill_requests=max_reqs,
         decode_batch_sizes=(1, 2, 4, 8),
+        max_preemptions=max_preempt,
     )
     return PrefillScheduler(cfg, cache, disaggregated=disaggregated), cache
 
@@ -341,3 +342,53 @@ def test_a_deadlock_preemption_that_cannot_save_its_state_does_not_requeue_the_v
     assert [(c.request.rid, c.start, c.end) for c in batch.chunks] == [("a", 128, 160)]
     assert b.state is RequestState.ABORTED and sched.aborted == [b]
     assert not sched.waiting and not cache.holds("b")
+
+
+@pytest.mark.parametrize("cap", [0, 2])
+def test_the_deadlock_guard_aborts_a_request_preempted_max_preemptions_times(cap):
+    """max_preemptions caps every preemption, the deadlock guard's too. Before, the guard
+    requeued the victim whatever its count (a request preempted on decode ranks `cap` times
+    already, now re-prefilling): it was preempted once more than the cap allows."""
+    sched, cache = _sched(pages=10, budget=96, max_preempt=cap)
+    a, b = make_request("a", 200), make_request("b", 200)
+    b.preemptions = cap  # preempted `cap` times before (e.g. on decode ranks)
+    sched.add(a)
+    sched.add(b)
+    sched.complete(sched.schedule())
+    sched.complete(sched.schedule())  # a holds 8 pages, b 2: neither can grow now
+    # As when it is requeued, b (the younger) gives its pages to a; it is aborted instead.
+    batch = sched.schedule()
+    assert [(c.request.rid, c.start, c.end) for c in batch.chunks] == [("a", 128, 160)]
+    assert b.state is RequestState.ABORTED and b.preemptions == cap
+    assert b.abort_reason == f"preempted {cap} times without finishing"
+    assert sched.aborted == [b] and not sched.waiting and not cache.holds("b")
+    assert sched.outstanding_tokens() == 200 - 128  # a's alone (its chunk is in flight)
+
+
+def test_the_deadlock_guard_requeues_a_request_below_the_cap():
+    sched, _ = _sched(pages=10, budget=96, max_preempt=3)
+    a, b = make_request("a", 200), make_request("b", 200)
+    b.preemptions = 2
+    sched.add(a)
+    sched.add(b)
+    sched.complete(sched.schedule())
+    sched.complete(sched.schedule())
+    sched.schedule()
+    assert b.state is RequestState.WAITING and b.preemptions == 3 and sched.waiting[0] is b
+    assert sched.aborted == []
+
+
+def test_a_preemption_past_the_cap_aborts_the_request():
+    """As DecodeScheduler.preempt: a request already preempted max_preemptions times is aborted
+    (left in `aborted`) instead of returned to WAITING."""
+    sched, cache = _sched(budget=64, max_preempt=1)
+    req = make_request("r", 300)
+    sched.add(req)
+    sched.complete(sched.schedule())
+    assert sched.preempt("r") is req and req.state is RequestState.WAITING
+    sched.add(req)
+    sched.complete(sched.schedule())
+    assert sched.preempt("r") is req
+    assert req.state is RequestState.ABORTED and req.preemptions == 1
+    assert req.abort_reason == "preempted 1 times without finishing"
+    assert sched.aborted == [req] and not cache.holds("r") and not sched.has_work

@@ -68,8 +68,11 @@ class SchedulerConfig:
         MAX_DECODE_BATCH_SIZE).
     decode_reserve_pages: free pages a decode rank must keep beyond a request's history before
         admitting it, so that running requests can grow without immediate preemption.
-    max_preemptions: a request preempted more often than this is aborted with a reason instead of
-        requeued, so that an overloaded rank cannot cycle one request forever.
+    max_preemptions: a request already preempted this many times is aborted with a reason
+        ("preempted N times without finishing") instead of being preempted again, so that an
+        overloaded rank cannot cycle one request forever. Every preemption counts, wherever it
+        happened: decode rows out of pages, the prefill deadlock guard, `preempt(rid)` on either
+        scheduler; 0 turns every preemption into an abort.
     """
 
     page_size: int = attrs.field(default=64, validator=_positive)

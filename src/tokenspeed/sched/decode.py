@@ -173,7 +173,9 @@ class DecodeScheduler:
         """Record `steps` completed steps of `batch`; returns the requests that finished.
 
         A row finishes at its max_new_tokens or, when its rid is in `finished`, after the last of
-        these steps (an EOS the engine sampled). A finishing row's history is checkpointed at its
+        these steps (an EOS the engine sampled). Rows no longer running (aborted or preempted
+        while the step ran) are skipped, recognised by the request object: a new request under a
+        reused id is not one of this batch's rows. A finishing row's history is checkpointed at its
         last full page; unless the live state is exactly there, the checkpoint slot goes to
         `save_state(request, position, slot)`, which writes the state the runner kept when the
         row last crossed a page boundary. live_state=False: the rows' live states may be past
@@ -185,7 +187,9 @@ class DecodeScheduler:
         done = []
         running = self.running
         for req in batch.requests:
-            if req.rid not in running:
+            # By identity, not id: a row aborted while the step ran may have a successor under
+            # the same id (added and started meanwhile), which this step did not advance.
+            if running.get(req.rid) is not req:
                 continue  # aborted or preempted while the step ran
             req.num_computed += steps
             req.num_output += steps

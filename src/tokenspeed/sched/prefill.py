@@ -152,15 +152,16 @@ class PrefillScheduler:
         """Nothing can run for want of pages and nothing else will free any.
 
         Requeue the youngest running prefill at the queue head (its computed prefix is
-        published, so little work is lost). A lone request that still cannot grow, or a queue
-        head that cannot even start on an otherwise idle rank (its prefix hit alone fills the
-        rank), needs more pages than the rank has: it is aborted and left in `aborted` for the
-        caller.
+        published, so little work is lost); one already preempted `max_preemptions` times is
+        aborted instead (its pages free up just the same). A lone request that still cannot
+        grow, or a queue head that cannot even start on an otherwise idle rank (its prefix hit
+        alone fills the rank), needs more pages than the rank has: it is aborted too. Aborted
+        requests are left in `aborted` for the caller.
         """
         if len(self.running) > 1:
             req = self.preempt(next(reversed(self.running)))
             assert req is not None
-            if req.state is RequestState.WAITING:  # else its state could not be saved: aborted
+            if req.state is RequestState.WAITING:  # else aborted (see preempt)
                 self._set_estimate(req.rid, req.prefill_target)
                 self.waiting.appendleft(req)
             return
@@ -273,12 +274,17 @@ class PrefillScheduler:
         """Return a running or pinned request to WAITING, publishing what it computed.
 
         The request is not re-queued here: the caller routes it again (any rank may take it).
-        If its state cannot be saved (a device copy failed), it is aborted instead and left in
-        `aborted`, as a decode preemption is.
+        As a decode preemption, it is aborted instead and left in `aborted` when it was already
+        preempted `max_preemptions` times, or when its state cannot be saved (a device copy
+        failed). The deadlock guard's preemptions come through here, so they are capped too.
         """
         req = self.running.get(rid) or self.pinned.get(rid)
         if req is None:
             return None
+        if req.preemptions >= self.config.max_preemptions:
+            self.abort(rid, f"preempted {req.preemptions} times without finishing")
+            self.aborted.append(req)
+            return req
         try:
             self._remove(rid, keep_prefix=True)
         except Exception as exc:
