@@ -9,14 +9,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Sized
 from pathlib import Path
 
 from tokenspeed.cache import CheckpointPolicy
 from tokenspeed.sched import SchedulerConfig
 from tokenspeed.sim.cluster import ClusterConfig, SimResult, check_load, k3_geometry, simulate
+from tokenspeed.sim.cluster.config import (
+    PAGE_BOOKKEEPING_BYTES,
+    RANK_BOOKKEEPING_BYTES,
+    SESSION_BOOKKEEPING_BYTES,
+)
 from tokenspeed.sim.cost import LinearCostModel, TableCostModel
 from tokenspeed.sim.plots import plot_hit_rate_over_time, plot_throughput_vs_interactivity
 from tokenspeed.sim.report import results_table, scenario_line
@@ -34,6 +41,11 @@ SUMMARY_JSON = "summary.json"
 THROUGHPUT_PNG = "throughput_vs_interactivity.png"
 HIT_RATE_PNG = "hit_rate_over_time.png"
 REPORT_FILES = (REPORT_MD, SUMMARY_JSON, THROUGHPUT_PNG, HIT_RATE_PNG)
+
+GiB = 1 << 30
+# A request's record (about 0.7 KB measured, plus its index entry): every one is kept until the
+# report is written, the records of every concurrency's run included.
+RECORD_BYTES = 1 << 10
 
 
 def build_parser(prog: str = "python -m tokenspeed.sim") -> argparse.ArgumentParser:
@@ -154,6 +166,123 @@ def _check_trace_issues_requests(args: argparse.Namespace, workload: Workload) -
             )
 
 
+def _machine_memory_bytes() -> int | None:
+    """Physical memory of this machine (or the cgroup v2 limit of this process's container,
+    when lower), or None where the OS does not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    if limit.isdigit() and 0 < int(limit) < total:
+        total = int(limit)
+    return total if total > 0 else None
+
+
+def _sessions_in_flight(cfg: ClusterConfig, workload) -> int:
+    """A trace replays at most its own sessions (a timed one starts them all); an endless
+    generator keeps `concurrency` in flight."""
+    if isinstance(workload, Sized):
+        return (
+            len(workload)
+            if getattr(workload, "timed", False)
+            else min(cfg.concurrency, len(workload))
+        )
+    return cfg.concurrency
+
+
+def _expected_requests(cfg: ClusterConfig, workload) -> tuple[int, float]:
+    """(requests an endless AgentX run issues, seconds between a session's turns): each session
+    issues about one turn per mean think time (an over-estimate: serving the turn adds to it).
+    A trace's requests are its rows, already in memory: (0, 0.0)."""
+    if not isinstance(workload, AgentXWorkload) or cfg.duration_s is None:
+        return 0, 0.0
+    ax = workload.config
+    cycle = (
+        ax.agentic_fraction * ax.agentic_delay_s.mean
+        + (1 - ax.agentic_fraction) * ax.human_delay_s.mean
+    )
+    return math.ceil(cfg.concurrency * cfg.duration_s / cycle), cycle
+
+
+def estimated_bookkeeping_bytes(configs: list[ClusterConfig], workload) -> int:
+    """Host memory the runs need: the largest run's ranks and sessions (runs go one at a time)
+    plus every run's request records (all kept for the report)."""
+    live = max(cfg.bookkeeping_bytes(_sessions_in_flight(cfg, workload)) for cfg in configs)
+    return live + sum(_expected_requests(cfg, workload)[0] for cfg in configs) * RECORD_BYTES
+
+
+def _check_fits_in_memory(args: argparse.Namespace, configs: list[ClusterConfig], workload) -> None:
+    """Refuse runs whose bookkeeping alone would not fit in this machine's memory: they would
+    swap, be killed, or run for hours first (building billions of page entries, generating
+    millions of sessions, simulating a near-endless load)."""
+    memory = _machine_memory_bytes()
+    if memory is None:
+        return
+    need = estimated_bookkeeping_bytes(configs, workload)
+    if need <= memory:
+        return
+    cfg = max(configs, key=lambda c: c.bookkeeping_bytes(_sessions_in_flight(c, workload)))
+    ranks = (
+        f"--prefill-ranks {cfg.prefill_ranks} + --decode-ranks {cfg.decode_ranks}"
+        if cfg.decode_ranks
+        else f"--prefill-ranks {cfg.prefill_ranks}"
+    )
+    pages = cfg.device_pages * PAGE_BOOKKEEPING_BYTES + cfg.num_ranks * RANK_BOOKKEEPING_BYTES
+    sessions = _sessions_in_flight(cfg, workload)
+    requests = sum(_expected_requests(c, workload)[0] for c in configs)
+    parts = [
+        (
+            pages,
+            f"--device-cache-gib {args.device_cache_gib:g} on {ranks} ranks makes "
+            f"{cfg.device_pages:,} device pages, {PAGE_BOOKKEEPING_BYTES} B of bookkeeping each",
+        ),
+        (
+            sessions * SESSION_BOOKKEEPING_BYTES,
+            f"--concurrency {cfg.concurrency} keeps {sessions:,} sessions in flight, "
+            f"~{SESSION_BOOKKEEPING_BYTES >> 10} KiB each",
+        ),
+        (
+            requests * RECORD_BYTES,
+            f"--duration {args.duration:g} at --concurrency {args.concurrency} issues "
+            f"~{requests:,} requests (one per session every "
+            f"{_expected_requests(configs[0], workload)[1]:.3g} s), each a {RECORD_BYTES} B "
+            "record kept for the report",
+        ),
+    ]
+    _, why = max(parts, key=lambda part: part[0])
+    raise ValueError(
+        f"{why}: ~{need / GiB:.3g} GiB in all, more than this machine's {memory / GiB:.3g} GiB "
+        "of memory"
+    )
+
+
+def check_ranks_hold_longest_prompt(cfg: ClusterConfig, workload) -> None:
+    """An AgentX run needs every kind of rank to hold the workload's longest prompt: a request
+    that can never fit a rank is aborted the moment it arrives, its session ends and the
+    endless generator replaces it at the same simulated instant, so a cache too small for
+    most prompts spins at time 0 forever (traces end: they run out of sessions)."""
+    if not isinstance(workload, AgentXWorkload):
+        return
+    longest = workload.config.max_prompt_tokens
+    page = cfg.geometry.page_size
+    need = -(-(longest + 1) // page) + cfg.scheduler.decode_reserve_pages
+    for kind, _, sizes in cfg.rank_pools():
+        usable = sizes.num_pages - 1  # page 0 is the sink
+        if usable < need:
+            raise ValueError(
+                f"--device-cache-gib {cfg.device_cache_bytes / GiB:g} is too small for the "
+                f"agentx workload: a {kind} rank has {usable:,} pages ({usable * page:,} tokens) "
+                f"left after its live KDA states, fewer than the {need:,} "
+                f"pages of the agentx workload's longest prompt ({longest:,} tokens); requests "
+                "that cannot fit are aborted as they arrive and replaced at the same simulated "
+                "instant, so the run would never end"
+            )
+
+
 def _check_out_writable(out: Path) -> None:
     """Fail before the simulations, not after them, if the report cannot be written: a file of
     the report that cannot be opened for writing (a directory in the way, read-only), or an
@@ -252,6 +381,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tokenspeed.sim") 
         workload = load_workload(args)
         for cfg in configs:
             check_load(cfg, workload)
+            check_ranks_hold_longest_prompt(cfg, workload)
+        _check_fits_in_memory(args, configs, workload)
         args.out.mkdir(parents=True, exist_ok=True)
         _check_out_writable(args.out)
     except (OSError, ValueError) as exc:  # TraceError is a ValueError; OSError: unreadable file

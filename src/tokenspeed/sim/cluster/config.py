@@ -7,10 +7,26 @@ import math
 
 import attrs
 
-from tokenspeed.cache import BudgetTooSmallError, CacheConfig, CacheGeometry, CheckpointPolicy
+from tokenspeed.cache import (
+    BudgetTooSmallError,
+    CacheConfig,
+    CacheGeometry,
+    CheckpointPolicy,
+    PoolSizes,
+)
 from tokenspeed.sched import AdmissionPolicy, RoutingPolicy, SchedulerConfig
 
 GiB = 1 << 30
+
+# Page ids reach the attention kernels through an int32 page table (`CacheManager.page_table`):
+# a rank's pool cannot have more pages than that can name.
+MAX_PAGES_PER_RANK = 2**31 - 1
+
+# Host memory of the simulator's own bookkeeping (tracemalloc, K3 geometry), rounded up: the
+# basis of `ClusterConfig.bookkeeping_bytes`, which the command line checks against the machine.
+PAGE_BOOKKEEPING_BYTES = 256  # one device page of a metadata-only CacheManager (200-265 B)
+RANK_BOOKKEEPING_BYTES = 64 << 10  # a rank's scheduler, port and fixed-size tables
+SESSION_BOOKKEEPING_BYTES = 64 << 10  # a session in flight: key chain, request (40-60 KiB)
 
 
 def k3_geometry(page_size: int = 64) -> CacheGeometry:
@@ -151,24 +167,58 @@ class ClusterConfig:
             )
         self._check_device_budgets()
 
-    def _check_device_budgets(self) -> None:
-        """Every kind of rank must hold its live KDA states and a page: fail here rather than
-        when `simulate` builds the ranks."""
+    def _rank_kinds(self) -> list[tuple[str, int, int, bool]]:
+        """(kind, number of such ranks, live KDA slots, decode) for each kind of rank."""
         if self.mode is Mode.PD:
-            kinds = [
-                ("prefill", self.prefill_live_requests, False),
-                ("decode", self.decode_live_requests, True),
+            return [
+                ("prefill", self.prefill_ranks, self.prefill_live_requests, False),
+                ("decode", self.decode_ranks, self.decode_live_requests, True),
             ]
-        else:
-            kinds = [("aggregated", self.decode_live_requests, False)]
-        for kind, live, decode in kinds:
+        return [("aggregated", self.prefill_ranks, self.decode_live_requests, False)]
+
+    def _budget_field(self, decode: bool) -> str:
+        if decode and self.decode_device_cache_bytes is not None:
+            return "decode_device_cache_bytes"
+        return "device_cache_bytes"
+
+    def _check_device_budgets(self) -> None:
+        """Every kind of rank must hold its live KDA states and a page, and have no more pages
+        than a page table can name: fail here rather than when `simulate` builds the ranks."""
+        for kind, _, live, decode in self._rank_kinds():
+            field = self._budget_field(decode)
             try:
-                self.cache_config(live, decode=decode).pool_sizes(self.geometry)
+                sizes = self.cache_config(live, decode=decode).pool_sizes(self.geometry)
             except BudgetTooSmallError as exc:
-                field = "device_cache_bytes"
-                if decode and self.decode_device_cache_bytes is not None:
-                    field = "decode_device_cache_bytes"
                 raise BudgetTooSmallError(f"{field} is too small for {kind} ranks: {exc}") from None
+            if sizes.num_pages > MAX_PAGES_PER_RANK:
+                raise ValueError(
+                    f"{field} is too large for {kind} ranks: it makes {sizes.num_pages} pages of "
+                    f"{self.geometry.mla_page_bytes} bytes per rank, more than the "
+                    f"{MAX_PAGES_PER_RANK} pages an int32 page table can name"
+                )
+
+    def rank_pools(self) -> list[tuple[str, int, PoolSizes]]:
+        """(kind, number of such ranks, device pool sizes of one) for each kind of rank."""
+        return [
+            (kind, count, self.cache_config(live, decode=decode).pool_sizes(self.geometry))
+            for kind, count, live, decode in self._rank_kinds()
+        ]
+
+    @property
+    def device_pages(self) -> int:
+        """Device pages over all ranks (sink pages included): entries the page pools hold."""
+        return sum(count * sizes.num_pages for _, count, sizes in self.rank_pools())
+
+    def bookkeeping_bytes(self, sessions: int | None = None) -> int:
+        """Estimated host memory the simulation needs up front: every rank's page pools and
+        fixed state, and `sessions` sessions in flight (default `concurrency`). Requests'
+        records, which accumulate over the run, are not included."""
+        sessions = self.concurrency if sessions is None else sessions
+        return (
+            self.device_pages * PAGE_BOOKKEEPING_BYTES
+            + self.num_ranks * RANK_BOOKKEEPING_BYTES
+            + sessions * SESSION_BOOKKEEPING_BYTES
+        )
 
     def cache_config(self, live_requests: int, *, decode: bool = False) -> CacheConfig:
         """The metadata-only cache of one rank with `live_requests` live KDA slots (a P/D decode
