@@ -136,3 +136,36 @@ def test_cluster_config_refuses_more_pages_than_a_page_table_can_name():
         ClusterConfig(device_cache_bytes=(MAX_PAGES_PER_RANK + 2) * page_bytes * 2)
     with pytest.raises(ValueError, match="decode_device_cache_bytes .* int32 page table"):
         ClusterConfig(decode_device_cache_bytes=(MAX_PAGES_PER_RANK + 2) * page_bytes * 2)
+
+
+def test_a_rank_that_just_holds_the_longest_prompt_and_its_first_token_is_accepted():
+    """AgentX prompts stay under max_prompt_tokens, so prompt + first output token take at most
+    max_prompt_tokens tokens: a decode rank with exactly that many pages (3,125 at page 64) can
+    run every request, and one page less cannot."""
+    workload = AgentXWorkload()
+    need = -(-workload.config.max_prompt_tokens // 64)
+
+    def cfg(gib: float) -> ClusterConfig:
+        return ClusterConfig(
+            prefill_ranks=1,
+            decode_ranks=1,
+            concurrency=4,
+            duration_s=10.0,
+            device_cache_bytes=int(gib * GiB),
+            geometry=k3_geometry(64),
+            scheduler=SchedulerConfig(page_size=64),
+            checkpoints=CheckpointPolicy(),
+        )
+
+    def decode_usable(c: ClusterConfig) -> int:
+        return [s.num_pages - 1 for kind, _, s in c.rank_pools() if kind == "decode"][0]
+
+    # The smallest budget (in page-sized steps) that leaves the decode rank `need` pages.
+    page_gib = k3_geometry(64).mla_page_bytes / GiB
+    gib = 30.0
+    while decode_usable(cfg(gib)) < need:
+        gib += page_gib
+    assert decode_usable(cfg(gib)) == need
+    cli.check_ranks_hold_longest_prompt(cfg(gib), workload)
+    with pytest.raises(ValueError, match="too small for the agentx workload"):
+        cli.check_ranks_hold_longest_prompt(cfg(gib - page_gib), workload)

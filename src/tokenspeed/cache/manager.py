@@ -20,7 +20,6 @@ cover) lives in `match`; fetching the L2 part of a hit lives in `tiering.py`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections import Counter
@@ -548,17 +547,16 @@ class CacheManager:
         unless the request's load failed (then nothing is published). Raises
         RequestReleasedError when released twice."""
         self._check_live(handle)
-        if publish:
-            # A failed load raises TransferError before publish reads anything: none of it may
-            # reach L2, and the release below drops its pages. Raising here would leave the
-            # handle live, holding its pages and slot, for a caller that only wanted it gone.
-            with contextlib.suppress(TransferError):
-                self.publish(handle)
         try:
             handle.load.synchronize()
             failed = False
         except TransferError:
             failed = True
+        if publish and not failed:
+            # Only this request's own failed load skips the publish (its pages cannot be
+            # trusted; the release below drops them). Any other error of publish propagates
+            # with the handle still live, as before.
+            self.publish(handle)
         filled_pages, filled_ckpts = self._loader.finish(handle.load)
         if failed:
             # The copied bytes cannot be trusted: never let another request match them.

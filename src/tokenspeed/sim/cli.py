@@ -267,18 +267,20 @@ def check_ranks_hold_longest_prompt(cfg: ClusterConfig, workload) -> None:
     most prompts spins at time 0 forever (traces end: they run out of sessions)."""
     if not isinstance(workload, AgentXWorkload):
         return
+    # Prompts stay under max_prompt_tokens (a session ends before one would reach it), so the
+    # longest prompt and its first output token take max_prompt_tokens tokens.
     longest = workload.config.max_prompt_tokens
     page = cfg.geometry.page_size
-    need = -(-(longest + 1) // page) + cfg.scheduler.decode_reserve_pages
+    need = -(-longest // page) + cfg.scheduler.decode_reserve_pages
     for kind, _, sizes in cfg.rank_pools():
         usable = sizes.num_pages - 1  # page 0 is the sink
         if usable < need:
             raise ValueError(
                 f"--device-cache-gib {cfg.device_cache_bytes / GiB:g} is too small for the "
                 f"agentx workload: a {kind} rank has {usable:,} pages ({usable * page:,} tokens) "
-                f"left after its live KDA states, fewer than the {need:,} "
-                f"pages of the agentx workload's longest prompt ({longest:,} tokens); requests "
-                "that cannot fit are aborted as they arrive and replaced at the same simulated "
+                f"left after its live KDA states, fewer than the {need:,} pages that its longest "
+                f"prompt and first output token take ({longest:,} tokens); requests that "
+                "cannot fit are aborted as they arrive and replaced at the same simulated "
                 "instant, so the run would never end"
             )
 
