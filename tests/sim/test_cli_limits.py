@@ -158,7 +158,7 @@ def test_a_rank_that_just_holds_the_longest_prompt_and_its_first_token_is_accept
         )
 
     def decode_usable(c: ClusterConfig) -> int:
-        return [s.num_pages - 1 for kind, _, s in c.rank_pools() if kind == "decode"][0]
+        return next(s.num_pages - 1 for kind, _, s in c.rank_pools() if kind == "decode")
 
     # The smallest budget (in page-sized steps) that leaves the decode rank `need` pages.
     page_gib = k3_geometry(64).mla_page_bytes / GiB
