@@ -38,6 +38,7 @@ from tokenspeed.model.ops.mla.decode import (
     DecodeTiles,
     decode_parallelism,
     default_tiles,
+    gluon_applies,
     mla_decode_paged_split,
     uniform_split_count,
 )
@@ -205,6 +206,7 @@ def kernel(
     splits=None,
     uniform: int | None = None,
     tiles: DecodeTiles | None = None,
+    which: str | None = None,
 ) -> Callable[[], torch.Tensor]:
     scale = (env.dims.nope + env.dims.rope) ** -0.5
 
@@ -222,6 +224,7 @@ def kernel(
             gate=batch.gate,
             page_scales=batch.scales,
             tiles=tiles,
+            kernel=which,
         )
 
     return call
@@ -519,6 +522,30 @@ def main() -> int:
         ),
     ]
 
+    # The split kernel itself: Gluon (the default on Hopper for bf16) vs the Triton kernel, same
+    # plan (per-request splits at the default budget), same inputs.
+    kernel_lines = []
+    for label, lens, n, heads in (
+        ("mixed36 uniform draw", mixed, 1, None),
+        ("mixed36 log-uniform draw", mixed_log, 1, None),
+        ("8 pairs 64k/192k", pairs8, 1, None),
+        ("mixed36, 4 verify queries", mixed, 4, None),
+        ("mixed36, 32 heads", mixed, 1, min(32, dims.heads)),
+    ):
+        batch = make_batch(env, lens, n, heads=heads)
+        if smoke or not gluon_applies(batch.q, batch.pages, None, dims.rank, dims.rope,
+                                      dims.page_size):
+            kernel_lines.append(f"| {label} | - | - | Gluon kernel not applicable here |")
+            continue
+        bufs = planner_buffers(env, batch, decode_parallelism(num_sms, batch.heads, n))
+        ms = {w: timed(env, kernel(env, batch, bufs, which=w)) for w in ("triton", "gluon")}
+        gbs = sum(lens) * dims.width * 2 / ms["gluon"] / 1e6
+        kernel_lines.append(
+            f"| {label} | {ms['triton']:.3f} | {ms['gluon']:.3f} | "
+            f"{ms['triton'] / ms['gluon']:.2f}x | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |"
+        )
+        print(kernel_lines[-1])
+
     # (c) plain torch on the same inputs (eager; it is a loop over requests).
     torch_lines = []
     for label, lens in (("mixed36 uniform draw", mixed), ("pair 64k/192k", pair)):
@@ -554,11 +581,19 @@ def main() -> int:
         )
     out += [
         "",
-        "Tile sweep (mixed36 uniform draw, per-request splits, default budget of 4 waves):",
+        "Tile sweep of the Triton split kernel (mixed36 uniform draw, per-request splits,"
+        " default budget of 4 waves):",
         "",
         "| tiles | ms | GB/s |",
         "|---|---|---|",
         *sweep_lines,
+        "",
+        "Split kernel: the Triton kernel vs the Gluon kernel (the default on Hopper for bf16"
+        " caches), per-request splits at the default budget, whole decode call (graph):",
+        "",
+        "| batch | Triton ms | Gluon ms | Gluon speed-up | Gluon GB/s | % of copy |",
+        "|---|---|---|---|---|---|",
+        *kernel_lines,
         "",
         "Plain torch absorbed decode (eager) vs the split kernel (graph), n = 1:",
         "",

@@ -288,6 +288,11 @@ def test_rejects_inconsistent_arguments():
         run(dict(inp, pages=inp["pages"][..., :-1]), splits)
     with pytest.raises(ValueError, match="plan has"):
         run(inp, plan([10], 1, 4, 8))
+    with pytest.raises(ValueError, match="kernel is"):
+        run(inp, splits, kernel="cuda")
+    # The Gluon kernel runs on Hopper only (never on the CPU or under the interpreter).
+    with pytest.raises(ValueError, match="Gluon kernel does not apply"):
+        run(inp, splits, kernel="gluon")
 
 
 # ----------------------------------------------------------------------------- GPU, K3 shapes

@@ -27,6 +27,11 @@ split would re-read all of w_uv, 12.6 MB at K3) nor into a per-request combine (
 would); a per-head program reads w_uv[h] once per token block, so merge + W_UV + gate is one
 pass over the partials and no extra pass over anything.
 
+On Hopper, bf16 / fp16 caches take `gluon_decode._split_kernel_gluon` for step 2 instead (same
+inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 1.55-2.1x faster than
+`_split_kernel` on the H200, docs/perf/mla.md); `kernel="triton"` or explicit `tiles` keep the
+Triton kernel, which also serves FP8 caches, other GPUs and the interpreter.
+
 Split plans: `splits` carries the planner's fixed-capacity metadata (`SplitPlanBuffers` of
 `tokenspeed.sched.split_planner`, passed in by the caller): per-request split counts derived
 from the batch's history lengths, so chunks are nearly equal. `uniform_splits=S` instead gives
@@ -121,6 +126,33 @@ def pdl_supported(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gluon_applies(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    page_scales: torch.Tensor | None,
+    rank: int,
+    rope: int,
+    page_size: int,
+) -> bool:
+    """Whether the Hopper Gluon split kernel (`gluon_decode`) can take this call: a CUDA device
+    of compute capability 9.x (its MMAs are wgmma), not the interpreter (Gluon does not run
+    there), a bf16 / fp16 cache in the queries' dtype (FP8 caches stay on the Triton kernel)
+    and shapes it tiles (`gluon_decode.fits`)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not q.is_cuda:
+        return False
+    if page_scales is not None or pages.dtype != q.dtype:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    try:
+        from . import gluon_decode
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return gluon_decode.fits(rank, rope, page_size)
 
 
 def quantize_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,6 +417,7 @@ def mla_decode_paged_split(
     tiles: DecodeTiles | None = None,
     use_pdl: bool | None = None,
     split_order: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Split-KV absorbed decode; `reference.mla_decode_paged` with an optional output gate.
 
@@ -398,6 +431,8 @@ def mla_decode_paged_split(
     attention * sigmoid(gate) when a gate is given. No host sync; static shapes.
     split_order: `longest_first(splits)`, computed once per step and shared by every layer;
     computed here (one small device sort) when not given.
+    kernel: "gluon" (the pipelined Hopper kernel of `gluon_decode`), "triton" (`_split_kernel`)
+    or None: Gluon wherever `gluon_applies` and no `tiles` are given, else Triton.
     """
     _check(
         (splits is None) != (uniform_splits is None),
@@ -444,6 +479,10 @@ def mla_decode_paged_split(
 
     on_gpu = q.is_cuda
     rows = n_query * heads
+    _check(kernel in (None, "gluon", "triton"), f"kernel is 'gluon' or 'triton', not {kernel!r}")
+    fits_gluon = gluon_applies(q, pages, page_scales, rank, rope, page_size)
+    _check(kernel != "gluon" or fits_gluon, "the Gluon kernel does not apply (gluon_applies)")
+    use_gluon = kernel == "gluon" or (kernel is None and tiles is None and fits_gluon)
     tiles = tiles or default_tiles(rows, on_gpu)
     pdl = pdl_supported(q.device) if use_pdl is None else use_pdl
     launch = {"launch_pdl": True} if pdl else {}
@@ -467,39 +506,73 @@ def mla_decode_paged_split(
     scales_arg = page_scales if page_scales is not None else part_lse
 
     grid = (tiles.head_groups(rows), num_slots)
-    _split_kernel[grid](
-        q_lat,
-        q_rope,
-        pages,
-        scales_arg,
-        page_table,
-        context_lens,
-        *meta,
-        part_o,
-        part_lse,
-        scale * LOG2E,
-        q_lat.stride(1),
-        q_lat.stride(0),
-        q_rope.stride(0),
-        q_rope.stride(1),
-        pages.stride(0),
-        page_table.stride(0),
-        n_uniform,
-        NUM_HEADS=heads,
-        N_QUERY=n_query,
-        RANK=rank,
-        ROPE=rope,
-        PAGE_SIZE=page_size,
-        SCALE_MODE=scale_mode,
-        UNIFORM=splits is None,
-        GRANULE=UNIFORM_GRANULE,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        USE_PDL=pdl,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **launch,
-    )
+    if use_gluon:
+        from . import gluon_decode
+
+        desc_c, desc_r = gluon_decode.descriptors(pages, rank)
+        gluon_decode._split_kernel_gluon[(-(-rows // gluon_decode.BLOCK_M), num_slots)](
+            q_lat,
+            q_rope,
+            pages,
+            desc_c,
+            desc_r,
+            page_table,
+            context_lens,
+            *meta,
+            part_o,
+            part_lse,
+            scale * LOG2E,
+            q_lat.stride(1),
+            q_lat.stride(0),
+            q_rope.stride(0),
+            q_rope.stride(1),
+            pages.stride(0),
+            page_table.stride(0),
+            n_uniform,
+            NUM_HEADS=heads,
+            N_QUERY=n_query,
+            RANK=rank,
+            ROPE=rope,
+            PAGE_SIZE=page_size,
+            UNIFORM=splits is None,
+            GRANULE=UNIFORM_GRANULE,
+            STAGES=gluon_decode.STAGES,
+            num_warps=8,
+        )
+    else:
+        _split_kernel[grid](
+            q_lat,
+            q_rope,
+            pages,
+            scales_arg,
+            page_table,
+            context_lens,
+            *meta,
+            part_o,
+            part_lse,
+            scale * LOG2E,
+            q_lat.stride(1),
+            q_lat.stride(0),
+            q_rope.stride(0),
+            q_rope.stride(1),
+            pages.stride(0),
+            page_table.stride(0),
+            n_uniform,
+            NUM_HEADS=heads,
+            N_QUERY=n_query,
+            RANK=rank,
+            ROPE=rope,
+            PAGE_SIZE=page_size,
+            SCALE_MODE=scale_mode,
+            UNIFORM=splits is None,
+            GRANULE=UNIFORM_GRANULE,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            USE_PDL=pdl,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+            **launch,
+        )
 
     out = torch.empty(tokens, heads, v_dim, dtype=q.dtype, device=q.device)
     if gate is not None:

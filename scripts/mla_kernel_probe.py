@@ -1,0 +1,250 @@
+"""Probe: the MLA split kernels' launch shapes on the H200 (not a benchmark of record;
+benchmarks/mla_decode.py is).
+
+Times the whole decode call (absorb + split kernel + merge tail) on the large mixed batch of
+benchmarks/mla_decode.py (36 histories drawn from 2k-200k) for configs "kind,bm,bn,warps,stages":
+  orig - the Triton split kernel (`decode._split_kernel`) at BLOCK_M bm, BLOCK_N bn
+  G    - the Gluon kernel (`gluon_decode`) with BN bn and `stages` shared-memory stages
+  W/WT - the library call `mla_decode_paged_split(kernel="gluon" / "triton")` at its defaults
+Each config is first checked on a small ragged case whose splits start mid-tile (granularity
+16), then on the large batch, against the torch reference.
+
+    PYTHONPATH=src:benchmarks:scripts python3 scripts/mla_kernel_probe.py \
+        [--heads 32] [--verify 4] [--configs "orig,64,64,8,2 G,64,64,8,2"] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import torch
+import triton
+
+import mla_decode as bench
+from tokenspeed.model.ops.mla import decode as md
+
+LOG2E = md.LOG2E
+
+
+def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
+    d = env.dims
+    q, pages = batch.q, batch.pages
+    tokens, heads, _ = q.shape
+    n = tokens // len(batch.lens)
+    rows = n * heads
+    scale = (d.nope + d.rope) ** -0.5
+    q_lat = torch.bmm(q[..., : d.nope].transpose(0, 1), batch.w_uk)
+    q_rope = q[..., d.nope :]
+    slots = bufs.split_len.numel()
+    part_o = torch.empty(slots, rows, d.rank, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
+    meta = (order, bufs.split_row, bufs.split_start, bufs.split_len)
+    common = (
+        q_lat.stride(1),
+        q_lat.stride(0),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        pages.stride(0),
+        batch.page_table.stride(0),
+        1,
+    )
+    consts = dict(
+        NUM_HEADS=heads,
+        N_QUERY=n,
+        RANK=d.rank,
+        ROPE=d.rope,
+        PAGE_SIZE=d.page_size,
+        UNIFORM=False,
+        GRANULE=64,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        USE_PDL=False,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    grid = (triton.cdiv(rows, bm), slots)
+    if kind in ("W", "WT"):  # the library call, Gluon or Triton kernel
+        return md.mla_decode_paged_split(
+            q,
+            pages,
+            batch.page_table,
+            batch.context_lens,
+            batch.w_uk,
+            batch.w_uv,
+            scale,
+            bufs,
+            gate=batch.gate,
+            split_order=order,
+            kernel="gluon" if kind == "W" else "triton",
+        )
+    if kind == "G":
+        from tokenspeed.model.ops.mla import gluon_decode as gd
+
+        dc, dr = gd.descriptors(pages, d.rank, bn)
+        gd._split_kernel_gluon[(triton.cdiv(rows, 64), slots)](
+            q_lat,
+            q_rope,
+            pages,
+            dc,
+            dr,
+            batch.page_table,
+            batch.context_lens,
+            *meta,
+            part_o,
+            part_lse,
+            scale * LOG2E,
+            *common,
+            NUM_HEADS=heads,
+            N_QUERY=n,
+            RANK=d.rank,
+            ROPE=d.rope,
+            PAGE_SIZE=d.page_size,
+            UNIFORM=False,
+            GRANULE=64,
+            STAGES=stages,
+            num_warps=8,
+        )
+    else:
+        md._split_kernel[grid](
+            q_lat,
+            q_rope,
+            pages,
+            part_lse,
+            batch.page_table,
+            batch.context_lens,
+            *meta,
+            part_o,
+            part_lse,
+            scale * LOG2E,
+            *common,
+            SCALE_MODE=0,
+            **consts,
+        )
+    out = torch.empty(tokens, heads, d.v_dim, dtype=q.dtype, device=q.device)
+    gate = batch.gate.view(tokens, heads, d.v_dim)
+    block_t = 16 if tokens <= 128 else 32
+    md._tail_kernel[(triton.cdiv(tokens, block_t), heads)](
+        part_o,
+        part_lse,
+        bufs.num_splits,
+        bufs.split_indptr,
+        batch.w_uv,
+        gate,
+        out,
+        tokens,
+        1,
+        batch.w_uv.stride(0),
+        batch.w_uv.stride(1),
+        gate.stride(0),
+        gate.stride(1),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=heads,
+        N_QUERY=n,
+        RANK=d.rank,
+        V_DIM=d.v_dim,
+        BLOCK_T=block_t,
+        BLOCK_R=min(d.rank, 128),
+        HAS_GATE=True,
+        UNIFORM=False,
+        USE_PDL=False,
+        num_warps=4,
+    )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--configs", default="")
+    ap.add_argument("--heads", type=int, default=0)
+    ap.add_argument("--verify", type=int, nargs="*", default=[])
+    args = ap.parse_args()
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    dims = (
+        bench.Dims(heads=8, rank=64, rope=16, nope=16, v_dim=16, page_size=16)
+        if smoke
+        else bench.Dims()
+    )
+    if args.heads:
+        dims = bench.Dims(heads=args.heads)
+    gen = torch.Generator().manual_seed(0)
+    mixed = [37, 16, 100, 5, 64] if smoke else bench.draw(gen, 36, 2_000, 200_000, log=False)
+    pages = sum(-(-x // dims.page_size) for x in mixed) + 64
+    dtype = torch.float32 if smoke else torch.bfloat16
+    pool = torch.randn(pages, dims.page_size, dims.width, dtype=dtype, device=dev)
+    pool[0] = 0
+    sms = 4 if smoke else torch.cuda.get_device_properties(dev).multi_processor_count
+    env = bench.Env(device=dev, dims=dims, pool=pool, num_sms=sms, graphs=not smoke, gen=gen)
+    if not smoke:
+        print(f"copy bandwidth {bench.copy_bandwidth(env):.0f} GB/s", flush=True)
+    configs = (
+        [c.split(",") for c in args.configs.split()]
+        if args.configs
+        else (
+            [["orig", 16, 16, 4, 1], ["WT", 16, 16, 4, 1]]
+            if smoke
+            else [
+                ["orig", 64, 64, 8, 2],
+                ["W", 64, 64, 8, 2],
+                ["G", 64, 32, 8, 4],
+                ["G", 64, 32, 8, 3],
+                ["G", 64, 64, 8, 2],
+                ["G", 64, 16, 8, 6],
+            ]
+        )
+    )
+    for n in (1, *args.verify) if not smoke else (1, 3):
+        batch = bench.make_batch(env, mixed, n)
+        if smoke:
+            batch.w_uk = batch.w_uk.float()
+            batch.w_uv = batch.w_uv.float()
+        ref = bench.reference_out(env, batch)
+        rows_bytes = sum(mixed) * dims.width * 2
+        flops = 2.0 * sum(mixed) * n * dims.heads * (2 * dims.rank + dims.rope)
+        for kind, bm, bn, w, st in configs:
+            bm, bn, w, st = int(bm), int(bn), int(w), int(st)
+            groups = -(-n * dims.heads // bm)
+            par = max(1, 4 * sms // groups)
+            bufs = bench.planner_buffers(env, batch, par)
+            order = md.longest_first(bufs)
+            label = f"{kind} bm{bm} bn{bn} w{w} s{st} n{n} P{par}"
+            try:
+                if not smoke:
+                    # Small ragged case, splits at 16-row granularity (unaligned to the tile).
+                    small = bench.make_batch(env, [3000, 64, 700, 5, 33, 129], n)
+                    sb = bench.SplitPlanBuffers.allocate(6, 64, device=dev)
+                    bench.plan_decode_splits(
+                        small.lens,
+                        parallelism=40,
+                        max_batch=6,
+                        max_splits=64,
+                        granularity=16,
+                        out=sb,
+                    )
+                    e2 = bench.rel_err(
+                        run(kind, small, env, sb, md.longest_first(sb), bm, bn, w, st),
+                        bench.reference_out(env, small),
+                    )
+                    print(f"{label}: small ragged case err {e2:.1e}", flush=True)
+                fn = functools.partial(run, kind, batch, env, bufs, order, bm, bn, w, st)
+                err = bench.rel_err(fn(), ref)
+                if smoke:
+                    print(f"{label}: err {err:.1e}", flush=True)
+                    continue
+                ms = bench.timed(env, fn)
+                print(
+                    f"{label}: err {err:.1e}  {ms:.3f} ms  {rows_bytes / ms / 1e6:.0f} GB/s  "
+                    f"{flops / ms / 1e9:.0f} TFLOP/s",
+                    flush=True,
+                )
+            except Exception as exc:
+                print(f"{label}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

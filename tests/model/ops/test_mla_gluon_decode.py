@@ -1,0 +1,83 @@
+"""The Hopper Gluon split kernel of the MLA decode (`gluon_decode`) against the torch
+reference and the Triton kernel, and where `mla_decode_paged_split` picks it.
+
+Gluon kernels do not run under the interpreter, so every kernel case is GPU-only (marked
+`gpu`, and skipped off Hopper: its MMAs are wgmma). On the CPU: the shape rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspeed.model.ops.mla.decode import gluon_applies, quantize_fp8_rows
+
+from .test_mla_decode import (
+    K3,
+    TOL,
+    _assert_close,
+    _gpu_case,
+    make_inputs,
+    plan,
+    reference,
+    run,
+)
+
+gluon_decode = pytest.importorskip("tokenspeed.model.ops.mla.gluon_decode")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel is Hopper-only (wgmma)")
+
+
+def test_fits_k3_and_kimi_linear_shapes_only_where_tiles_fit():
+    assert gluon_decode.fits(512, 64, 64)  # K3 / Kimi Linear: R 512, Dr 64, 64-row pages
+    assert gluon_decode.fits(256, 64, 128)
+    assert not gluon_decode.fits(512, 64, 32)  # a 64-row tile would cross pages
+    assert not gluon_decode.fits(1024, 64, 64)  # each warpgroup's MMA is at most 256 wide
+    assert not gluon_decode.fits(384, 64, 64)  # not a power of two
+    assert not gluon_decode.fits(32, 16, 64)  # narrower than one 128-byte swizzle row
+
+
+def test_never_applies_on_the_cpu():
+    q = torch.zeros(2, 4, 32, dtype=torch.bfloat16)
+    pages = torch.zeros(3, 64, 576, dtype=torch.bfloat16)
+    assert not gluon_applies(q, pages, None, 512, 64, 64)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_is_the_default_for_bf16_on_hopper_only():
+    inp, _ = _gpu_case(1, lens=[300])
+    assert gluon_applies(inp["q"], inp["pages"], None, 512, 64, 64) == HOPPER
+    fp8, scales = quantize_fp8_rows(inp["pages"])
+    assert not gluon_applies(inp["q"], fp8, scales, 512, 64, 64)  # FP8 stays on Triton
+    assert not gluon_applies(inp["q"], inp["pages"], None, 512, 64, 48)  # page not whole tiles
+    assert not gluon_applies(inp["q"].half(), inp["pages"], None, 512, 64, 64)  # dtypes differ
+
+
+@pytest.mark.gpu
+@hopper
+# Granularity 16 puts split starts mid-tile (the kernel's tiles are 64 rows): the rows before a
+# split's start must be masked; lengths leave ragged last tiles; 32 heads is Kimi Linear.
+@pytest.mark.parametrize(
+    ("n", "granularity", "heads"), [(1, 16, 96), (4, 16, 96), (2, 64, 96), (1, 16, 32)]
+)
+def test_gpu_gluon_matches_reference_and_triton(n, granularity, heads):
+    lens = [4, 5, 33, 64, 65, 700, 4097, 30000]
+    inp = make_inputs(
+        lens, n, pad_rows=2, dtype=torch.bfloat16, device="cuda", seed=3, **dict(K3, heads=heads)
+    )
+    splits = plan(lens, len(lens) + 2, 96, granularity, device="cuda")
+    out = run(inp, splits, gate=inp["gate"], kernel="gluon")
+    ref = reference(inp) * torch.sigmoid(inp["gate"].float().view(-1, heads, 128))
+    _assert_close(out, ref, inp["real"], TOL[torch.bfloat16])
+    assert out[inp["real"] :].eq(0).all()
+    tri = run(inp, splits, gate=inp["gate"], kernel="triton")
+    _assert_close(tri, ref, inp["real"], TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_gluon_int64_page_table_and_uniform_mode():
+    inp, _ = _gpu_case(2, pad_rows=0)
+    inp["page_table"] = inp["page_table"].long()
+    out = run(inp, uniform_splits=5, kernel="gluon")
+    _assert_close(out, reference(inp), inp["real"], TOL[torch.bfloat16])
