@@ -525,21 +525,24 @@ def main() -> int:
     # The split kernel itself: Gluon (the default on Hopper for bf16) vs the Triton kernel, same
     # plan (per-request splits at the default budget), same inputs.
     kernel_lines = []
-    for label, lens, n, heads in (
-        ("mixed36 uniform draw", mixed, 1, None),
-        ("mixed36 log-uniform draw", mixed_log, 1, None),
-        ("8 pairs 64k/192k", pairs8, 1, None),
-        ("mixed36, 4 verify queries", mixed, 4, None),
-        ("mixed36, 32 heads", mixed, 1, min(32, dims.heads)),
+    for label, lens, n, heads, fp8 in (
+        ("mixed36 uniform draw", mixed, 1, None, False),
+        ("mixed36 log-uniform draw", mixed_log, 1, None, False),
+        ("8 pairs 64k/192k", pairs8, 1, None, False),
+        ("mixed36, 4 verify queries", mixed, 4, None, False),
+        ("mixed36, FP8 per-row scales", mixed, 1, None, True),
+        ("mixed36, 32 heads", mixed, 1, min(32, dims.heads), False),
     ):
-        batch = make_batch(env, lens, n, heads=heads)
-        if smoke or not gluon_applies(batch.q, batch.pages, None, dims.rank, dims.rope,
-                                      dims.page_size):
+        batch = make_batch(env, lens, n, heads=heads, fp8=fp8)
+        if smoke or not gluon_applies(
+            batch.q, batch.pages, batch.scales, dims.rank, dims.rope, dims.page_size
+        ):
             kernel_lines.append(f"| {label} | - | - | Gluon kernel not applicable here |")
             continue
         bufs = planner_buffers(env, batch, decode_parallelism(num_sms, batch.heads, n))
         ms = {w: timed(env, kernel(env, batch, bufs, which=w)) for w in ("triton", "gluon")}
-        gbs = sum(lens) * dims.width * 2 / ms["gluon"] / 1e6
+        row_bytes = dims.width + 4 if fp8 else 2 * dims.width  # e4m3 row + its fp32 scale
+        gbs = sum(lens) * row_bytes / ms["gluon"] / 1e6
         kernel_lines.append(
             f"| {label} | {ms['triton']:.3f} | {ms['gluon']:.3f} | "
             f"{ms['triton'] / ms['gluon']:.2f}x | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |"
@@ -588,8 +591,8 @@ def main() -> int:
         "|---|---|---|",
         *sweep_lines,
         "",
-        "Split kernel: the Triton kernel vs the Gluon kernel (the default on Hopper for bf16"
-        " caches), per-request splits at the default budget, whole decode call (graph):",
+        "Split kernel: the Triton kernel vs the Gluon kernel (the default on Hopper), per-request"
+        " splits at the default budget, whole decode call (graph):",
         "",
         "| batch | Triton ms | Gluon ms | Gluon speed-up | Gluon GB/s | % of copy |",
         "|---|---|---|---|---|---|",

@@ -77,6 +77,7 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
             bufs,
             gate=batch.gate,
             split_order=order,
+            page_scales=batch.scales,
             kernel="gluon" if kind == "W" else "triton",
         )
     if kind == "G":
@@ -87,6 +88,7 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
             q_lat,
             q_rope,
             pages,
+            part_lse,  # row scales: unused (bf16 cache)
             dc,
             dr,
             batch.page_table,
@@ -104,6 +106,7 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
             UNIFORM=False,
             GRANULE=64,
             STAGES=stages,
+            SCALE_MODE=0,
             num_warps=8,
         )
     else:
@@ -161,6 +164,7 @@ def main() -> int:
     ap.add_argument("--configs", default="")
     ap.add_argument("--heads", type=int, default=0)
     ap.add_argument("--verify", type=int, nargs="*", default=[])
+    ap.add_argument("--fp8", action="store_true", help="e4m3 cache with per-row scales (W/WT)")
     args = ap.parse_args()
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
@@ -198,7 +202,7 @@ def main() -> int:
         )
     )
     for n in (1, *args.verify) if not smoke else (1, 3):
-        batch = bench.make_batch(env, mixed, n)
+        batch = bench.make_batch(env, mixed, n, fp8=args.fp8)
         if smoke:
             batch.w_uk = batch.w_uk.float()
             batch.w_uv = batch.w_uv.float()
@@ -215,7 +219,7 @@ def main() -> int:
             try:
                 if not smoke:
                     # Small ragged case, splits at 16-row granularity (unaligned to the tile).
-                    small = bench.make_batch(env, [3000, 64, 700, 5, 33, 129], n)
+                    small = bench.make_batch(env, [3000, 64, 700, 5, 33, 129], n, fp8=args.fp8)
                     sb = bench.SplitPlanBuffers.allocate(6, 64, device=dev)
                     bench.plan_decode_splits(
                         small.lens,

@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenspeed.model.ops.mla.decode import gluon_applies, quantize_fp8_rows
+from tokenspeed.model.ops.mla.decode import (
+    dequantize_pages,
+    gluon_applies,
+    quantize_fp8_pages,
+    quantize_fp8_rows,
+)
 
 from .test_mla_decode import (
     K3,
@@ -48,7 +53,8 @@ def test_gpu_gluon_is_the_default_for_bf16_on_hopper_only():
     inp, _ = _gpu_case(1, lens=[300])
     assert gluon_applies(inp["q"], inp["pages"], None, 512, 64, 64) == HOPPER
     fp8, scales = quantize_fp8_rows(inp["pages"])
-    assert not gluon_applies(inp["q"], fp8, scales, 512, 64, 64)  # FP8 stays on Triton
+    assert gluon_applies(inp["q"], fp8, scales, 512, 64, 64) == HOPPER  # e4m3 + scales
+    assert not gluon_applies(inp["q"], fp8, None, 512, 64, 64)  # e4m3 without scales
     assert not gluon_applies(inp["q"], inp["pages"], None, 512, 64, 48)  # page not whole tiles
     assert not gluon_applies(inp["q"].half(), inp["pages"], None, 512, 64, 64)  # dtypes differ
 
@@ -81,3 +87,22 @@ def test_gpu_gluon_int64_page_table_and_uniform_mode():
     inp["page_table"] = inp["page_table"].long()
     out = run(inp, uniform_splits=5, kernel="gluon")
     _assert_close(out, reference(inp), inp["real"], TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    ("per_row", "n", "granularity"), [(True, 1, 16), (True, 4, 64), (False, 2, 16)]
+)
+def test_gpu_gluon_fp8_matches_dequantized_reference_and_triton(per_row, n, granularity):
+    lens = [4, 5, 33, 64, 65, 700, 4097, 30000]
+    inp = make_inputs(lens, n, pad_rows=2, dtype=torch.bfloat16, device="cuda", seed=4, **K3)
+    inp["pages"][0] = 0.0  # the sink page must quantize (its 1e4 would set the page scale)
+    pages, scales = (quantize_fp8_rows if per_row else quantize_fp8_pages)(inp["pages"])
+    splits = plan(lens, len(lens) + 2, 96, granularity, device="cuda")
+    ref = reference(inp, dequantize_pages(pages, scales))
+    fp8 = dict(inp, pages=pages)
+    out = run(fp8, splits, page_scales=scales, kernel="gluon")
+    _assert_close(out, ref, inp["real"], TOL[torch.bfloat16])
+    tri = run(fp8, splits, page_scales=scales, kernel="triton")
+    _assert_close(tri, ref, inp["real"], TOL[torch.bfloat16])

@@ -29,8 +29,8 @@ pass over the partials and no extra pass over anything.
 
 On Hopper, bf16 / fp16 caches take `gluon_decode._split_kernel_gluon` for step 2 instead (same
 inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 1.55-2.1x faster than
-`_split_kernel` on the H200, docs/perf/mla.md); `kernel="triton"` or explicit `tiles` keep the
-Triton kernel, which also serves FP8 caches, other GPUs and the interpreter.
+`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too; `kernel="triton"` or explicit
+`tiles` keep the Triton kernel, which also serves other GPUs and the interpreter.
 
 Split plans: `splits` carries the planner's fixed-capacity metadata (`SplitPlanBuffers` of
 `tokenspeed.sched.split_planner`, passed in by the caller): per-request split counts derived
@@ -138,11 +138,12 @@ def gluon_applies(
 ) -> bool:
     """Whether the Hopper Gluon split kernel (`gluon_decode`) can take this call: a CUDA device
     of compute capability 9.x (its MMAs are wgmma), not the interpreter (Gluon does not run
-    there), a bf16 / fp16 cache in the queries' dtype (FP8 caches stay on the Triton kernel)
-    and shapes it tiles (`gluon_decode.fits`)."""
+    there), a bf16 / fp16 cache in the queries' dtype or an e4m3 cache with its scales, and
+    shapes it tiles (`gluon_decode.fits`)."""
     if os.environ.get("TRITON_INTERPRET") == "1" or not q.is_cuda:
         return False
-    if page_scales is not None or pages.dtype != q.dtype:
+    fp8 = pages.dtype == torch.float8_e4m3fn and page_scales is not None
+    if not fp8 and (page_scales is not None or pages.dtype != q.dtype):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -514,6 +515,7 @@ def mla_decode_paged_split(
             q_lat,
             q_rope,
             pages,
+            scales_arg,
             desc_c,
             desc_r,
             page_table,
@@ -537,6 +539,7 @@ def mla_decode_paged_split(
             UNIFORM=splits is None,
             GRANULE=UNIFORM_GRANULE,
             STAGES=gluon_decode.STAGES,
+            SCALE_MODE=scale_mode,
             num_warps=8,
         )
     else:

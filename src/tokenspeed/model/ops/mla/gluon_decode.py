@@ -1,4 +1,4 @@
-"""The split kernel of the absorbed MLA decode for Hopper, in Gluon (bf16 caches).
+"""The split kernel of the absorbed MLA decode for Hopper, in Gluon (bf16 / fp16 / e4m3 caches).
 
 Same contract as `decode._split_kernel` (one program per (split slot, 64 query-head rows),
 normalised partial o [R] and log2-sum-exp per row into part_o / part_lse), written so the
@@ -15,6 +15,10 @@ tensor cores keep working while the softmax runs:
   page: tiles are aligned to BLOCK_N in the history and BLOCK_N divides the page size); the
   queries stay in shared memory for the whole split. The ragged last tile of a split is read
   with masked loads, so rows past the history are zeros, never stale page contents.
+- e4m3 caches (SCALE_MODE 1 per page, 2 per row): each tile is converted exactly to the
+  queries' type in shared memory and the scales multiply score columns and probabilities, as in
+  the Triton kernel. Those steps run in order: a second converted buffer would not fit beside
+  the queries and the ring. 1.26x the Triton kernel on the H200 (bf16: 1.5-1.7x at 96 heads).
 
 Shared memory at the default shapes: queries 72 KiB + STAGES x 72 KiB of cache rows.
 """
@@ -95,21 +99,29 @@ def _softmax(
     m_i,
     l_acc,
     qk_scale,
+    sc,
     col_l: gl.constexpr,
     BN: gl.constexpr,
     P_OP: gl.constexpr,
     dtype: gl.constexpr,
+    HAS_SCALE: gl.constexpr,
 ):
     """Online-softmax step of one tile: (P in the PV operand layout, alpha, new max, row-sum
-    accumulator). Rows outside [start, end) or after a query's own position are masked."""
+    accumulator). Rows outside [start, end) or after a query's own position are masked. FP8
+    caches: sc [BN] scales the score columns and the probabilities (each cache row carries
+    one scale for its key and its value), which costs no pass over the tile."""
     pos = n0 + gl.arange(0, BN, layout=col_l)
     inside = (pos >= start) & (pos < end)
     visible = inside[None, :] & (pos[None, :] <= last[:, None])
+    if HAS_SCALE:
+        s = s * sc[None, :]
     s = gl.where(visible, s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     l_acc = l_acc * alpha[:, None] + p
+    if HAS_SCALE:
+        p = p * sc[None, :]
     return gl.convert_layout(p.to(dtype), P_OP), alpha, m_new, l_acc
 
 
@@ -118,6 +130,7 @@ def _split_kernel_gluon(
     q_lat,  # [T, H, R] strided, bf16
     q_rope,  # [T, H, Dr] strided
     pages,  # [NP, P, R + Dr] (ragged tiles)
+    row_scales,  # FP8 caches: [NP] or [NP, P] fp32, else unused
     desc_c,  # TMA over pages as [NP * P, R + Dr]: blocks [BN, R] at column 0
     desc_r,  # the same rows: blocks [BN, Dr] at column R
     page_table,  # [B, MP] int32
@@ -144,12 +157,16 @@ def _split_kernel_gluon(
     UNIFORM: gl.constexpr,
     GRANULE: gl.constexpr,
     STAGES: gl.constexpr,
+    SCALE_MODE: gl.constexpr,  # 0 none (bf16 / fp16 cache), 1 per page, 2 per row (e4m3)
 ):
     BM: gl.constexpr = 64
     BN: gl.constexpr = desc_c.block_type.shape[0]
     ROWS: gl.constexpr = N_QUERY * NUM_HEADS
     WIDTH: gl.constexpr = RANK + ROPE
-    dtype: gl.constexpr = desc_c.block_type.element_ty
+    cache_t: gl.constexpr = desc_c.block_type.element_ty
+    dtype: gl.constexpr = q_lat.dtype.element_ty  # the MMAs' operand type
+    HAS_SCALE: gl.constexpr = SCALE_MODE != 0
+    CHUNK: gl.constexpr = 128 if RANK > 128 else RANK
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
     )
@@ -184,8 +201,8 @@ def _split_kernel_gluon(
     first = start - start % BN
     n_full = gl.maximum(end - first, 0) // BN
 
-    c_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, RANK], desc_c.layout)
-    r_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, ROPE], desc_r.layout)
+    c_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, RANK], desc_c.layout)
+    r_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, ROPE], desc_r.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
@@ -226,34 +243,37 @@ def _split_kernel_gluon(
     m_i = gl.full([BM], -1.0e30, gl.float32, row_l)
     l_acc = gl.zeros([BM, BN], gl.float32, S_L)
 
-    if n_full > 0:
-        mbarrier.wait(ready.index(0), 0)
-        s = _scores(q_s, qr_s, c_bufs.index(0), r_bufs.index(0), zero_s)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        p, alpha, m_i, l_acc = _softmax(
-            s, first, start, end, last, m_i, l_acc, qk_scale, col_l, BN, P_OP, dtype
+    if HAS_SCALE:
+        # FP8 cache: each tile is converted to the MMA type exactly (e4m3 -> bf16 / fp16) into
+        # one shared buffer, so the steps run in order (no second buffer fits beside the
+        # queries and the ring); the TMA ring still runs STAGES tiles ahead.
+        cb = gl.allocate_shared_memory(
+            dtype, [BN, RANK], gl.NVMMASharedLayout.get_default_for([BN, RANK], dtype)
         )
-        for t in range(1, n_full):
+        rb = gl.allocate_shared_memory(
+            dtype, [BN, ROPE], gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
+        )
+        offs_n = gl.arange(0, BN, layout=col_l)
+        for t in range(n_full):
             st = t % STAGES
-            prev = (t - 1) % STAGES
-            # The page of the tile fetched at the end of this step, looked up before the wait
-            # so that its latency hides behind the MMAs.
-            page = _page_of(
-                t - 1 + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE
-            )
+            n0 = first + t * BN
+            pg_t = gl.load(page_table + row * stride_table + n0 // PAGE_SIZE).to(gl.int64)
+            if SCALE_MODE == 1:
+                sc = gl.zeros([BN], gl.float32, col_l) + gl.load(row_scales + pg_t)
+            else:
+                sc = gl.load(row_scales + pg_t * PAGE_SIZE + n0 % PAGE_SIZE + offs_n)
+            nxt = _page_of(t + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
             mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-            s = _scores(q_s, qr_s, c_bufs.index(st), r_bufs.index(st), zero_s)
-            acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
-            # Tile t's scores are ready while tile t-1's P V may still run.
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            p, alpha, m_i, l_acc = _softmax(
-                s, first + t * BN, start, end, last, m_i, l_acc, qk_scale, col_l, BN, P_OP, dtype
-            )
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            # Stage prev is free again: fetch the tile STAGES after it.
+            # Convert by 128-column chunks (a whole tile in registers would spill).
+            for k in gl.static_range(RANK // CHUNK):
+                part = c_bufs.index(st).slice(k * CHUNK, CHUNK, dim=1).load(LD)
+                cb.slice(k * CHUNK, CHUNK, dim=1).store(part.to(dtype))
+            rb.store(r_bufs.index(st).load(LD).to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # stage st is read (refill it) and cb is written (MMAs read it)
             _issue(
-                t - 1 + STAGES,
-                page,
+                t + STAGES,
+                nxt,
                 n_full,
                 first,
                 desc_c,
@@ -265,33 +285,123 @@ def _split_kernel_gluon(
                 RANK,
                 STAGES,
             )
+            s = _scores(q_s, qr_s, cb, rb, zero_s)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p, alpha, m_i, l_acc = _softmax(
+                s, n0, start, end, last, m_i, l_acc, qk_scale, sc, col_l, BN, P_OP, dtype, True
+            )
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        last_st = (n_full - 1) % STAGES
-        acc = warpgroup_mma(p, c_bufs.index(last_st), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma(p, cb, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()  # the MMAs read cb before the next tile overwrites it
+    else:
+        cb = c_bufs.index(0)
+        rb = r_bufs.index(0)
+        if n_full > 0:
+            mbarrier.wait(ready.index(0), 0)
+            s = _scores(q_s, qr_s, c_bufs.index(0), r_bufs.index(0), zero_s)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p, alpha, m_i, l_acc = _softmax(
+                s, first, start, end, last, m_i, l_acc, qk_scale, 1.0, col_l, BN, P_OP, dtype, False
+            )
+            for t in range(1, n_full):
+                st = t % STAGES
+                prev = (t - 1) % STAGES
+                # The page of the tile fetched at the end of this step, looked up before the wait
+                # so that its latency hides behind the MMAs.
+                page = _page_of(
+                    t - 1 + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE
+                )
+                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                s = _scores(q_s, qr_s, c_bufs.index(st), r_bufs.index(st), zero_s)
+                acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
+                # Tile t's scores are ready while tile t-1's P V may still run.
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                p, alpha, m_i, l_acc = _softmax(
+                    s,
+                    first + t * BN,
+                    start,
+                    end,
+                    last,
+                    m_i,
+                    l_acc,
+                    qk_scale,
+                    1.0,
+                    col_l,
+                    BN,
+                    P_OP,
+                    dtype,
+                    False,
+                )
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                # Stage prev is free again: fetch the tile STAGES after it.
+                _issue(
+                    t - 1 + STAGES,
+                    page,
+                    n_full,
+                    first,
+                    desc_c,
+                    desc_r,
+                    c_bufs,
+                    r_bufs,
+                    ready,
+                    PAGE_SIZE,
+                    RANK,
+                    STAGES,
+                )
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            last_st = (n_full - 1) % STAGES
+            acc = warpgroup_mma(p, c_bufs.index(last_st), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     n_tail = first + n_full * BN
     if n_tail < end:
-        # The ragged last tile: masked loads into stage 0 (every MMA has completed).
+        # The ragged last tile: masked loads into a free buffer (every MMA has completed).
         pos_l = n_tail + gl.arange(0, BN, layout=gl.SliceLayout(1, LD))
         k_ok = (pos_l >= start) & (pos_l < end)
         pg = gl.load(page_table + row * stride_table + pos_l // PAGE_SIZE, mask=k_ok, other=0)
         base = pg.to(gl.int64) * stride_page + (pos_l % PAGE_SIZE) * WIDTH
-        c = gl.load(pages + base[:, None] + offs_r[None, :], mask=k_ok[:, None], other=0.0)
+        for k in gl.static_range(RANK // CHUNK):  # by chunks, as above
+            offs_c = k * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LD))
+            c = gl.load(pages + base[:, None] + offs_c[None, :], mask=k_ok[:, None], other=0.0)
+            cb.slice(k * CHUNK, CHUNK, dim=1).store(c.to(dtype))
         kr = gl.load(pages + base[:, None] + RANK + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-        c_t = c_bufs.index(0)
-        r_t = r_bufs.index(0)
-        c_t.store(c)
-        r_t.store(kr)
+        rb.store(kr.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        s = warpgroup_mma(q_s, c_t.permute((1, 0)), zero_s, use_acc=False)
-        s = warpgroup_mma(qr_s, r_t.permute((1, 0)), s)
+        sc = 1.0
+        if HAS_SCALE:
+            pos_s = n_tail + gl.arange(0, BN, layout=col_l)
+            ok_s = (pos_s >= start) & (pos_s < end)
+            pg_s = gl.load(
+                page_table + row * stride_table + pos_s // PAGE_SIZE, mask=ok_s, other=0
+            ).to(gl.int64)
+            if SCALE_MODE == 1:
+                sc = gl.load(row_scales + pg_s, mask=ok_s, other=0.0)
+            else:
+                sc = gl.load(
+                    row_scales + pg_s * PAGE_SIZE + pos_s % PAGE_SIZE, mask=ok_s, other=0.0
+                )
+        s = warpgroup_mma(q_s, cb.permute((1, 0)), zero_s, use_acc=False)
+        s = warpgroup_mma(qr_s, rb.permute((1, 0)), s)
         p, alpha, m_i, l_acc = _softmax(
-            s, n_tail, start, end, last, m_i, l_acc, qk_scale, col_l, BN, P_OP, dtype
+            s,
+            n_tail,
+            start,
+            end,
+            last,
+            m_i,
+            l_acc,
+            qk_scale,
+            sc,
+            col_l,
+            BN,
+            P_OP,
+            dtype,
+            HAS_SCALE,
         )
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(p, c_t, acc)
+        acc = warpgroup_mma(p, cb, acc)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -316,15 +426,16 @@ def _split_kernel_gluon(
 def descriptors(
     pages: torch.Tensor, rank: int, block_n: int = BLOCK_N
 ) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors over the page pool [NP, P, R + Dr] as rows: [block_n, R] latent boxes
-    and [block_n, Dr] shared-key boxes."""
+    """TMA descriptors over the page pool [NP, P, R + Dr] (bf16, fp16 or e4m3) as rows:
+    [block_n, R] latent boxes and [block_n, Dr] shared-key boxes."""
     flat = pages.view(-1, pages.shape[-1])
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(pages.dtype, gl.float8e4nv)
     out = []
     for cols in (rank, flat.shape[1] - rank):
         block = [block_n, cols]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        layout = gl.NVMMASharedLayout.get_default_for(block, elem)
         out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout))
-    return tuple(out)
+    return out[0], out[1]
 
 
 def fits(rank: int, rope: int, page_size: int) -> bool:
