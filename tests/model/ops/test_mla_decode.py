@@ -293,6 +293,8 @@ def test_rejects_inconsistent_arguments():
     # The Gluon kernel runs on Hopper only (never on the CPU or under the interpreter).
     with pytest.raises(ValueError, match="Gluon kernel does not apply"):
         run(inp, splits, kernel="gluon")
+    with pytest.raises(ValueError, match="Triton kernel only"):
+        run(inp, splits, kernel="gluon", tiles=DecodeTiles())
 
 
 # ----------------------------------------------------------------------------- GPU, K3 shapes
@@ -341,7 +343,8 @@ def test_gpu_k3_fp8_matches_dequantized_reference(per_row, n):
 
 
 @pytest.mark.gpu
-# PDL is on by default on Hopper (every other GPU test uses it); this also covers it off.
+# PDL is on by default on Hopper for the merge tail and the Triton split kernel (which bf16
+# takes here only with kernel="triton" or tiles, on Hopper); this covers it off and on.
 @pytest.mark.parametrize(("uniform_splits", "use_pdl"), [(1, True), (8, False), (8, True)])
 def test_gpu_k3_uniform_mode_and_pdl(uniform_splits, use_pdl):
     inp, _ = _gpu_case(2, pad_rows=0)

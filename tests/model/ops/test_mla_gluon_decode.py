@@ -39,7 +39,7 @@ def test_fits_k3_and_kimi_linear_shapes_only_where_tiles_fit():
     assert not gluon_decode.fits(512, 64, 32)  # a 64-row tile would cross pages
     assert not gluon_decode.fits(1024, 64, 64)  # each warpgroup's MMA is at most 256 wide
     assert not gluon_decode.fits(384, 64, 64)  # not a power of two
-    assert not gluon_decode.fits(32, 16, 64)  # narrower than one 128-byte swizzle row
+    assert not gluon_decode.fits(32, 16, 64)  # R below 64
 
 
 def test_never_applies_on_the_cpu():
@@ -106,3 +106,32 @@ def test_gpu_gluon_fp8_matches_dequantized_reference_and_triton(per_row, n, gran
     _assert_close(out, ref, inp["real"], TOL[torch.bfloat16])
     tri = run(fp8, splits, page_scales=scales, kernel="triton")
     _assert_close(tri, ref, inp["real"], TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_default_call_runs_the_gluon_kernel():
+    """kernel=None takes the Gluon kernel for bf16 on Hopper: same bits as kernel="gluon"."""
+    inp, splits = _gpu_case(1, lens=[300, 5000, 64])
+    default = run(inp, splits, gate=inp["gate"])
+    assert torch.equal(default, run(inp, splits, gate=inp["gate"], kernel="gluon"))
+    # (and not by accident: the Triton kernel sums in another order)
+    assert not torch.equal(default, run(inp, splits, gate=inp["gate"], kernel="triton"))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("cache", ["fp16", "e4m3"])
+def test_gpu_gluon_uniform_splits_past_the_history_and_a_tight_table(cache):
+    """One short request, many uniform splits (most start past its end) and a page table
+    exactly as wide as the request needs: empty splits must not read past the table."""
+    dtype = torch.float16 if cache == "fp16" else torch.bfloat16
+    inp = make_inputs([100], 1, dtype=dtype, device="cuda", seed=5, **K3)
+    inp["page_table"] = inp["page_table"][:, :2].contiguous()  # ceil(100 / 64) pages
+    pages, scales = inp["pages"], None
+    if cache == "e4m3":
+        inp["pages"][0] = 0.0
+        pages, scales = quantize_fp8_rows(inp["pages"])
+    ref = reference(inp, dequantize_pages(pages, scales) if scales is not None else None)
+    out = run(dict(inp, pages=pages), uniform_splits=264, page_scales=scales, kernel="gluon")
+    _assert_close(out, ref, inp["real"], TOL[dtype])

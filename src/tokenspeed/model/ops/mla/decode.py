@@ -145,6 +145,8 @@ def gluon_applies(
     fp8 = pages.dtype == torch.float8_e4m3fn and page_scales is not None
     if not fp8 and (page_scales is not None or pages.dtype != q.dtype):
         return False
+    if not pages.is_contiguous():  # its TMA descriptor views the pool as [NP * P, W] rows
+        return False
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -433,7 +435,8 @@ def mla_decode_paged_split(
     split_order: `longest_first(splits)`, computed once per step and shared by every layer;
     computed here (one small device sort) when not given.
     kernel: "gluon" (the pipelined Hopper kernel of `gluon_decode`), "triton" (`_split_kernel`)
-    or None: Gluon wherever `gluon_applies` and no `tiles` are given, else Triton.
+    or None: Gluon wherever `gluon_applies` and no `tiles` are given, else Triton. `tiles` and
+    the split kernel's PDL apply to the Triton kernel (the merge tail uses PDL either way).
     """
     _check(
         (splits is None) != (uniform_splits is None),
@@ -482,6 +485,7 @@ def mla_decode_paged_split(
     rows = n_query * heads
     _check(kernel in (None, "gluon", "triton"), f"kernel is 'gluon' or 'triton', not {kernel!r}")
     fits_gluon = gluon_applies(q, pages, page_scales, rank, rope, page_size)
+    _check(kernel != "gluon" or tiles is None, "tiles configure the Triton kernel only")
     _check(kernel != "gluon" or fits_gluon, "the Gluon kernel does not apply (gluon_applies)")
     use_gluon = kernel == "gluon" or (kernel is None and tiles is None and fits_gluon)
     tiles = tiles or default_tiles(rows, on_gpu)
@@ -507,6 +511,32 @@ def mla_decode_paged_split(
     scales_arg = page_scales if page_scales is not None else part_lse
 
     grid = (tiles.head_groups(rows), num_slots)
+    # Arguments both split kernels take (same contract), after their cache operands.
+    tail_args = (
+        page_table,
+        context_lens,
+        *meta,
+        part_o,
+        part_lse,
+        scale * LOG2E,
+        q_lat.stride(1),
+        q_lat.stride(0),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        pages.stride(0),
+        page_table.stride(0),
+        n_uniform,
+    )
+    shape = {
+        "NUM_HEADS": heads,
+        "N_QUERY": n_query,
+        "RANK": rank,
+        "ROPE": rope,
+        "PAGE_SIZE": page_size,
+        "SCALE_MODE": scale_mode,
+        "UNIFORM": splits is None,
+        "GRANULE": UNIFORM_GRANULE,
+    }
     if use_gluon:
         from . import gluon_decode
 
@@ -518,28 +548,9 @@ def mla_decode_paged_split(
             scales_arg,
             desc_c,
             desc_r,
-            page_table,
-            context_lens,
-            *meta,
-            part_o,
-            part_lse,
-            scale * LOG2E,
-            q_lat.stride(1),
-            q_lat.stride(0),
-            q_rope.stride(0),
-            q_rope.stride(1),
-            pages.stride(0),
-            page_table.stride(0),
-            n_uniform,
-            NUM_HEADS=heads,
-            N_QUERY=n_query,
-            RANK=rank,
-            ROPE=rope,
-            PAGE_SIZE=page_size,
-            UNIFORM=splits is None,
-            GRANULE=UNIFORM_GRANULE,
+            *tail_args,
+            **shape,
             STAGES=gluon_decode.STAGES,
-            SCALE_MODE=scale_mode,
             num_warps=8,
         )
     else:
@@ -548,27 +559,8 @@ def mla_decode_paged_split(
             q_rope,
             pages,
             scales_arg,
-            page_table,
-            context_lens,
-            *meta,
-            part_o,
-            part_lse,
-            scale * LOG2E,
-            q_lat.stride(1),
-            q_lat.stride(0),
-            q_rope.stride(0),
-            q_rope.stride(1),
-            pages.stride(0),
-            page_table.stride(0),
-            n_uniform,
-            NUM_HEADS=heads,
-            N_QUERY=n_query,
-            RANK=rank,
-            ROPE=rope,
-            PAGE_SIZE=page_size,
-            SCALE_MODE=scale_mode,
-            UNIFORM=splits is None,
-            GRANULE=UNIFORM_GRANULE,
+            *tail_args,
+            **shape,
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n,
             USE_PDL=pdl,

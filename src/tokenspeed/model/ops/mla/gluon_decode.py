@@ -20,7 +20,9 @@ tensor cores keep working while the softmax runs:
   the Triton kernel. Those steps run in order: a second converted buffer would not fit beside
   the queries and the ring. 1.26x the Triton kernel on the H200 (bf16: 1.5-1.7x at 96 heads).
 
-Shared memory at the default shapes: queries 72 KiB + STAGES x 72 KiB of cache rows.
+Shared memory at the default shapes (K3: R 512, Dr 64, two stages of 64 rows): bf16 queries
+72 KiB + 2 x 72 KiB of bf16 cache rows; e4m3: 72 KiB + 2 x 36 KiB + the 72 KiB converted tile.
+The split kernel launches without programmatic dependent launch (the merge tail still uses it).
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ STAGES = 2
 def _page_of(
     t, n_full, first, row, page_table, stride_table, BN: gl.constexpr, PAGE_SIZE: gl.constexpr
 ):
-    """Page of full tile t (clamped to the last full tile), as int32."""
+    """Page of full tile t (clamped to the last full tile), as int32; 0 without full tiles
+    (a uniform split past the end of its history: its column may lie past the table's end)."""
     n0 = first + gl.minimum(t, gl.maximum(n_full - 1, 0)) * BN
-    return gl.load(page_table + row * stride_table + n0 // PAGE_SIZE).to(gl.int32)
+    ptr = page_table + row * stride_table + n0 // PAGE_SIZE
+    return gl.load(ptr, mask=n_full > 0, other=0).to(gl.int32)
 
 
 @gluon.jit
@@ -334,7 +338,9 @@ def _split_kernel_gluon(
                     False,
                 )
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                # Stage prev is free again: fetch the tile STAGES after it.
+                # Stage prev is free again: fetch the tile STAGES after it. Each warpgroup
+                # waited for its own MMAs only; the barrier makes it every warpgroup's.
+                gl.thread_barrier()
                 _issue(
                     t - 1 + STAGES,
                     page,
@@ -356,7 +362,9 @@ def _split_kernel_gluon(
 
     n_tail = first + n_full * BN
     if n_tail < end:
-        # The ragged last tile: masked loads into a free buffer (every MMA has completed).
+        # The ragged last tile: masked loads into a free buffer, once every warpgroup's MMAs
+        # have completed.
+        gl.thread_barrier()
         pos_l = n_tail + gl.arange(0, BN, layout=gl.SliceLayout(1, LD))
         k_ok = (pos_l >= start) & (pos_l < end)
         pg = gl.load(page_table + row * stride_table + pos_l // PAGE_SIZE, mask=k_ok, other=0)
