@@ -114,8 +114,9 @@ def mla_decode(
     plan=None,
 ) -> torch.Tensor:
     """Absorbed paged MLA decode of n queries per request, times sigmoid(gate) when given.
-    q: [B*n, H, Dn+Dr] -> [B*n, H, Dv]. On CUDA in half precision: the split-KV Triton kernel
-    with the runner's split plan (or uniform splits without one); else the reference."""
+    q: [B*n, H, Dn+Dr] -> [B*n, H, Dv]. On CUDA in half precision: the split-KV kernel (Gluon on
+    Hopper, else Triton) with the runner's split plan (or uniform splits without one); else the
+    reference."""
     nope = w_uk.shape[1]
     if half_kernels(q) and _tile_dims(w_uk.shape[2], q.shape[-1] - nope, w_uv.shape[1], nope):
         from .mla.decode import decode_parallelism, mla_decode_paged_split, uniform_split_count

@@ -28,9 +28,9 @@ would); a per-head program reads w_uv[h] once per token block, so merge + W_UV +
 pass over the partials and no extra pass over anything.
 
 On Hopper, bf16 / fp16 caches take `gluon_decode._split_kernel_gluon` for step 2 instead (same
-inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 1.55-2.1x faster than
-`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too; `kernel="triton"` or explicit
-`tiles` keep the Triton kernel, which also serves other GPUs and the interpreter.
+inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 1.5-2.1x faster than
+`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.3x); `kernel="triton"` or
+explicit `tiles` keep the Triton kernel, which also serves other GPUs and the interpreter.
 
 Split plans: `splits` carries the planner's fixed-capacity metadata (`SplitPlanBuffers` of
 `tokenspeed.sched.split_planner`, passed in by the caller): per-request split counts derived
