@@ -35,36 +35,6 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
     n = tokens // len(batch.lens)
     rows = n * heads
     scale = (d.nope + d.rope) ** -0.5
-    q_lat = torch.bmm(q[..., : d.nope].transpose(0, 1), batch.w_uk)
-    q_rope = q[..., d.nope :]
-    slots = bufs.split_len.numel()
-    part_o = torch.empty(slots, rows, d.rank, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
-    meta = (order, bufs.split_row, bufs.split_start, bufs.split_len)
-    common = (
-        q_lat.stride(1),
-        q_lat.stride(0),
-        q_rope.stride(0),
-        q_rope.stride(1),
-        pages.stride(0),
-        batch.page_table.stride(0),
-        1,
-    )
-    consts = dict(
-        NUM_HEADS=heads,
-        N_QUERY=n,
-        RANK=d.rank,
-        ROPE=d.rope,
-        PAGE_SIZE=d.page_size,
-        UNIFORM=False,
-        GRANULE=64,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        USE_PDL=False,
-        num_warps=warps,
-        num_stages=stages,
-    )
-    grid = (triton.cdiv(rows, bm), slots)
     if kind in ("W", "WT"):  # the library call, Gluon or Triton kernel
         return md.mla_decode_paged_split(
             q,
@@ -80,50 +50,55 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
             page_scales=batch.scales,
             kernel="gluon" if kind == "W" else "triton",
         )
+    q_lat = torch.bmm(q[..., : d.nope].transpose(0, 1), batch.w_uk)
+    q_rope = q[..., d.nope :]
+    slots = bufs.split_len.numel()
+    part_o = torch.empty(slots, rows, d.rank, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
+    meta = (order, bufs.split_row, bufs.split_start, bufs.split_len)
+    common = (
+        q_lat.stride(1),
+        q_lat.stride(0),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        pages.stride(0),
+        batch.page_table.stride(0),
+        1,
+    )
+    # Both split kernels take the same arguments after their cache operands.
+    args = (batch.page_table, batch.context_lens, *meta, part_o, part_lse, scale * LOG2E, *common)
+    shape = dict(
+        NUM_HEADS=heads,
+        N_QUERY=n,
+        RANK=d.rank,
+        ROPE=d.rope,
+        PAGE_SIZE=d.page_size,
+        UNIFORM=False,
+        GRANULE=64,
+        SCALE_MODE=0,
+    )
     if kind == "G":
         from tokenspeed.model.ops.mla import gluon_decode as gd
 
         dc, dr = gd.descriptors(pages, d.rank, bn)
-        gd._split_kernel_gluon[(triton.cdiv(rows, 64), slots)](
-            q_lat,
-            q_rope,
-            pages,
-            part_lse,  # row scales: unused (bf16 cache)
-            dc,
-            dr,
-            batch.page_table,
-            batch.context_lens,
-            *meta,
-            part_o,
-            part_lse,
-            scale * LOG2E,
-            *common,
-            NUM_HEADS=heads,
-            N_QUERY=n,
-            RANK=d.rank,
-            ROPE=d.rope,
-            PAGE_SIZE=d.page_size,
-            UNIFORM=False,
-            GRANULE=64,
-            STAGES=stages,
-            SCALE_MODE=0,
-            num_warps=8,
+        grid = (triton.cdiv(rows, gd.BLOCK_M), slots)
+        # part_lse stands in for the row scales, unused with a bf16 cache
+        gd._split_kernel_gluon[grid](
+            q_lat, q_rope, pages, part_lse, dc, dr, *args, **shape, STAGES=stages, num_warps=8
         )
     else:
-        md._split_kernel[grid](
+        md._split_kernel[(triton.cdiv(rows, bm), slots)](
             q_lat,
             q_rope,
             pages,
             part_lse,
-            batch.page_table,
-            batch.context_lens,
-            *meta,
-            part_o,
-            part_lse,
-            scale * LOG2E,
-            *common,
-            SCALE_MODE=0,
-            **consts,
+            *args,
+            **shape,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            USE_PDL=False,
+            num_warps=warps,
+            num_stages=stages,
         )
     out = torch.empty(tokens, heads, d.v_dim, dtype=q.dtype, device=q.device)
     gate = batch.gate.view(tokens, heads, d.v_dim)
