@@ -97,11 +97,13 @@ def main() -> int:
     parser.add_argument("--entries", default="1,2,4,8")
     parser.add_argument("--tokens", default="1,16,256,4096,16384")
     parser.add_argument(
-        "--sweep", action="store_true",
+        "--sweep",
+        action="store_true",
         help="also time ours at every (block_entries, warps) of SWEEP and report the best",
     )
     parser.add_argument(
-        "--tune-once", action="store_true",
+        "--tune-once",
+        action="store_true",
         help="tune fla once at 4096 tokens x 8 entries and keep that config for every row",
     )
     parser.add_argument("--out")
@@ -172,8 +174,17 @@ def main() -> int:
                 return fused_attnres(query, entries, mix_w, norm_w, EPS)
 
             def ours_fn(bank=bank, warps=None, block_entries=None, stages=None):
-                return attn_res_mix_norm(bank, query, mix_w, EPS, norm_w, EPS, num_warps=warps,
-                                         block_entries=block_entries, stages=stages)
+                return attn_res_mix_norm(
+                    bank,
+                    query,
+                    mix_w,
+                    EPS,
+                    norm_w,
+                    EPS,
+                    num_warps=warps,
+                    block_entries=block_entries,
+                    stages=stages,
+                )
 
             def fla_update(scratch=scratch, delta=delta):
                 scratch[-1].add_(delta)
@@ -195,8 +206,9 @@ def main() -> int:
                 for bl, w, st in SWEEP:
                     if bl and bl > triton.next_power_of_2(n):
                         continue  # one tile holds every entry already
-                    torch.testing.assert_close(ours_fn(warps=w, block_entries=bl, stages=st), got,
-                                               atol=1.6e-2, rtol=1.6e-2)
+                    torch.testing.assert_close(
+                        ours_fn(warps=w, block_entries=bl, stages=st), got, atol=1.6e-2, rtol=1.6e-2
+                    )
                     timed[(bl, w, st)] = bench(
                         lambda bl=bl, w=w, st=st: ours_fn(warps=w, block_entries=bl, stages=st),
                         True,

@@ -49,8 +49,10 @@ def main() -> int:
     default = torch.get_num_threads()
     spinners = []
     if args.busy:
-        spinners = [multiprocessing.Process(target=_spin, daemon=True)
-                    for _ in range(max(1, (os.cpu_count() or 2) - 1))]
+        spinners = [
+            multiprocessing.Process(target=_spin, daemon=True)
+            for _ in range(max(1, (os.cpu_count() or 2) - 1))
+        ]
         for s in spinners:
             s.start()
     try:
@@ -61,8 +63,10 @@ def main() -> int:
     finally:
         for s in spinners:
             s.terminate()
-    print(f"tiny preset on the CPU ({os.cpu_count()} cores, other cores "
-          f"{'busy' if args.busy else 'idle'}), {date()}:")
+    print(
+        f"tiny preset on the CPU ({os.cpu_count()} cores, other cores "
+        f"{'busy' if args.busy else 'idle'}), {date()}:"
+    )
     for threads, rate in rates.items():
         print(f"  {threads} thread(s): {rate:.1f} tokens/s")
     print(f"  one thread / {default} threads: {rates[1] / rates[default]:.2f}x")

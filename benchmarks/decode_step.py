@@ -41,8 +41,12 @@ def k3_slice():
         layer_kinds=("kda", "kda", "kda", "mla"),
         mlp_kinds=("moe",) * 4,
         moe=MoeConfig(
-            num_experts=56, top_k=1, expert_intermediate_size=3072, num_shared_experts=2,
-            latent_size=3584, latent_norm=True,
+            num_experts=56,
+            top_k=1,
+            expert_intermediate_size=3072,
+            num_shared_experts=2,
+            latent_size=3584,
+            latent_norm=True,
         ),
     )
 
@@ -81,8 +85,14 @@ def step_bytes(model, batch: int, history: int, experts_hit: int) -> int:
             total += batch * p.shape[1] * p.element_size()
         else:
             total += p.numel() * p.element_size()
-    per_expert = sum(p[0].numel() * p.element_size() for n, p in model.named_parameters()
-                     if n.endswith((".experts.w1", ".experts.w2", ".experts.w3"))) // cfg.num_layers
+    per_expert = (
+        sum(
+            p[0].numel() * p.element_size()
+            for n, p in model.named_parameters()
+            if n.endswith((".experts.w1", ".experts.w2", ".experts.w3"))
+        )
+        // cfg.num_layers
+    )
     total += experts_hit * per_expert * cfg.num_layers
     kda = cfg.kda
     state = kda.num_heads * kda.head_dim * kda.head_dim * 4 + kda.conv_channels * 3 * 2
@@ -119,8 +129,12 @@ def main(argv=None) -> int:
     max_batch = max(args.batches)
     page = 64
     config = EngineConfig(
-        device="cuda", page_size=page, max_num_seqs=max_batch,
-        max_model_len=args.history + 64, enable_cuda_graph=False, l2="none",
+        device="cuda",
+        page_size=page,
+        max_num_seqs=max_batch,
+        max_model_len=args.history + 64,
+        enable_cuda_graph=False,
+        l2="none",
         decode_batch_sizes=tuple(sorted(set(args.batches))),
     )
     engine = Engine(model, None, config)

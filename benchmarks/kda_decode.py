@@ -135,8 +135,9 @@ def split_stages(inp, gate, **kw):
     decrements can use up, so that it never waits."""
     extra = buffers(inp, "split")
     extra["counters"].fill_(1 << 30)
-    prep, recurrence = kda_decode_stages(**inp, gate=gate, lower_bound=-5.0, variant="split",
-                                         **extra, **kw)
+    prep, recurrence = kda_decode_stages(
+        **inp, gate=gate, lower_bound=-5.0, variant="split", **extra, **kw
+    )
     return prep, recurrence
 
 
@@ -255,8 +256,9 @@ def check(gate: str, variants: list[str]) -> dict[str, list[str]]:
     for variant in failures:
         default = default_config(K, V, variant)
         configs = [(1, default), (4, default)]  # and the sweep's extremes, other block counts
-        configs += [(1, c) for c in dict.fromkeys([SWEEP[variant][0], SWEEP[variant][-1]])
-                    if c != default]
+        configs += [
+            (1, c) for c in dict.fromkeys([SWEEP[variant][0], SWEEP[variant][-1]]) if c != default
+        ]
         configs = [(steps, c, {}) for steps, c in configs]
         if variant == "split":  # the other wait for the prep than the default, at T = 1, 4
             configs += [(1, default, {"overlap_prep": False}), (4, default, {"overlap_prep": True})]
@@ -264,11 +266,13 @@ def check(gate: str, variants: list[str]) -> dict[str, list[str]]:
             inp = make_inputs(8, steps, seed=steps)
             o_ref, s_ref = reference(inp, gate)
             try:
-                o = kda_decode(**inp, gate=gate, variant=variant, block_v=block_v,
-                               num_warps=num_warps, **kw)
+                o = kda_decode(
+                    **inp, gate=gate, variant=variant, block_v=block_v, num_warps=num_warps, **kw
+                )
             except Exception as exc:  # a config that does not compile here is a failure too
-                failures[variant].append(f"{variant} bv={block_v} warps={num_warps} {kw}: "
-                                         f"{exc!r:.200}")
+                failures[variant].append(
+                    f"{variant} bv={block_v} warps={num_warps} {kw}: {exc!r:.200}"
+                )
                 continue
             rows = inp["recurrent_state"][inp["slots"].long()].cpu()
             # bf16 output: half an ulp (2^-8) of the value + 1e-4 of the largest; fp32 state 1e-4.
@@ -292,7 +296,8 @@ def check(gate: str, variants: list[str]) -> dict[str, list[str]]:
     )
     if not max(errs) <= 0.02:
         failures[DEFAULT].append(
-            f"fla baseline disagrees with ours: out {errs[0]:.3f}, state {errs[1]:.3f}")
+            f"fla baseline disagrees with ours: out {errs[0]:.3f}, state {errs[1]:.3f}"
+        )
     return failures
 
 
@@ -305,8 +310,18 @@ def sweep(args, variants, frac, n: int) -> list[str]:
     sweep_rows = [
         "",
         f"config sweep, {n} requests, 1 token, graph:",
-        *table(["variant", "block_v", "num_warps", "graph us", "% of copy", "x fla",
-                "split recurrence alone us", "recurrence % of copy"]),
+        *table(
+            [
+                "variant",
+                "block_v",
+                "num_warps",
+                "graph us",
+                "% of copy",
+                "x fla",
+                "split recurrence alone us",
+                "recurrence % of copy",
+            ]
+        ),
     ]
     inp = make_inputs(n, 1, seed=99)
     t_fla = time_graph(fla_path({k: v.clone() for k, v in inp.items()}, args.gate))
@@ -316,8 +331,9 @@ def sweep(args, variants, frac, n: int) -> list[str]:
             t = time_graph(ours(inp, args.gate, v, block_v=block_v, num_warps=num_warps))
             rec_cells = "- | -"
             if v == "split":
-                t_rec = time_graph(split_stages(inp, args.gate, block_v=block_v,
-                                                num_warps=num_warps)[1])
+                t_rec = time_graph(
+                    split_stages(inp, args.gate, block_v=block_v, num_warps=num_warps)[1]
+                )
                 rec_cells = f"{t_rec:.1f} | {100 * frac(n, t_rec):.0f}%"
             mark = " (default)" if (block_v, num_warps) == default_config(K, V, v) else ""
             sweep_rows.append(
@@ -346,9 +362,11 @@ def sweep(args, variants, frac, n: int) -> list[str]:
     sweep_rows.append("")
     sweep_rows.append(f"fla graph us at {n} requests in this section: {t_fla:.1f}")
     for v, (t, block_v, num_warps) in best.items():
-        sweep_rows.append(f"best {v} config at {n} requests: block_v={block_v}, "
-                          f"num_warps={num_warps}: {t:.1f} us, {100 * frac(n, t):.0f}% of copy, "
-                          f"{t_fla / t:.2f}x fla")
+        sweep_rows.append(
+            f"best {v} config at {n} requests: block_v={block_v}, "
+            f"num_warps={num_warps}: {t:.1f} us, {100 * frac(n, t):.0f}% of copy, "
+            f"{t_fla / t:.2f}x fla"
+        )
     return sweep_rows
 
 
@@ -356,8 +374,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", default="1,8,36,64,128,256")
     p.add_argument("--gate", default="lower_bound", choices=["lower_bound", "softplus"])
-    p.add_argument("--sweep-at", type=int, default=128,
-                   help="requests for the config sweep (0: no sweep)")
+    p.add_argument(
+        "--sweep-at", type=int, default=128, help="requests for the config sweep (0: no sweep)"
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="variants to time")
     p.add_argument("--out", help="also write the tables as markdown to this file")
     args = p.parse_args()
@@ -368,13 +387,19 @@ def main() -> None:
     failures = check(args.gate, args.variants.split(","))
     bad = [line for lines in failures.values() for line in lines]
     if bad:
-        print("\n".join(["CORRECTNESS FAILURE (variant left out of the timing):", *bad]),
-              file=sys.stderr, flush=True)
+        print(
+            "\n".join(["CORRECTNESS FAILURE (variant left out of the timing):", *bad]),
+            file=sys.stderr,
+            flush=True,
+        )
     variants = [v for v in failures if not failures[v]]
     if DEFAULT not in variants:
         sys.exit(1)
-    print(f"correctness: {', '.join(variants)} match the fp32 references (T=1,4); fla agrees with "
-          f"ours", flush=True)
+    print(
+        f"correctness: {', '.join(variants)} match the fp32 references (T=1,4); fla agrees with "
+        f"ours",
+        flush=True,
+    )
 
     copy_bw = copy_bandwidth()
     state_bytes = lambda batch: 2 * batch * H * K * V * 4  # noqa: E731 (read + write, fp32)
@@ -389,14 +414,26 @@ def main() -> None:
     ]
     print("\n".join(head), flush=True)
     main_rows = table(
-        ["requests", *[f"{v} graph us" for v in variants], "fla graph us",
-         *[f"{v} x fla" for v in variants], *[f"{v} % of copy" for v in variants]]
+        [
+            "requests",
+            *[f"{v} graph us" for v in variants],
+            "fla graph us",
+            *[f"{v} x fla" for v in variants],
+            *[f"{v} % of copy" for v in variants],
+        ]
     )
     split_rows = table(
-        ["requests", "split prep us", "split recurrence us", "recurrence % of copy",
-         "split grid-wait graph us", "fla recurrent-only us",
-         *[f"{v} eager us" for v in variants], "fla eager us",
-         f"{DEFAULT} eager x"]
+        [
+            "requests",
+            "split prep us",
+            "split recurrence us",
+            "recurrence % of copy",
+            "split grid-wait graph us",
+            "fla recurrent-only us",
+            *[f"{v} eager us" for v in variants],
+            "fla eager us",
+            f"{DEFAULT} eager x",
+        ]
     )
     verify_rows = table(["requests", "variant", "verify-4 graph us", "4 x single graph us", "x"])
     results = {}  # (variant, requests) -> (speed-up over fla, fraction of copy)
@@ -418,17 +455,22 @@ def main() -> None:
         for v in variants:
             results[v, batch] = (t_fla_g / graph[v], frac(batch, graph[v]))
         main_rows.append(
-            f"| {batch} | " + " | ".join(f"{graph[v]:.1f}" for v in variants)
-            + f" | {t_fla_g:.1f} | " + " | ".join(f"{t_fla_g / graph[v]:.2f}" for v in variants)
-            + " | " + " | ".join(f"{100 * frac(batch, graph[v]):.0f}%" for v in variants) + " |"
+            f"| {batch} | "
+            + " | ".join(f"{graph[v]:.1f}" for v in variants)
+            + f" | {t_fla_g:.1f} | "
+            + " | ".join(f"{t_fla_g / graph[v]:.2f}" for v in variants)
+            + " | "
+            + " | ".join(f"{100 * frac(batch, graph[v]):.0f}%" for v in variants)
+            + " |"
         )
         print(main_rows[-1], flush=True)
         if "split" in variants:
             prep, recurrence = split_stages(inp, args.gate)
             t_prep, t_rec = time_graph(prep), time_graph(recurrence)
             t_grid = time_graph(ours(inp, args.gate, "split", overlap_prep=False))
-            split_cells = (f"{t_prep:.1f} | {t_rec:.1f} | {100 * frac(batch, t_rec):.0f}% "
-                           f"| {t_grid:.1f}")
+            split_cells = (
+                f"{t_prep:.1f} | {t_rec:.1f} | {100 * frac(batch, t_rec):.0f}% | {t_grid:.1f}"
+            )
         else:
             split_cells = "- | - | - | -"
         split_rows.append(
@@ -480,8 +522,9 @@ def main() -> None:
                 f"{v} (default config): >= 80% of copy bandwidth at 128 requests: "
                 f"{100 * f128:.0f}% -> {'met' if f128 >= 0.8 else 'NOT met'}"
             )
-    report = "\n".join(head + main_rows + split_rows + verify_rows + fla_configs + sweep_rows
-                       + targets)
+    report = "\n".join(
+        head + main_rows + split_rows + verify_rows + fla_configs + sweep_rows + targets
+    )
     print("\n" + report)
     if args.out:
         with open(args.out, "w") as fh:

@@ -51,8 +51,11 @@ def make_inputs(lens: list[int], seed: int) -> tuple[dict[str, torch.Tensor], to
     cu = torch.zeros(n + 1, dtype=torch.long)
     cu[1:] = torch.tensor(lens).cumsum(0)
     return dict(
-        q=randn(tokens, H, K), k=randn(tokens, H, K), v=randn(tokens, H, V),
-        f=randn(tokens, H, K), beta=randn(tokens, H),
+        q=randn(tokens, H, K),
+        k=randn(tokens, H, K),
+        v=randn(tokens, H, V),
+        f=randn(tokens, H, K),
+        beta=randn(tokens, H),
         a_log=torch.rand(H, device="cuda", generator=gen),
         dt_bias=randn(H * K, dtype=torch.float32),
         recurrent_state=randn(n + 1, H, K, V, dtype=torch.float32) * 0.1,
@@ -68,13 +71,22 @@ def direct(inp: dict[str, torch.Tensor], cu_cpu: torch.Tensor, gate: str):
     def run():
         with torch.no_grad():
             return chunk_kda(
-                inp["q"][None], inp["k"][None], inp["v"][None], inp["f"][None],
-                inp["beta"][None], initial_state=h0, output_final_state=True,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, safe_gate=use_safe_gate(gate, -5.0),
+                inp["q"][None],
+                inp["k"][None],
+                inp["v"][None],
+                inp["f"][None],
+                inp["beta"][None],
+                initial_state=h0,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                safe_gate=use_safe_gate(gate, -5.0),
                 lower_bound=-5.0 if gate == "lower_bound" else None,
-                cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=cu_cpu,
-                A_log=inp["a_log"], dt_bias=inp["dt_bias"],
+                cu_seqlens=inp["cu_seqlens"],
+                cu_seqlens_cpu=cu_cpu,
+                A_log=inp["a_log"],
+                dt_bias=inp["dt_bias"],
             )
 
     return run
@@ -95,8 +107,11 @@ def reference(inp: dict[str, torch.Tensor], gate: str):
             seg = slice(cu[i], cu[i + 1])
             g = kda_gate(inp["f"][seg][None].float(), inp["a_log"], inp["dt_bias"], gate)
             o, final = kda_chunked(
-                l2_norm(inp["q"][seg][None]), l2_norm(inp["k"][seg][None]),
-                inp["v"][seg][None].float(), g, torch.sigmoid(inp["beta"][seg][None].float()),
+                l2_norm(inp["q"][seg][None]),
+                l2_norm(inp["k"][seg][None]),
+                inp["v"][seg][None].float(),
+                g,
+                torch.sigmoid(inp["beta"][seg][None].float()),
                 initial_state=inp["recurrent_state"][slot : slot + 1],
             )
             outs.append(o[0])
@@ -124,8 +139,10 @@ def check(gate: str) -> list[str]:
         inp, cu_cpu = make_inputs(lens, seed=2)
         o_direct, final = direct(inp, cu_cpu, gate)()
         o = adapter(inp, cu_cpu, gate)()
-        if not (torch.equal(o, o_direct[0])
-                and torch.equal(inp["recurrent_state"][inp["slots"].long()], final)):
+        if not (
+            torch.equal(o, o_direct[0])
+            and torch.equal(inp["recurrent_state"][inp["slots"].long()], final)
+        ):
             failures.append(f"adapter differs from chunk_kda called directly ({name})")
     return failures
 
@@ -161,13 +178,18 @@ def main() -> None:
         overhead = t_ours / t_direct - 1
         if name == "mixed":
             mixed = overhead
-        lines.append(f"| {name} | {len(lens)} | {sum(lens)} | {t_direct:.3f} | {t_ours:.3f} "
-                     f"| {100 * overhead:+.1f}% |")
+        lines.append(
+            f"| {name} | {len(lens)} | {sum(lens)} | {t_direct:.3f} | {t_ours:.3f} "
+            f"| {100 * overhead:+.1f}% |"
+        )
         print(lines[-1], flush=True)
         del inp, run_direct, run_ours
         torch.cuda.empty_cache()
-    lines += ["", f"target <= 5% overhead on the mixed batch: {100 * mixed:+.1f}% -> "
-              f"{'met' if mixed <= 0.05 else 'NOT met'}"]
+    lines += [
+        "",
+        f"target <= 5% overhead on the mixed batch: {100 * mixed:+.1f}% -> "
+        f"{'met' if mixed <= 0.05 else 'NOT met'}",
+    ]
     report = "\n".join(lines)
     print("\n" + report)
     if args.out:

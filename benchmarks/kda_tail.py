@@ -77,8 +77,9 @@ def time_graph(fn) -> float:
 def check() -> list[str]:
     failures = []
     inp = make_inputs(300, seed=1)
-    ref = gated_rms_norm(inp["o"].float(), inp["gate"].float().view_as(inp["o"]), inp["weight"],
-                         EPS).view(300, -1)
+    ref = gated_rms_norm(
+        inp["o"].float(), inp["gate"].float().view_as(inp["o"]), inp["weight"], EPS
+    ).view(300, -1)
     y = kda_output_tail(**inp, eps=EPS)
     # bf16 output: half an ulp (2^-8) of the value plus 1e-6 of the largest.
     excess = ((y.float() - ref).abs() - 2.0**-8 * ref.abs()).max().item()

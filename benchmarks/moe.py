@@ -98,9 +98,12 @@ def ceilings() -> tuple[float, float | None]:
     try:
         a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
         one = torch.ones((), device=DEVICE)
-        fp8 = 2 * n**3 / bench(
-            lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), False
-        ) / 1e9
+        fp8 = (
+            2
+            * n**3
+            / bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), False)
+            / 1e9
+        )
     except Exception as exc:  # no FP8 GEMM in this torch build
         print(f"fp8 ceiling unavailable: {exc}", file=sys.stderr)
     return bf16, fp8
@@ -128,11 +131,14 @@ def fp8_experts(w1, w2, w3) -> ExpertWeights:
 def mxfp4_experts(gen) -> tuple[ExpertWeights, tuple[torch.Tensor, ...]]:
     """Random E2M1 codes with scales 2^-9..2^-7 (element RMS ~ 1/sqrt(K)); decoded copies
     for the reference."""
+
     def one(n, k):
-        packed = torch.randint(0, 256, (LOCAL, n, k // 2), device=DEVICE, generator=gen,
-                               dtype=torch.uint8)
-        scale = torch.randint(118, 121, (LOCAL, n, k // 32), device=DEVICE, generator=gen,
-                              dtype=torch.uint8)
+        packed = torch.randint(
+            0, 256, (LOCAL, n, k // 2), device=DEVICE, generator=gen, dtype=torch.uint8
+        )
+        scale = torch.randint(
+            118, 121, (LOCAL, n, k // 32), device=DEVICE, generator=gen, dtype=torch.uint8
+        )
         return packed, scale
 
     (p1, s1), (p3, s3), (p2, s2) = one(INTER, LATENT), one(INTER, LATENT), one(LATENT, INTER)
@@ -184,8 +190,11 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
     choice = (torch.sigmoid(x.float() @ gate_w.t()) + bias).sort(-1, descending=True).values
     margin = choice[:, TOP_K - 1] - choice[:, TOP_K]
     differ = (ours.ids.long().sort(-1).values != ref_ids.sort(-1).values).any(-1)
-    check("router", not (differ & (margin > 1e-4)).any().item() and
-          differ.float().mean().item() < 0.01, f"{int(differ.sum())} tokens differ")
+    check(
+        "router",
+        not (differ & (margin > 1e-4)).any().item() and differ.float().mean().item() < 0.01,
+        f"{int(differ.sum())} tokens differ",
+    )
     ids = ours.ids
     local = ids.long() < LOCAL
     local_pairs = int(local.sum())
@@ -194,8 +203,9 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
     flops = 2 * local_pairs * (LATENT * 2 * INTER + INTER * LATENT)
 
     t_router_torch = bench(lambda: route(x, gate_w, bias, TOP_K), False)
-    t_router_ours = bench(lambda: route_fused(x, gate_w_kernel, bias, TOP_K, num_local=LOCAL),
-                          False)
+    t_router_ours = bench(
+        lambda: route_fused(x, gate_w_kernel, bias, TOP_K, num_local=LOCAL), False
+    )
 
     w1, w2, w3 = weights_by_format["bf16"][1]
     base = torch_experts(h, ours.weights, ids, w1, w2, w3, local_pairs)
@@ -214,15 +224,19 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
         kw = dict(activation="situ", beta=BETA, linear_beta=LINEAR_BETA, pairs_hint=tokens)
 
         def ours_experts(experts=experts, kw=kw):
-            return fused_experts(h, ours.weights, ids, experts, counts=ours.counts,
-                                 ranks=ours.ranks, **kw)
+            return fused_experts(
+                h, ours.weights, ids, experts, counts=ours.counts, ranks=ours.ranks, **kw
+            )
 
         got = ours_experts()
         if fmt == "fp8":
             check("fp8 experts", rel_rms(got, base) <= 0.15, f"rel rms {rel_rms(got, base)}")
         else:
-            want = base if fmt == "bf16" else torch_experts(h, ours.weights, ids, *ref_weights,
-                                                           local_pairs)
+            want = (
+                base
+                if fmt == "bf16"
+                else torch_experts(h, ours.weights, ids, *ref_weights, local_pairs)
+            )
             err = rel_rms(got, want)
             check(f"{fmt} experts", err <= 1e-2, f"rel rms {err}")
         t_ours = bench(ours_experts, False)
@@ -230,8 +244,16 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
             # Our bf16 with the fast math that FP8 uses by default (bf16's default is exact):
             # the like-for-like comparison of the formats.
             def fast_experts(experts=experts, kw=kw):
-                return fused_experts(h, ours.weights, ids, experts, counts=ours.counts,
-                                     ranks=ours.ranks, fast_math=True, **kw)
+                return fused_experts(
+                    h,
+                    ours.weights,
+                    ids,
+                    experts,
+                    counts=ours.counts,
+                    ranks=ours.ranks,
+                    fast_math=True,
+                    **kw,
+                )
 
             err = rel_rms(fast_experts(), got)
             check("bf16 fast-math experts", err <= 2e-3, f"rel rms {err} to exact math")
@@ -239,8 +261,7 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
 
         def ours_path(experts=experts, kw=kw):
             r = route_fused(x, gate_w_kernel, bias, TOP_K, num_local=LOCAL)
-            return fused_experts(h, r.weights, r.ids, experts, counts=r.counts, ranks=r.ranks,
-                                 **kw)
+            return fused_experts(h, r.weights, r.ids, experts, counts=r.counts, ranks=r.ranks, **kw)
 
         t_path = bench(ours_path, False)
         t_path_graph = bench(ours_path, True)
@@ -266,37 +287,52 @@ def _candidates(fmt: str, rows_per_expert: float) -> list[MoeKernelConfig]:
     t = GemmTile
     if rows_per_expert <= 16:
         extra = {
-            "dense": [(16, t(32, 128, 4, 5), t(64, 256, 4, 3)), (16, t(128, 128, 4, 3),
-                      t(128, 128, 4, 3)), (16, t(64, 256, 4, 3), t(128, 64, 4, 4)),
-                      (16, t(32, 128, 4, 4), t(64, 128, 4, 4)),
-                      (16, t(32, 256, 4, 3), t(64, 256, 4, 3)),
-                      (16, t(64, 128, 4, 4), t(64, 128, 4, 4), 2)],
-            "fp8": [(16, t(128, 128, 4, 4), t(64, 128, 4, 4)),
-                    (16, t(128, 128, 8, 3), t(128, 128, 8, 3)),
-                    (16, t(64, 128, 4, 4), t(64, 128, 4, 4)),
-                    (16, t(32, 128, 4, 5), t(64, 128, 4, 5))],
-            "mxfp4": [(16, t(64, 128, 4, 4), t(64, 128, 4, 4)),
-                      (16, t(32, 256, 4, 4), t(128, 256, 4, 3)),
-                      (16, t(128, 256, 4, 3), t(128, 256, 4, 3)),
-                      (16, t(64, 512, 4, 3), t(64, 512, 4, 3)),
-                      (16, t(64, 256, 8, 3), t(64, 256, 8, 3))],
+            "dense": [
+                (16, t(32, 128, 4, 5), t(64, 256, 4, 3)),
+                (16, t(128, 128, 4, 3), t(128, 128, 4, 3)),
+                (16, t(64, 256, 4, 3), t(128, 64, 4, 4)),
+                (16, t(32, 128, 4, 4), t(64, 128, 4, 4)),
+                (16, t(32, 256, 4, 3), t(64, 256, 4, 3)),
+                (16, t(64, 128, 4, 4), t(64, 128, 4, 4), 2),
+            ],
+            "fp8": [
+                (16, t(128, 128, 4, 4), t(64, 128, 4, 4)),
+                (16, t(128, 128, 8, 3), t(128, 128, 8, 3)),
+                (16, t(64, 128, 4, 4), t(64, 128, 4, 4)),
+                (16, t(32, 128, 4, 5), t(64, 128, 4, 5)),
+            ],
+            "mxfp4": [
+                (16, t(64, 128, 4, 4), t(64, 128, 4, 4)),
+                (16, t(32, 256, 4, 4), t(128, 256, 4, 3)),
+                (16, t(128, 256, 4, 3), t(128, 256, 4, 3)),
+                (16, t(64, 512, 4, 3), t(64, 512, 4, 3)),
+                (16, t(64, 256, 8, 3), t(64, 256, 8, 3)),
+            ],
         }[fmt]
     else:
         up, down = default_config(fmt, rows_per_expert)[1:3]
         extra = {
-            "dense": [(128, t(128, 64, 8, 3), t(256, 64, 8, 3)),
-                      (128, t(64, 128, 8, 3), t(256, 64, 8, 4)),
-                      (64, t(128, 64, 8, 3), t(256, 64, 8, 3))],
+            "dense": [
+                (128, t(128, 64, 8, 3), t(256, 64, 8, 3)),
+                (128, t(64, 128, 8, 3), t(256, 64, 8, 4)),
+                (64, t(128, 64, 8, 3), t(256, 64, 8, 3)),
+            ],
             # FP8 (H200, 2026-12-01): every tile with 4 warps, a register cap for two programs
             # per SM, or BLOCK_M 128 measured 1.7-3x slower than the default.
-            "fp8": [(64, t(128, 128, 8, 3), down), (64, up, t(128, 128, 4, 3)),
-                    (64, up, t(128, 128, 8, 4)), (128, t(64, 128, 8, 3), t(128, 128, 8, 4))],
-            "mxfp4": [(64, t(64, 64, 4, 4), t(128, 64, 4, 4)),
-                      (128, t(128, 64, 8, 3), t(128, 64, 8, 3)),
-                      (64, t(128, 128, 8, 3), t(128, 128, 8, 3)),
-                      (64, t(64, 128, 4, 3), t(128, 128, 4, 3)),
-                      (32, t(128, 128, 4, 3), t(128, 128, 4, 3)),
-                      (64, t(128, 64, 8, 3), t(256, 64, 8, 3))],
+            "fp8": [
+                (64, t(128, 128, 8, 3), down),
+                (64, up, t(128, 128, 4, 3)),
+                (64, up, t(128, 128, 8, 4)),
+                (128, t(64, 128, 8, 3), t(128, 128, 8, 4)),
+            ],
+            "mxfp4": [
+                (64, t(64, 64, 4, 4), t(128, 64, 4, 4)),
+                (128, t(128, 64, 8, 3), t(128, 64, 8, 3)),
+                (64, t(128, 128, 8, 3), t(128, 128, 8, 3)),
+                (64, t(64, 128, 4, 3), t(128, 128, 4, 3)),
+                (32, t(128, 128, 4, 3), t(128, 128, 4, 3)),
+                (64, t(128, 64, 8, 3), t(256, 64, 8, 3)),
+            ],
         }[fmt]
     configs = [default_config(fmt, rows_per_expert)]
     if fmt == "fp8" and configs[0].block_m == 64:  # Triton vs Gluon down GEMM, same tiles
@@ -328,9 +364,19 @@ def sweep_rows(tokens, formats, weights_by_format, layer_parts, gen) -> list[str
         configs = _candidates(fmt, tokens / LOCAL)
 
         def run(config, experts=experts):
-            return fused_experts(h, r.weights, r.ids, experts, counts=r.counts, ranks=r.ranks,
-                                 activation="situ", beta=BETA, linear_beta=LINEAR_BETA,
-                                 pairs_hint=tokens, config=config)
+            return fused_experts(
+                h,
+                r.weights,
+                r.ids,
+                experts,
+                counts=r.counts,
+                ranks=r.ranks,
+                activation="situ",
+                beta=BETA,
+                linear_beta=LINEAR_BETA,
+                pairs_hint=tokens,
+                config=config,
+            )
 
         want = run(configs[0])
         base_ms = None
@@ -338,11 +384,14 @@ def sweep_rows(tokens, formats, weights_by_format, layer_parts, gen) -> list[str
             err = rel_rms(run(config), want)
             check(f"sweep {fmt} {config}", err <= 1e-2, f"rel rms {err}")
             ms = bench(lambda config=config: run(config), False)
-            up_us, down_us = kernel_times(lambda config=config: run(config),
-                                          ("_gate_up_kernel", "_down_kernel"))
+            up_us, down_us = kernel_times(
+                lambda config=config: run(config), ("_gate_up_kernel", "_down_kernel")
+            )
             base_ms = base_ms or ms
-            rows.append(f"| {fmt} | {tokens} | {_config_name(config)} | {ms * 1e3:.0f} | "
-                        f"{up_us:.0f} | {down_us:.0f} | {base_ms / ms:.2f}x |")
+            rows.append(
+                f"| {fmt} | {tokens} | {_config_name(config)} | {ms * 1e3:.0f} | "
+                f"{up_us:.0f} | {down_us:.0f} | {base_ms / ms:.2f}x |"
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -357,9 +406,19 @@ def layer_row(tokens, layer_parts, gen) -> str:
     def routed():
         r = route_fused(x, gate_w_kernel, bias, TOP_K, num_local=LOCAL)
         h = x @ down_w.t()
-        y = fused_experts(h, r.weights, r.ids, experts, counts=r.counts, ranks=r.ranks,
-                          activation="situ", beta=BETA, linear_beta=LINEAR_BETA,
-                          pairs_hint=tokens, norm_weight=norm_w)
+        y = fused_experts(
+            h,
+            r.weights,
+            r.ids,
+            experts,
+            counts=r.counts,
+            ranks=r.ranks,
+            activation="situ",
+            beta=BETA,
+            linear_beta=LINEAR_BETA,
+            pairs_hint=tokens,
+            norm_weight=norm_w,
+        )
         return y @ up_w.t()
 
     def shared():
@@ -383,12 +442,16 @@ def layer_row(tokens, layer_parts, gen) -> str:
         y = torch_experts(h, w, i32, experts.w1, experts.w2, experts.w3, local_pairs)
         return rms_norm(y, norm_w, 1e-6) @ up_w.t() + shared()
 
-    t = {name: bench(fn, False) for name, fn in
-         (("base", base), ("serial", serialized), ("overlap", overlapped))}
+    t = {
+        name: bench(fn, False)
+        for name, fn in (("base", base), ("serial", serialized), ("overlap", overlapped))
+    }
     tg = {name: bench(fn, True) for name, fn in (("serial", serialized), ("overlap", overlapped))}
-    return (f"| {tokens} | {t['base'] * 1e3:.0f} | {t['serial'] * 1e3:.0f} | "
-            f"{t['overlap'] * 1e3:.0f} | {tg['serial'] * 1e3:.0f} | {tg['overlap'] * 1e3:.0f} | "
-            f"{tg['serial'] / tg['overlap']:.2f}x |")
+    return (
+        f"| {tokens} | {t['base'] * 1e3:.0f} | {t['serial'] * 1e3:.0f} | "
+        f"{t['overlap'] * 1e3:.0f} | {tg['serial'] * 1e3:.0f} | {tg['overlap'] * 1e3:.0f} | "
+        f"{tg['serial'] / tg['overlap']:.2f}x |"
+    )
 
 
 def main() -> int:
@@ -396,8 +459,9 @@ def main() -> int:
     parser.add_argument("--tokens", default="16,64,256,2048,16384")
     parser.add_argument("--formats", default="bf16,fp8,mxfp4")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer/overlap table")
-    parser.add_argument("--sweep", action="store_true",
-                        help="only time tile alternatives of the expert path")
+    parser.add_argument(
+        "--sweep", action="store_true", help="only time tile alternatives of the expert path"
+    )
     parser.add_argument("--out", help="write the markdown report here too")
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
@@ -406,7 +470,7 @@ def main() -> int:
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     ceiling = ceilings()
-    gate_w = (torch.randn(EXPERTS, HIDDEN, device=DEVICE, generator=gen) * HIDDEN**-0.5)
+    gate_w = torch.randn(EXPERTS, HIDDEN, device=DEVICE, generator=gen) * HIDDEN**-0.5
     gate_w = gate_w.to(DTYPE).float()  # as loaded from a bf16 checkpoint, kept fp32
     bias = torch.randn(EXPERTS, device=DEVICE, generator=gen) * BIAS_STD
     w1, w2, w3 = make_weights(gen)
@@ -422,19 +486,30 @@ def main() -> int:
 
     parts = {"router": (gate_w, router_weight_for_kernel(gate_w), bias)}
     if not args.no_layer:
-        shared = (rnd(SHARED * INTER, HIDDEN), rnd(SHARED * INTER, HIDDEN),
-                  rnd(HIDDEN, SHARED * INTER))
-        parts["layer"] = (rnd(LATENT, HIDDEN), rnd(HIDDEN, LATENT),
-                          torch.ones(LATENT, device=DEVICE).to(DTYPE), shared, bf16)
+        shared = (
+            rnd(SHARED * INTER, HIDDEN),
+            rnd(SHARED * INTER, HIDDEN),
+            rnd(HIDDEN, SHARED * INTER),
+        )
+        parts["layer"] = (
+            rnd(LATENT, HIDDEN),
+            rnd(HIDDEN, LATENT),
+            torch.ones(LATENT, device=DEVICE).to(DTYPE),
+            shared,
+            bf16,
+        )
 
     props = torch.cuda.get_device_properties(0)
     if args.sweep:
-        lines = [f"# MoE tile sweep ({datetime.date.today()}, {props.name}, triton "
-                 f"{triton.__version__}); config = block_m; gate/up and down tiles "
-                 "(block_n x block_k, warps, stages); persistent waves. First row per format "
-                 "and tokens = the default",
-                 "", "| format | tokens | config | experts us | gate/up us | down us | "
-                 "vs default |", "|---|---|---|---|---|---|---|"]
+        lines = [
+            f"# MoE tile sweep ({datetime.date.today()}, {props.name}, triton "
+            f"{triton.__version__}); config = block_m; gate/up and down tiles "
+            "(block_n x block_k, warps, stages); persistent waves. First row per format "
+            "and tokens = the default",
+            "",
+            "| format | tokens | config | experts us | gate/up us | down us | vs default |",
+            "|---|---|---|---|---|---|---|",
+        ]
         print("\n".join(lines), flush=True)
         try:
             for tokens in tokens_list:
@@ -450,9 +525,9 @@ def main() -> int:
         f"# MoE benchmark ({datetime.date.today()}, {props.name}, torch {torch.__version__}, "
         f"triton {triton.__version__})",
         "",
-        f"Ceilings (8192^3): bf16 {ceiling[0]:.0f} TFLOP/s, "
-        f"fp8 {ceiling[1]:.0f} TFLOP/s" if ceiling[1] else
-        f"Ceilings (8192^3): bf16 {ceiling[0]:.0f} TFLOP/s, fp8 n/a",
+        f"Ceilings (8192^3): bf16 {ceiling[0]:.0f} TFLOP/s, fp8 {ceiling[1]:.0f} TFLOP/s"
+        if ceiling[1]
+        else f"Ceilings (8192^3): bf16 {ceiling[0]:.0f} TFLOP/s, fp8 n/a",
         "",
         "Times in us (median). experts: permute + GEMMs + GLU + combine; path: router + "
         "experts; vs bf16: our bf16 experts time (default: exact math; fast: with fast_math, "

@@ -42,8 +42,19 @@ def launch(ids, ranks, counts, bp: int, out: list[torch.Tensor]) -> list[torch.T
     e2 = triton.next_power_of_2(num_local)
     grid = (max(triton.cdiv(pairs, bp), triton.cdiv(max_blocks, bp), 1),)
     align._align_kernel[grid](
-        flat, ranks.reshape(-1), counts, *out, pairs, 0, num_local, max_blocks,
-        BLOCK_M=BLOCK_M, E2=e2, BP=bp, BB=bp, num_warps=4,
+        flat,
+        ranks.reshape(-1),
+        counts,
+        *out,
+        pairs,
+        0,
+        num_local,
+        max_blocks,
+        BLOCK_M=BLOCK_M,
+        E2=e2,
+        BP=bp,
+        BB=bp,
+        num_warps=4,
     )
     return out
 
@@ -52,8 +63,10 @@ def main() -> None:
     torch.manual_seed(0)
     e2 = triton.next_power_of_2(LOCAL)
     current, previous = max(16, min(1024, 4096 // e2)), max(16, min(1024, 32768 // e2))
-    print(f"# align launch, {LOCAL} local experts of {EXPERTS}, top-{TOP_K}, BLOCK_M {BLOCK_M}; "
-          f"{torch.cuda.get_device_name()}, triton {triton.__version__}")
+    print(
+        f"# align launch, {LOCAL} local experts of {EXPERTS}, top-{TOP_K}, BLOCK_M {BLOCK_M}; "
+        f"{torch.cuda.get_device_name()}, triton {triton.__version__}"
+    )
     print("\n| tokens | BP | us | same layout as BP 512 |\n|---|---|---|---|")
     ratios = {}
     for tokens in (2048, 16384):

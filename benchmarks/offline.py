@@ -94,8 +94,14 @@ class _Progress:
         pass
 
 
-def build_engine(hf, num_prompts: int, prompt_len: int, new_tokens: int,
-                 checkpoint_slots: int | None = None, decode_steps: int = 1):
+def build_engine(
+    hf,
+    num_prompts: int,
+    prompt_len: int,
+    new_tokens: int,
+    checkpoint_slots: int | None = None,
+    decode_steps: int = 1,
+):
     """Our model over transformers' parameter tensors (views, no copies) and the engine the
     benchmark runs it in: (engine, model). checkpoint_slots: default one per prompt."""
     from tokenspeed.model import KimiForCausalLM, from_hf_config
@@ -106,11 +112,16 @@ def build_engine(hf, num_prompts: int, prompt_len: int, new_tokens: int,
     ours.load_state_dict(our_state_dict(hf), strict=True, assign=True)
     ours.eval()
     engine = Engine(
-        ours, None,
+        ours,
+        None,
         EngineConfig(
-            device="cuda", max_num_seqs=num_prompts,
-            max_model_len=prompt_len + new_tokens + 64, prefill_token_budget=16384, l2="none",
-            checkpoint_slots=checkpoint_slots or num_prompts, decode_steps=decode_steps,
+            device="cuda",
+            max_num_seqs=num_prompts,
+            max_model_len=prompt_len + new_tokens + 64,
+            prefill_token_budget=16384,
+            l2="none",
+            checkpoint_slots=checkpoint_slots or num_prompts,
+            decode_steps=decode_steps,
         ),
     )
     return engine, ours
@@ -186,10 +197,16 @@ def hf_generate(hf, prompts, new_tokens: int):
             outs = []
             with torch.no_grad():
                 for chunk in prompts.split(batch):
-                    outs.append(hf.generate(
-                        chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, streamer=_Progress(t0),
-                    ))
+                    outs.append(
+                        hf.generate(
+                            chunk,
+                            attention_mask=torch.ones_like(chunk),
+                            max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens,
+                            do_sample=False,
+                            streamer=_Progress(t0),
+                        )
+                    )
             torch.cuda.synchronize()
             return time.perf_counter() - t0, torch.cat(outs), batch
         except torch.OutOfMemoryError:
@@ -209,7 +226,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     parser.add_argument(
-        "--decode-steps", default="8",
+        "--decode-steps",
+        default="8",
         help="comma-separated EngineConfig.decode_steps to run ours with (the last one is "
         "compared with transformers; the others are printed beside it)",
     )
@@ -234,8 +252,11 @@ def main(argv=None) -> int:
         ours_s, outs, summary, ours = run_ours(hf, prompts, args.new, steps)
         runs[steps] = (ours_s, outs, summary)
         ours_tokens = sum(len(v) for v in outs.values())
-        print(f"tokenspeed (decode_steps={steps}): {ours_tokens} tokens in {ours_s:.1f} s = "
-              f"{ours_tokens / ours_s:.1f} tok/s", flush=True)
+        print(
+            f"tokenspeed (decode_steps={steps}): {ours_tokens} tokens in {ours_s:.1f} s = "
+            f"{ours_tokens / ours_s:.1f} tok/s",
+            flush=True,
+        )
         print(f"tokenspeed metrics: {summary}", flush=True)
         if steps != decode_steps[-1]:
             del ours
@@ -249,8 +270,13 @@ def main(argv=None) -> int:
     for rows in (warm, warm[:2]):  # warm-up: the full-batch prefill shape, else a small one
         try:
             with torch.no_grad():
-                hf.generate(rows, attention_mask=torch.ones_like(rows), max_new_tokens=2,
-                            min_new_tokens=2, do_sample=False)
+                hf.generate(
+                    rows,
+                    attention_mask=torch.ones_like(rows),
+                    max_new_tokens=2,
+                    min_new_tokens=2,
+                    do_sample=False,
+                )
             break
         except torch.OutOfMemoryError:
             gc.collect()
@@ -294,7 +320,8 @@ def main(argv=None) -> int:
         f"{(ours_tokens / ours_s) / (hf_tokens / hf_s):.2f}x",
         *(
             [f"greedy outputs of every decode_steps run identical: {'yes' if same else 'NO'}"]
-            if len(runs) > 1 else []
+            if len(runs) > 1
+            else []
         ),
         "",
         f"greedy outputs (bf16 on both sides): first token equal for {first} of {args.prompts} "

@@ -46,7 +46,9 @@ def usage(
     ptx.write_text(out.asm["ptx"])
     res = subprocess.run(
         [str(PTXAS), "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", res.stderr).group(1))
@@ -73,47 +75,110 @@ def _signature(fn, pointers: dict[str, str], constexprs: tuple[str, ...]) -> dic
 def _moe() -> list[tuple[str, Callable[[], str]]]:
     from tokenspeed.model.ops.moe import grouped_gemm as gg
 
-    div = ("L", "inter", "stride_xt", "stride_we", "stride_wn", "stride_ht", "stride_yt",
-           "stride_se")
+    div = (
+        "L",
+        "inter",
+        "stride_xt",
+        "stride_we",
+        "stride_wn",
+        "stride_ht",
+        "stride_yt",
+        "stride_se",
+    )
     presets = []
     # (kernel, format, BM, BN, BK, warps, stages, register cap): the defaults of grouped.py's
     # table and alternatives of benchmarks/moe.py --sweep.
     for kernel, fmt, bm, bn, bk, warps, stages, cap in (
-        ("gate_up", "bf16", 16, 64, 128, 4, 4, None), ("gate_up", "bf16", 64, 128, 64, 8, 3, None),
-        ("gate_up", "bf16", 128, 64, 64, 8, 4, None), ("down", "bf16", 128, 256, 64, 8, 4, None),
-        ("gate_up", "fp8", 16, 128, 128, 4, 3, None), ("gate_up", "fp8", 64, 128, 128, 8, 4, None),
-        ("gate_up", "fp8", 64, 128, 128, 8, 2, 128), ("gate_up", "fp8", 64, 64, 128, 4, 3, None),
-        ("gate_up", "fp8", 64, 64, 128, 4, 3, 168), ("gate_up", "fp8", 128, 64, 128, 8, 3, None),
-        ("down", "fp8", 64, 256, 128, 8, 4, None), ("down", "fp8", 64, 128, 128, 4, 3, None),
-        ("down", "fp8", 64, 128, 128, 4, 3, 168), ("down", "fp8", 64, 256, 128, 8, 2, 128),
+        ("gate_up", "bf16", 16, 64, 128, 4, 4, None),
+        ("gate_up", "bf16", 64, 128, 64, 8, 3, None),
+        ("gate_up", "bf16", 128, 64, 64, 8, 4, None),
+        ("down", "bf16", 128, 256, 64, 8, 4, None),
+        ("gate_up", "fp8", 16, 128, 128, 4, 3, None),
+        ("gate_up", "fp8", 64, 128, 128, 8, 4, None),
+        ("gate_up", "fp8", 64, 128, 128, 8, 2, 128),
+        ("gate_up", "fp8", 64, 64, 128, 4, 3, None),
+        ("gate_up", "fp8", 64, 64, 128, 4, 3, 168),
+        ("gate_up", "fp8", 128, 64, 128, 8, 3, None),
+        ("down", "fp8", 64, 256, 128, 8, 4, None),
+        ("down", "fp8", 64, 128, 128, 4, 3, None),
+        ("down", "fp8", 64, 128, 128, 4, 3, 168),
+        ("down", "fp8", 64, 256, 128, 8, 2, 128),
     ):
         dt = "*fp8e4nv" if fmt == "fp8" else "*bf16"
         wfmt = gg.FP8 if fmt == "fp8" else gg.DENSE
         tag = f"{fmt} BM {bm} BN {bn} BK {bk} w{warps} s{stages}" + (f" cap {cap}" if cap else "")
         if kernel == "gate_up":
             fn = gg._gate_up_kernel
-            sig = _signature(fn, {
-                "x_ptr": dt, "xs_ptr": "*fp32", "w1_ptr": dt, "w3_ptr": dt, "s1_ptr": "*fp32",
-                "s3_ptr": "*fp32", "h_ptr": dt, "hs_ptr": "*fp32", "row_pair_ptr": "*i32",
-                "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
-                "num_blocks_ptr": "*i32", "beta": "fp32", "linear_beta": "fp32",
-            }, ("WFMT", "ACT", "CAP_UP", "OUT_FP8", "ROUND", "EXACT", "INTERPRET", "BM", "BN",
-                "BK"))
-            consts = dict(WFMT=wfmt, ACT=gg.SITU, CAP_UP=True, OUT_FP8=fmt == "fp8",
-                          ROUND=tl.bfloat16, EXACT=True, INTERPRET=False, BM=bm, BN=bn, BK=bk)
+            sig = _signature(
+                fn,
+                {
+                    "x_ptr": dt,
+                    "xs_ptr": "*fp32",
+                    "w1_ptr": dt,
+                    "w3_ptr": dt,
+                    "s1_ptr": "*fp32",
+                    "s3_ptr": "*fp32",
+                    "h_ptr": dt,
+                    "hs_ptr": "*fp32",
+                    "row_pair_ptr": "*i32",
+                    "block_expert_ptr": "*i32",
+                    "expert_start_ptr": "*i32",
+                    "counts_ptr": "*i32",
+                    "num_blocks_ptr": "*i32",
+                    "beta": "fp32",
+                    "linear_beta": "fp32",
+                },
+                (
+                    "WFMT",
+                    "ACT",
+                    "CAP_UP",
+                    "OUT_FP8",
+                    "ROUND",
+                    "EXACT",
+                    "INTERPRET",
+                    "BM",
+                    "BN",
+                    "BK",
+                ),
+            )
+            consts = dict(
+                WFMT=wfmt,
+                ACT=gg.SITU,
+                CAP_UP=True,
+                OUT_FP8=fmt == "fp8",
+                ROUND=tl.bfloat16,
+                EXACT=True,
+                INTERPRET=False,
+                BM=bm,
+                BN=bn,
+                BK=bk,
+            )
         else:
             fn = gg._down_kernel
-            sig = _signature(fn, {
-                "h_ptr": dt, "hs_ptr": "*fp32", "w2_ptr": dt, "s2_ptr": "*fp32", "y_ptr": "*bf16",
-                "block_expert_ptr": "*i32", "expert_start_ptr": "*i32", "counts_ptr": "*i32",
-                "num_blocks_ptr": "*i32",
-            }, ("WFMT", "BM", "BN", "BK"))
+            sig = _signature(
+                fn,
+                {
+                    "h_ptr": dt,
+                    "hs_ptr": "*fp32",
+                    "w2_ptr": dt,
+                    "s2_ptr": "*fp32",
+                    "y_ptr": "*bf16",
+                    "block_expert_ptr": "*i32",
+                    "expert_start_ptr": "*i32",
+                    "counts_ptr": "*i32",
+                    "num_blocks_ptr": "*i32",
+                },
+                ("WFMT", "BM", "BN", "BK"),
+            )
             consts = dict(WFMT=wfmt, BM=bm, BN=bn, BK=bk)
-        presets.append((
-            f"moe {kernel:7s} {tag}",
-            lambda fn=fn, s=sig, c=consts, w=warps, st=stages, cap=cap:
-                usage(fn, s, c, w, st, div, cap),
-        ))
+        presets.append(
+            (
+                f"moe {kernel:7s} {tag}",
+                lambda fn=fn, s=sig, c=consts, w=warps, st=stages, cap=cap: usage(
+                    fn, s, c, w, st, div, cap
+                ),
+            )
+        )
     return presets
 
 
@@ -122,24 +187,63 @@ def _kda() -> list[tuple[str, Callable[[], str]]]:
     from tokenspeed.model.ops.kda import decode_kernels
 
     k = decode_kernels._kda_recurrent_kernel
-    sig = _signature(k, {
-        "qkv_ptr": "*bf16", "conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16",
-        "scratch_ptr": "*fp32", "ready_ptr": "*i32", "state_ptr": "*fp32", "slots_ptr": "*i32",
-        "out_ptr": "*bf16", "step_state_ptr": "*fp32", "step_conv_ptr": "*bf16",
-    }, ("H", "K", "V", "T", "W", "WP", "D", "BV", "OVERLAP", "V_IN_PREP", "VOFF", "STORE_STEPS",
-        "USE_PDL"))
+    sig = _signature(
+        k,
+        {
+            "qkv_ptr": "*bf16",
+            "conv_w_ptr": "*bf16",
+            "conv_state_ptr": "*bf16",
+            "scratch_ptr": "*fp32",
+            "ready_ptr": "*i32",
+            "state_ptr": "*fp32",
+            "slots_ptr": "*i32",
+            "out_ptr": "*bf16",
+            "step_state_ptr": "*fp32",
+            "step_conv_ptr": "*bf16",
+        },
+        (
+            "H",
+            "K",
+            "V",
+            "T",
+            "W",
+            "WP",
+            "D",
+            "BV",
+            "OVERLAP",
+            "V_IN_PREP",
+            "VOFF",
+            "STORE_STEPS",
+            "USE_PDL",
+        ),
+    )
     presets = []
     for tokens in (1, 4):
         for bv, warps in ((32, 4), (64, 4), (64, 8)):
             v_in_prep = kd.resolve_v_in_prep(None, tokens)  # as kda_decode runs it
-            consts = dict(H=96, K=128, V=128, T=tokens, W=4, WP=8,
-                          D=kd.scratch_width(128, 128 if v_in_prep else None), BV=bv,
-                          OVERLAP=tokens == 1, V_IN_PREP=v_in_prep,
-                          VOFF=kd.scratch_width(128), STORE_STEPS=False, USE_PDL=True)
-            presets.append((
-                f"kda recurrence K3 T {tokens} BV {bv} w{warps}",
-                lambda c=consts, w=warps: usage(k, sig, c, w, 1, ("stride_qkv_b", "stride_qkv_t")),
-            ))
+            consts = dict(
+                H=96,
+                K=128,
+                V=128,
+                T=tokens,
+                W=4,
+                WP=8,
+                D=kd.scratch_width(128, 128 if v_in_prep else None),
+                BV=bv,
+                OVERLAP=tokens == 1,
+                V_IN_PREP=v_in_prep,
+                VOFF=kd.scratch_width(128),
+                STORE_STEPS=False,
+                USE_PDL=True,
+            )
+            presets.append(
+                (
+                    f"kda recurrence K3 T {tokens} BV {bv} w{warps}",
+                    lambda c=consts, w=warps: usage(
+                        k, sig, c, w, 1, ("stride_qkv_b", "stride_qkv_t")
+                    ),
+                )
+            )
     return presets
 
 
@@ -147,20 +251,41 @@ def _attn_res() -> list[tuple[str, Callable[[], str]]]:
     from tokenspeed.model.ops.attn_res import fused
 
     k = fused._mix_norm_kernel
-    sig = _signature(k, {name: "*bf16" for name in k.arg_names if name.endswith("_ptr")}
-                     | {"mix_eps": "fp32", "norm_eps": "fp32"},
-                     ("D", "N", "HAS_DELTA", "ACCUMULATE", "BD", "BL", "STAGES", "ONE_REDUCE"))
+    sig = _signature(
+        k,
+        {name: "*bf16" for name in k.arg_names if name.endswith("_ptr")}
+        | {"mix_eps": "fp32", "norm_eps": "fp32"},
+        ("D", "N", "HAS_DELTA", "ACCUMULATE", "BD", "BL", "STAGES", "ONE_REDUCE"),
+    )
     presets = []
-    for n, bl, warps, stages in ((8, 1, 4, 0), (8, 1, 4, 4), (8, 0, 8, 0), (8, 2, 8, 0),
-                                 (4, 1, 4, 3), (2, 0, 8, 0), (2, 2, 8, 0), (1, 0, 16, 0)):
-        consts = dict(D=7168, N=n, HAS_DELTA=True, ACCUMULATE=True, BD=8192, BL=bl,
-                      STAGES=stages, ONE_REDUCE=True)
-        presets.append((
-            f"attn_res K3 N {n} block_entries {bl} w{warps} stages {stages}",
-            lambda c=consts, w=warps, st=stages: usage(
-                k, sig, c, w, max(st, 1), ("stride_bn", "stride_bt", "stride_dt", "stride_ot")
-            ),
-        ))
+    for n, bl, warps, stages in (
+        (8, 1, 4, 0),
+        (8, 1, 4, 4),
+        (8, 0, 8, 0),
+        (8, 2, 8, 0),
+        (4, 1, 4, 3),
+        (2, 0, 8, 0),
+        (2, 2, 8, 0),
+        (1, 0, 16, 0),
+    ):
+        consts = dict(
+            D=7168,
+            N=n,
+            HAS_DELTA=True,
+            ACCUMULATE=True,
+            BD=8192,
+            BL=bl,
+            STAGES=stages,
+            ONE_REDUCE=True,
+        )
+        presets.append(
+            (
+                f"attn_res K3 N {n} block_entries {bl} w{warps} stages {stages}",
+                lambda c=consts, w=warps, st=stages: usage(
+                    k, sig, c, w, max(st, 1), ("stride_bn", "stride_bt", "stride_dt", "stride_ot")
+                ),
+            )
+        )
     return presets
 
 
@@ -168,23 +293,64 @@ def _mla() -> list[tuple[str, Callable[[], str]]]:
     from tokenspeed.model.ops.mla import decode as md
 
     k = md._split_kernel
-    sig = _signature(k, {
-        "q_lat": "*bf16", "q_rope": "*bf16", "pages": "*bf16", "row_scales": "*fp32",
-        "page_table": "*i32", "context_lens": "*i32", "split_order": "*i32",
-        "split_row": "*i32", "split_start": "*i32", "split_len": "*i32", "part_o": "*fp32",
-        "part_lse": "*fp32", "qk_scale": "fp32",
-    }, ("NUM_HEADS", "N_QUERY", "RANK", "ROPE", "PAGE_SIZE", "SCALE_MODE", "UNIFORM",
-        "GRANULE", "BLOCK_M", "BLOCK_N", "USE_PDL"))
+    sig = _signature(
+        k,
+        {
+            "q_lat": "*bf16",
+            "q_rope": "*bf16",
+            "pages": "*bf16",
+            "row_scales": "*fp32",
+            "page_table": "*i32",
+            "context_lens": "*i32",
+            "split_order": "*i32",
+            "split_row": "*i32",
+            "split_start": "*i32",
+            "split_len": "*i32",
+            "part_o": "*fp32",
+            "part_lse": "*fp32",
+            "qk_scale": "fp32",
+        },
+        (
+            "NUM_HEADS",
+            "N_QUERY",
+            "RANK",
+            "ROPE",
+            "PAGE_SIZE",
+            "SCALE_MODE",
+            "UNIFORM",
+            "GRANULE",
+            "BLOCK_M",
+            "BLOCK_N",
+            "USE_PDL",
+        ),
+    )
     div = ("stride_lt", "stride_lh", "stride_rt", "stride_rh", "stride_page", "stride_table")
     presets = []
-    for heads, bm, bn, warps, stages in ((96, 64, 64, 8, 2), (96, 64, 32, 8, 2),
-                                         (96, 64, 64, 8, 3), (32, 64, 64, 8, 2)):
-        consts = dict(NUM_HEADS=heads, N_QUERY=1, RANK=512, ROPE=64, PAGE_SIZE=64, SCALE_MODE=0,
-                      UNIFORM=False, GRANULE=64, BLOCK_M=bm, BLOCK_N=bn, USE_PDL=True)
-        presets.append((
-            f"mla split {heads} heads BM {bm} BN {bn} w{warps} s{stages}",
-            lambda c=consts, w=warps, st=stages: usage(k, sig, c, w, st, div),
-        ))
+    for heads, bm, bn, warps, stages in (
+        (96, 64, 64, 8, 2),
+        (96, 64, 32, 8, 2),
+        (96, 64, 64, 8, 3),
+        (32, 64, 64, 8, 2),
+    ):
+        consts = dict(
+            NUM_HEADS=heads,
+            N_QUERY=1,
+            RANK=512,
+            ROPE=64,
+            PAGE_SIZE=64,
+            SCALE_MODE=0,
+            UNIFORM=False,
+            GRANULE=64,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            USE_PDL=True,
+        )
+        presets.append(
+            (
+                f"mla split {heads} heads BM {bm} BN {bn} w{warps} s{stages}",
+                lambda c=consts, w=warps, st=stages: usage(k, sig, c, w, st, div),
+            )
+        )
     return presets
 
 

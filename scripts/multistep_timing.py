@@ -24,7 +24,10 @@ import offline  # benchmarks/offline.py: the model and the weight mapping
 def instrument(engine, runs: list[dict]) -> None:
     """Wrap the engine's run, decode, sample and accept calls to time each run's phases."""
     run_steps, decode, sample, accept = (
-        engine._run_decode_steps, engine.runner.decode, engine.sampler.sample, engine._accept
+        engine._run_decode_steps,
+        engine.runner.decode,
+        engine.sampler.sample,
+        engine._accept,
     )
     current: dict = {}
 
@@ -99,13 +102,17 @@ def main() -> int:
     def med(values):
         return statistics.median(values) if values else float("nan")
 
-    print(f"total {total:.2f} s; {len(runs)} multi-step runs, {len(full)} full "
-          f"({args.decode_steps} steps x 64 rows); medians over the full ones, ms:")
+    print(
+        f"total {total:.2f} s; {len(runs)} multi-step runs, {len(full)} full "
+        f"({args.decode_steps} steps x 64 rows); medians over the full ones, ms:"
+    )
     phases = [
         ("queue the run's steps (host)", [(r["queued"] - r["start"]) * ms for r in full]),
         ("first step queued after", [(r["first_launched"] - r["start"]) * ms for r in full]),
-        ("GPU, first step to last sample", [r["gpu_start"].elapsed_time(r["gpu_end"])
-                                            for r in full]),
+        (
+            "GPU, first step to last sample",
+            [r["gpu_start"].elapsed_time(r["gpu_end"]) for r in full],
+        ),
         ("wait for the tokens (host)", [(r["waited"] - r["queued"]) * ms for r in full]),
         ("process the tokens (host)", [(r["end"] - r["waited"]) * ms for r in full]),
         ("gap to the next run (host)", gaps),
@@ -113,8 +120,10 @@ def main() -> int:
     ]
     for label, values in phases:
         print(f"  {label:<34s}{med(values):8.2f}")
-    print(f"decode-run time in all: {sum(r['end'] - r['start'] for r in runs):.2f} s; "
-          f"gaps between runs: {sum(gaps) / ms:.2f} s")
+    print(
+        f"decode-run time in all: {sum(r['end'] - r['start'] for r in runs):.2f} s; "
+        f"gaps between runs: {sum(gaps) / ms:.2f} s"
+    )
     return 0
 
 

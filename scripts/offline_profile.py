@@ -47,8 +47,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--host-profile", action="store_true",
-                   help="also cProfile the host side of --decode-steps decode steps")
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="also cProfile the host side of --decode-steps decode steps",
+    )
     args = p.parse_args()
     from tokenspeed.runtime import SamplingParams
 
@@ -104,8 +107,10 @@ def main() -> int:
         torch.cuda.synchronize()
         replay = start.elapsed_time(end) / 10
         step = sorted(walls)[len(walls) // 2] * 1e3
-        print(f"decode graph replay alone: {replay:.1f} ms; step {step:.1f} ms; host adds "
-              f"{step - replay:.1f} ms a step")
+        print(
+            f"decode graph replay alone: {replay:.1f} ms; step {step:.1f} ms; host adds "
+            f"{step - replay:.1f} ms a step"
+        )
     if args.host_profile and engine.has_unfinished():
         # Host time by function over a few decode steps (cProfile slows Python, so read the
         # shares, not the absolute times; waiting for the GPU shows in the sampler's read).

@@ -52,8 +52,10 @@ def main() -> int:
     decode = sorted(times[8:])
     print(f"{len(times)} steps, {sum(times):.2f} s")
     print("longest steps (index, s):", [(i, round(times[i], 3)) for i in longest])
-    print(f"decode phase: median {decode[len(decode) // 2] * 1e3:.1f} ms, "
-          f"mean {sum(decode) / len(decode) * 1e3:.1f} ms")
+    print(
+        f"decode phase: median {decode[len(decode) // 2] * 1e3:.1f} ms, "
+        f"mean {sum(decode) / len(decode) * 1e3:.1f} ms"
+    )
     engine.close()
     return 0
 

@@ -99,7 +99,7 @@ def _prompt(text: str) -> str:
 
 
 def _device(text: str) -> str:
-    """"auto", the CPU or a CUDA device this machine has."""
+    """The device: "auto", the CPU or a CUDA device this machine has."""
     import torch
 
     if text == "auto":
@@ -251,12 +251,16 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
     p.add_argument("--max-model-len", type=_positive_int, default=max_model_len)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
-        "--decode-steps", type=_positive_int, default=None,
+        "--decode-steps",
+        type=_positive_int,
+        default=None,
         help="decode steps per host round trip (EngineConfig.decode_steps; default: 8 for "
         "generate, 1 for bench agentx, whose latency metrics want every token as it comes)",
     )
     p.add_argument(
-        "--threads", type=_threads, default=None,
+        "--threads",
+        type=_threads,
+        default=None,
         help="torch CPU threads (default: 1 for a model under 100M parameters on the CPU, "
         "unless OMP_NUM_THREADS is set; else torch's default)",
     )

@@ -18,7 +18,10 @@ def _compiled_under(value: str) -> str:
     env = dict(os.environ, TOKENSPEED_CACHE_INTERPRETED=value)
     probe = subprocess.run(
         [sys.executable, "-c", "from tokenspeed.cache.compiled import AVAILABLE; print(AVAILABLE)"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return probe.stdout.strip()
 
@@ -37,13 +40,29 @@ def test_the_cache_passes_its_tests_with_the_loops_interpreted():
     env = dict(os.environ, TOKENSPEED_CACHE_INTERPRETED="1")
     probe = subprocess.run(
         [sys.executable, "-c", "from tokenspeed.cache.compiled import AVAILABLE; print(AVAILABLE)"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert probe.stdout.strip() == "False"  # the loops really are interpreted there
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE),
-         "--ignore", str(HERE / "test_interpreted.py")],
-        env=env, capture_output=True, text=True, timeout=1200, cwd=HERE.parent.parent,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(HERE),
+            "--ignore",
+            str(HERE / "test_interpreted.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=HERE.parent.parent,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -112,9 +112,7 @@ def test_integrity_check_catches_each_kind_of_damage():
 @settings(max_examples=150, deadline=None)
 @given(
     owners=st.lists(st.integers(-1, 1), min_size=1, max_size=40),
-    queries=st.lists(
-        st.tuples(st.integers(0, 39), st.integers(0, 12), st.booleans()), max_size=6
-    ),
+    queries=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 12), st.booleans()), max_size=6),
 )
 def test_lookup_near_a_key_column_gives_the_plain_answers(owners, queries):
     """Values index a column of keys; slots owned by other kinds hold decoys with the same

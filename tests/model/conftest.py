@@ -16,7 +16,10 @@ def kimi_linear_like():
             num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
         ),
         moe=tiny.moe.__class__(
-            num_experts=16, top_k=4, expert_intermediate_size=32, num_shared_experts=1,
+            num_experts=16,
+            top_k=4,
+            expert_intermediate_size=32,
+            num_shared_experts=1,
             routed_scaling_factor=2.446,
         ),
         activation=ActivationConfig(kind="silu"),

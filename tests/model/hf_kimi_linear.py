@@ -58,8 +58,12 @@ def tiny_hf_config(**overrides):
         eos_token_id=2,
         # MLA at 0-based 3 and 5 (1-based 4 and 6, the last), as Kimi Linear places them.
         layer_types=[
-            "linear_attention", "linear_attention", "linear_attention",
-            "full_attention", "linear_attention", "full_attention",
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
         ],
     )
     options.update(overrides)

@@ -49,24 +49,51 @@ def test_unknown_preset():
 
 
 K3_TEXT = {
-    "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "attn_res_block_size": 12, "bos_token_id": 163584, "eos_token_id": 163586,
-    "first_k_dense_replace": 1, "hidden_act": "situ", "hidden_size": 7168,
-    "intermediate_size": 33792, "kv_lora_rank": 512, "latent_moe_use_norm": True,
-    "mla_use_nope": True, "mla_use_output_gate": True, "model_type": "kimi_linear",
-    "moe_intermediate_size": 3072, "moe_layer_freq": 1, "moe_renormalize": True,
-    "moe_router_activation_func": "sigmoid", "num_attention_heads": 96, "num_expert_group": 1,
-    "num_experts": 896, "num_experts_per_token": 16, "num_hidden_layers": 93,
-    "num_key_value_heads": 96, "num_shared_experts": 2, "pad_token_id": 163839,
-    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-5,
-    "routed_expert_hidden_size": 3584, "routed_scaling_factor": 1.0,
-    "tie_word_embeddings": False, "topk_group": 1, "use_grouped_topk": True,
-    "v_head_dim": 128, "vocab_size": 163840,
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "attn_res_block_size": 12,
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+    "first_k_dense_replace": 1,
+    "hidden_act": "situ",
+    "hidden_size": 7168,
+    "intermediate_size": 33792,
+    "kv_lora_rank": 512,
+    "latent_moe_use_norm": True,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "model_type": "kimi_linear",
+    "moe_intermediate_size": 3072,
+    "moe_layer_freq": 1,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "num_attention_heads": 96,
+    "num_expert_group": 1,
+    "num_experts": 896,
+    "num_experts_per_token": 16,
+    "num_hidden_layers": 93,
+    "num_key_value_heads": 96,
+    "num_shared_experts": 2,
+    "pad_token_id": 163839,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "routed_expert_hidden_size": 3584,
+    "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_grouped_topk": True,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
     "linear_attn_config": {
         "full_attn_layers": [*range(4, 93, 4), 93],
         "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
-        "gate_lower_bound": -5.0, "head_dim": 128, "num_heads": 96,
-        "short_conv_kernel_size": 4, "use_full_rank_gate": True,
+        "gate_lower_bound": -5.0,
+        "head_dim": 128,
+        "num_heads": 96,
+        "short_conv_kernel_size": 4,
+        "use_full_rank_gate": True,
     },
     "quantization_config": {"format": "mxfp4-pack-quantized", "quant_method": "compressed-tensors"},
 }
@@ -80,20 +107,42 @@ def test_k3_layout_nests_the_text_model(tmp_path):
 
 
 KIMI_LINEAR_RELEASE = {
-    "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304,
-    "intermediate_size": 9216, "num_hidden_layers": 27, "num_attention_heads": 32,
-    "num_key_value_heads": 32, "q_lora_rank": None, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
-    "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
-    "moe_intermediate_size": 1024, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
-    "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "num_expert_group": 1, "topk_group": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+    "model_type": "kimi_linear",
+    "vocab_size": 163840,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+    "num_experts": 256,
+    "num_experts_per_token": 8,
+    "num_shared_experts": 1,
+    "moe_intermediate_size": 1024,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "routed_scaling_factor": 2.446,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+    "pad_token_id": 163839,
     "tie_word_embeddings": False,
     "linear_attn_config": {
         "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
         "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
-        "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+        "head_dim": 128,
+        "num_heads": 32,
+        "short_conv_kernel_size": 4,
     },
 }
 
@@ -232,11 +281,15 @@ def test_direct_construction_validates_with_field_names():
         MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4, latent_norm=True)
     with pytest.raises(ConfigError, match="layer_kinds has 2 entries but mlp_kinds has 3"):
         ModelConfig(
-            vocab_size=10, hidden_size=4, layer_kinds=("kda", "mla"),
-            mlp_kinds=("dense", "dense", "dense"), dense_intermediate_size=8,
+            vocab_size=10,
+            hidden_size=4,
+            layer_kinds=("kda", "mla"),
+            mlp_kinds=("dense", "dense", "dense"),
+            dense_intermediate_size=8,
             kda=KdaConfig(num_heads=1, head_dim=4),
-            mla=MlaConfig(num_heads=1, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
-                          v_head_dim=2),
+            mla=MlaConfig(
+                num_heads=1, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2
+            ),
         )
     with pytest.raises(ConfigError, match="mlp_kinds names 'moe' layers but moe is None"):
         get_preset("tiny").evolve(moe=None)
@@ -311,41 +364,78 @@ def test_layer_types_and_linear_attn_config_lists_must_agree():
 
 
 def _mla():
-    return MlaConfig(num_heads=1, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
-                     v_head_dim=2)
+    return MlaConfig(
+        num_heads=1, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2
+    )
 
 
 @pytest.mark.parametrize(
     "build,message",
     [
-        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4,
-                           num_shared_experts=1.5),
-         "MoeConfig.num_shared_experts must be a non-negative integer, got 1.5"),
-        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4,
-                           num_shared_experts=True),
-         "MoeConfig.num_shared_experts must be a non-negative integer, got True"),
-        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4, renormalize=0),
-         "MoeConfig.renormalize must be True or False, got 0"),
-        (lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4,
-                           routed_scaling_factor=float("inf")),
-         "MoeConfig.routed_scaling_factor must be a finite positive number"),
-        (lambda: KdaConfig(num_heads=2, head_dim=4, full_rank_output_gate=1),
-         "KdaConfig.full_rank_output_gate must be True or False, got 1"),
-        (lambda: KdaConfig(num_heads=2, head_dim=4, gate="lower_bound", gate_lower_bound="-5"),
-         "kda.gate_lower_bound must be a number"),
-        (lambda: MlaConfig(num_heads=1, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
-                           v_head_dim=2, output_gate="yes"),
-         "MlaConfig.output_gate must be True or False"),
-        (lambda: ActivationConfig(kind="situ", situ_linear_beta=0),
-         "ActivationConfig.situ_linear_beta must be a finite positive number, got 0"),
-        (lambda: get_preset("tiny").evolve(bos_token_id=True),
-         "ModelConfig.bos_token_id must be an integer, got True"),
-        (lambda: get_preset("tiny").evolve(pad_token_id=1.5),
-         "ModelConfig.pad_token_id must be an integer, got 1.5"),
-        (lambda: get_preset("tiny").evolve(eos_token_ids=(2.5,)),
-         "ModelConfig.eos_token_ids must hold integers"),
-        (lambda: get_preset("tiny").evolve(tie_word_embeddings=1),
-         "ModelConfig.tie_word_embeddings must be True or False"),
+        (
+            lambda: MoeConfig(
+                num_experts=8, top_k=2, expert_intermediate_size=4, num_shared_experts=1.5
+            ),
+            "MoeConfig.num_shared_experts must be a non-negative integer, got 1.5",
+        ),
+        (
+            lambda: MoeConfig(
+                num_experts=8, top_k=2, expert_intermediate_size=4, num_shared_experts=True
+            ),
+            "MoeConfig.num_shared_experts must be a non-negative integer, got True",
+        ),
+        (
+            lambda: MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=4, renormalize=0),
+            "MoeConfig.renormalize must be True or False, got 0",
+        ),
+        (
+            lambda: MoeConfig(
+                num_experts=8,
+                top_k=2,
+                expert_intermediate_size=4,
+                routed_scaling_factor=float("inf"),
+            ),
+            "MoeConfig.routed_scaling_factor must be a finite positive number",
+        ),
+        (
+            lambda: KdaConfig(num_heads=2, head_dim=4, full_rank_output_gate=1),
+            "KdaConfig.full_rank_output_gate must be True or False, got 1",
+        ),
+        (
+            lambda: KdaConfig(num_heads=2, head_dim=4, gate="lower_bound", gate_lower_bound="-5"),
+            "kda.gate_lower_bound must be a number",
+        ),
+        (
+            lambda: MlaConfig(
+                num_heads=1,
+                kv_lora_rank=4,
+                qk_nope_head_dim=2,
+                qk_rope_head_dim=2,
+                v_head_dim=2,
+                output_gate="yes",
+            ),
+            "MlaConfig.output_gate must be True or False",
+        ),
+        (
+            lambda: ActivationConfig(kind="situ", situ_linear_beta=0),
+            "ActivationConfig.situ_linear_beta must be a finite positive number, got 0",
+        ),
+        (
+            lambda: get_preset("tiny").evolve(bos_token_id=True),
+            "ModelConfig.bos_token_id must be an integer, got True",
+        ),
+        (
+            lambda: get_preset("tiny").evolve(pad_token_id=1.5),
+            "ModelConfig.pad_token_id must be an integer, got 1.5",
+        ),
+        (
+            lambda: get_preset("tiny").evolve(eos_token_ids=(2.5,)),
+            "ModelConfig.eos_token_ids must hold integers",
+        ),
+        (
+            lambda: get_preset("tiny").evolve(tie_word_embeddings=1),
+            "ModelConfig.tie_word_embeddings must be True or False",
+        ),
     ],
 )
 def test_direct_construction_refuses_values_of_the_wrong_kind(build, message):

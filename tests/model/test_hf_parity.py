@@ -42,9 +42,12 @@ def test_greedy_continuation_matches(pair):
     prompt = torch.tensor([5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 9])
     with torch.no_grad():
         expected = hf.generate(
-            prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=32, do_sample=False, min_new_tokens=32,
-        )[0, len(prompt):]
+            prompt[None],
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=32,
+            do_sample=False,
+            min_new_tokens=32,
+        )[0, len(prompt) :]
     got = greedy_generate(ours, [prompt.tolist()], max_new_tokens=32, stop_token_ids=())[0]
     assert got == expected.tolist()
     assert len(set(got)) > 3  # a continuation that varies, not one repeated token

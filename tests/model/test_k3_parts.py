@@ -58,9 +58,7 @@ def test_attn_res_blocks_and_final_mix():
         for layer in model.model.layers:
             i = layer.index
             first = (i // block) * block
-            done = [emb] + [
-                sum(outputs[b * block : (b + 1) * block]) for b in range(i // block)
-            ]
+            done = [emb] + [sum(outputs[b * block : (b + 1) * block]) for b in range(i // block)]
             running = sum(outputs[first:i]) if i > first else None
             x = mix(done + ([running] if running is not None else []), layer.self_attention_res)
             sub_state = state.kda[i] if layer.kind == "kda" else state.mla[i]
@@ -105,8 +103,13 @@ def _expected_moe(moe: MoE, cfg: MoeConfig, act, x):
 
 def test_latent_moe_with_latent_norm():
     cfg = MoeConfig(
-        num_experts=12, top_k=3, expert_intermediate_size=20, num_shared_experts=2,
-        latent_size=16, latent_norm=True, routed_scaling_factor=1.5,
+        num_experts=12,
+        top_k=3,
+        expert_intermediate_size=20,
+        num_shared_experts=2,
+        latent_size=16,
+        latent_norm=True,
+        routed_scaling_factor=1.5,
     )
     act = ActivationConfig(kind="situ", situ_beta=4.0, situ_linear_beta=25.0)
     moe = MoE(40, cfg, act, eps=1e-5)
@@ -121,8 +124,12 @@ def test_latent_moe_with_latent_norm():
 
 def test_latent_moe_with_mxfp4_experts():
     cfg = MoeConfig(
-        num_experts=12, top_k=3, expert_intermediate_size=32, num_shared_experts=1,
-        latent_size=32, latent_norm=True,
+        num_experts=12,
+        top_k=3,
+        expert_intermediate_size=32,
+        num_shared_experts=1,
+        latent_size=32,
+        latent_norm=True,
     )
     act = ActivationConfig(kind="situ", situ_beta=4.0, situ_linear_beta=25.0)
     moe = MoE(40, cfg, act, eps=1e-5)
@@ -173,8 +180,13 @@ def _mla_reference(layer: GatedMla, x):
 @pytest.mark.parametrize("n", [1, 3, 17])
 def test_mla_output_gate(n):
     cfg = MlaConfig(
-        num_heads=3, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
-        v_head_dim=5, output_gate=True,
+        num_heads=3,
+        q_lora_rank=12,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        output_gate=True,
     )
     layer = GatedMla(24, cfg)
     _randomize(layer, 2)
@@ -190,11 +202,13 @@ def _kda_reference(layer: KdaAttention, x):
     """One sequence, token by token, straight from the K3 description."""
     c = layer.config
     heads, dim, width = c.num_heads, c.head_dim, c.conv_kernel
-    qkv = torch.cat([x @ layer.q_proj.weight.T, x @ layer.k_proj.weight.T,
-                     x @ layer.v_proj.weight.T], -1)
+    qkv = torch.cat(
+        [x @ layer.q_proj.weight.T, x @ layer.k_proj.weight.T, x @ layer.v_proj.weight.T], -1
+    )
     padded = torch.cat([torch.zeros(width - 1, qkv.shape[1]), qkv])
-    conv = torch.stack([(padded[t : t + width].T * layer.conv_weight).sum(-1)
-                        for t in range(len(x))])
+    conv = torch.stack(
+        [(padded[t : t + width].T * layer.conv_weight).sum(-1) for t in range(len(x))]
+    )
     conv = conv * torch.sigmoid(conv)
     q, k, v = (z.view(len(x), heads, dim) for z in conv.split(heads * dim, -1))
     f = (x @ layer.f_a_proj.weight.T @ layer.f_b_proj.weight.T).view(len(x), heads, dim)

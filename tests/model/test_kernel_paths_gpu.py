@@ -28,8 +28,13 @@ def _check_against_cpu(model, overlap=False):
     cpu_bf16 = model(ids, batch, model.empty_state(len(lengths))).logits.float()
     model = model.cuda()
     model.overlap_shared_experts(overlap)
-    got = model(ids.cuda(), ForwardBatch.build(lengths, device="cuda"),
-                model.empty_state(len(lengths))).logits.float().cpu()
+    got = (
+        model(
+            ids.cuda(), ForwardBatch.build(lengths, device="cuda"), model.empty_state(len(lengths))
+        )
+        .logits.float()
+        .cpu()
+    )
     floor = _cosine(cpu_bf16, exact)
     assert _cosine(got, exact) > floor - 0.05, (_cosine(got, exact), floor)
     assert _cosine(got, exact) > 0.8  # a wrong kernel gives ~0

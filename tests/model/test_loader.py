@@ -23,8 +23,9 @@ def tiny():
 
 
 def _logits(model, n=40, seed=0):
-    ids = torch.randint(0, model.config.vocab_size, (n,),
-                        generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    )
     return model(ids, ForwardBatch.build([n]), model.empty_state()).logits
 
 
@@ -42,8 +43,9 @@ def test_tiny_k3_round_trips_with_identical_outputs(tiny, tmp_path, layout):
     loaded = load_checkpoint(tmp_path)
     assert loaded.config == tiny.config
     assert torch.equal(_logits(loaded), _logits(tiny))
-    for (name, a), (_, b) in zip(tiny.state_dict().items(), loaded.state_dict().items(),
-                                 strict=True):
+    for (name, a), (_, b) in zip(
+        tiny.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -163,8 +165,9 @@ def test_k3_style_mxfp4_experts_load_packed(tiny, tmp_path):
             tensors[name + "_scale"] = scale
         config["quantization_config"] = {
             "quant_method": "compressed-tensors",
-            "config_groups": {"group_0": {"format": "mxfp4-pack-quantized",
-                                          "targets": ["re:.*experts.*"]}},
+            "config_groups": {
+                "group_0": {"format": "mxfp4-pack-quantized", "targets": ["re:.*experts.*"]}
+            },
         }
 
     loaded = load_checkpoint(_flat(tmp_path, tiny, edit), dtype="bfloat16")
@@ -185,8 +188,9 @@ def test_k3_style_mxfp4_experts_load_packed(tiny, tmp_path):
     decoded = copy.deepcopy(tiny)
     for mine, theirs in zip(decoded.modules(), loaded32.modules(), strict=True):
         if isinstance(mine, MoE):
-            for name, w in zip(("w1", "w2", "w3"), theirs.experts.decoded(torch.float32),
-                               strict=True):
+            for name, w in zip(
+                ("w1", "w2", "w3"), theirs.experts.decoded(torch.float32), strict=True
+            ):
                 getattr(mine.experts, name).data.copy_(w)
     assert torch.equal(_logits(loaded32), _logits(decoded))
     assert not torch.equal(_logits(loaded32), _logits(tiny))  # the rounding is real
@@ -202,8 +206,9 @@ def test_mxfp4_models_round_trip_through_save(tiny, tmp_path):
     assert "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight" not in index
     loaded = load_checkpoint(tmp_path)
     assert torch.equal(_logits(loaded), _logits(model))
-    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(),
-                                 strict=True):
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -316,8 +321,10 @@ def test_a_tensor_stored_in_two_shards_without_an_index_is_an_error(tiny, tmp_pa
     path, _ = _sharded(tmp_path, tiny)
     (path / INDEX_FILE).unlink()
     name = "language_model.model.embed_tokens.weight"
-    save_file({name: torch.zeros(tiny.config.vocab_size, tiny.config.hidden_size)},
-              path / "zz-extra.safetensors")
+    save_file(
+        {name: torch.zeros(tiny.config.vocab_size, tiny.config.hidden_size)},
+        path / "zz-extra.safetensors",
+    )
     for strict in (True, False):
         with pytest.raises(CheckpointError, match=f"{name}: in both .* and zz-extra"):
             load_checkpoint(path, strict=strict)
@@ -385,8 +392,10 @@ def test_mxfp4_experts_of_a_width_that_is_no_multiple_of_32_are_a_config_error(t
             rows, cols = tensors.pop(name).shape
             tensors[name + "_packed"] = torch.zeros(rows, cols // 2, dtype=torch.uint8)
             tensors[name + "_scale"] = torch.full((rows, cols // 32), 127, dtype=torch.uint8)
-        config["quantization_config"] = {"quant_method": "compressed-tensors",
-                                         "format": "mxfp4-pack-quantized"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+        }
 
     with pytest.raises(ConfigError, match="multiples of 32; moe.expert_intermediate_size is 48"):
         load_checkpoint(_flat(tmp_path, model, edit))

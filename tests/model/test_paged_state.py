@@ -15,12 +15,20 @@ class Pools:
         cfg = model.config
         gen = torch.Generator().manual_seed(seed)
         # Garbage everywhere: nothing may read a row or slot it does not own.
-        self.conv = {i: torch.randn(num_slots, cfg.kda.conv_channels, cfg.kda.conv_kernel - 1,
-                                    generator=gen) for i in cfg.kda_layers}
-        self.rec = {i: torch.randn(num_slots, cfg.kda.num_heads, cfg.kda.head_dim,
-                                   cfg.kda.head_dim, generator=gen) for i in cfg.kda_layers}
-        self.pages = {i: torch.randn(num_pages, PAGE, cfg.mla.latent_width, generator=gen)
-                      for i in cfg.mla_layers}
+        self.conv = {
+            i: torch.randn(num_slots, cfg.kda.conv_channels, cfg.kda.conv_kernel - 1, generator=gen)
+            for i in cfg.kda_layers
+        }
+        self.rec = {
+            i: torch.randn(
+                num_slots, cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.head_dim, generator=gen
+            )
+            for i in cfg.kda_layers
+        }
+        self.pages = {
+            i: torch.randn(num_pages, PAGE, cfg.mla.latent_width, generator=gen)
+            for i in cfg.mla_layers
+        }
         self.free_pages = torch.randperm(num_pages - 1, generator=gen).add(1).tolist()
         self.tables: dict[int, list[int]] = {}
 
@@ -90,9 +98,12 @@ def test_padded_decode_rows_only_touch_the_sink(tiny_model):
     pages_before = {i: t.clone() for i, t in pools.pages.items()}
     # One real row plus three padding rows pointing at sink slot 0 and sink page 0.
     batch = ForwardBatch(
-        seq_lens=(1, 1, 1, 1), prefix_lens=None,
-        cu_seqlens=torch.arange(5), positions=torch.tensor([11, 0, 0, 0]),
-        token_request=torch.arange(4), context_lens=torch.tensor([12, 1, 1, 1]),
+        seq_lens=(1, 1, 1, 1),
+        prefix_lens=None,
+        cu_seqlens=torch.arange(5),
+        positions=torch.tensor([11, 0, 0, 0]),
+        token_request=torch.arange(4),
+        context_lens=torch.tensor([12, 1, 1, 1]),
     )
     state = pools.state([0], [3], [12], width=2)
     table = torch.zeros(4, 2, dtype=torch.long)

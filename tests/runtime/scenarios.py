@@ -35,7 +35,9 @@ def make_engine(model, rng: random.Random, l2=None, tight: float = 0.6) -> Engin
     if rng.random() < tight:  # a device tier of a few requests' worth: preemption and eviction
         slots = rng.randint(4, 12)
         options["cache_budget_bytes"] = CacheConfig.budget_for(
-            cache_geometry(model, PAGE), pages=rng.randint(16, 30), live_requests=seqs,
+            cache_geometry(model, PAGE),
+            pages=rng.randint(16, 30),
+            live_requests=seqs,
             checkpoints=slots,
         )
         options["checkpoint_slots"] = slots
@@ -43,8 +45,9 @@ def make_engine(model, rng: random.Random, l2=None, tight: float = 0.6) -> Engin
 
 
 def sampled(max_tokens: int, seed: int) -> SamplingParams:
-    return SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=seed, max_tokens=max_tokens,
-                          ignore_eos=True)
+    return SamplingParams(
+        temperature=0.9, top_k=50, top_p=0.95, seed=seed, max_tokens=max_tokens, ignore_eos=True
+    )
 
 
 def alone(model, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -125,7 +128,10 @@ class Scenario:
                 expected = expected[: expected.index(stop) + 1]
         self.expected[rid] = expected
         params = SamplingParams(
-            temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop_ids,
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            stop_token_ids=stop_ids,
             logprobs=1 if rng.random() < 0.2 else None,
         )
         self.params[rid] = params
@@ -223,8 +229,14 @@ class Played(NamedTuple):
 
 
 def play(
-    model, seed: int, num_requests: int = 12, l2=None, tight: float = 0.6,
-    follow_ups: float = 0.5, failures: float = 0.0, kinds=("step", "admission"),
+    model,
+    seed: int,
+    num_requests: int = 12,
+    l2=None,
+    tight: float = 0.6,
+    follow_ups: float = 0.5,
+    failures: float = 0.0,
+    kinds=("step", "admission"),
 ) -> Played:
     """One engine (its host tier `l2` when given) serving `num_requests` random requests that
     arrive while others run, some aborted. `tight`, `follow_ups`: as in `make_engine` and
@@ -330,7 +342,11 @@ def play_async(
 
 
 def play_shared_l2(
-    model, seed: int, num_requests: int = 14, shared=None, tight: float = 0.6,
+    model,
+    seed: int,
+    num_requests: int = 14,
+    shared=None,
+    tight: float = 0.6,
     follow_ups: float = 0.5,
 ) -> int:
     """Two engines (two servers) sharing one host tier (`shared`, default a roomy local one):

@@ -26,8 +26,9 @@ def test_generate_returns_one_output_per_prompt_in_order():
     # fp32: the engine's batched kernels and the reference agree to the token on a GPU too
     llm = LLM(model="tiny", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16)
     prompts = ["Hello", {"prompt_token_ids": [5, 6, 7, 8]}, "A longer prompt about agents"]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     assert [o.prompt for o in outs] == ["Hello", None, "A longer prompt about agents"]
     assert outs[1].prompt_token_ids == [5, 6, 7, 8]
     model = llm.engine.model
@@ -117,19 +118,25 @@ def test_temperatures_too_small_to_divide_by_sample_greedily():
 
 def test_stop_token_ids_and_strings():
     llm = LLM(model="tiny", dtype="float32", max_num_seqs=2, max_model_len=256, page_size=16)
-    base = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10,
-                                                       ignore_eos=True), use_tqdm=False)[0]
+    base = llm.generate(
+        ["stop test"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
     third = base.token_ids[2]
-    out = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10,
-                                                      stop_token_ids=[third], ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        ["stop test"],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[third], ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert out.token_ids == base.token_ids[:3]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == third
     text = llm.tokenizer.decode(base.token_ids)
     stop = text[3:5] if len(text) >= 5 else None
     if stop:
-        out = llm.generate(["stop test"], SamplingParams(temperature=0, max_tokens=10, stop=[stop],
-                                                          ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate(
+            ["stop test"],
+            SamplingParams(temperature=0, max_tokens=10, stop=[stop], ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         assert out.outputs[0].finish_reason == "stop" and stop not in out.text
 
 
@@ -139,8 +146,14 @@ def test_random_stop_strings_end_and_cut_the_output_where_they_first_appear(deco
     text: the output ends with the token that completed the first occurrence, and the text is
     cut before it. Runs of 8 decode steps end rows mid-run."""
     rng = random.Random(decode_steps)
-    llm = LLM(model="tiny", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16,
-              decode_steps=decode_steps)
+    llm = LLM(
+        model="tiny",
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=256,
+        page_size=16,
+        decode_steps=decode_steps,
+    )
     prompts = [f"prompt {i}: " + "xyz"[: i % 4] for i in range(6)]
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     bases = [o.token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
@@ -203,9 +216,18 @@ def test_bad_input_fails_before_any_work():
 @pytest.mark.parametrize("decode_steps", [1, 3])
 def test_async_engine_streams_and_aborts(tiny, decode_steps):
     async def main():
-        engine = AsyncEngine(Engine(tiny, None, EngineConfig(
-            max_num_seqs=4, max_model_len=256, page_size=16, decode_steps=decode_steps,
-        )))
+        engine = AsyncEngine(
+            Engine(
+                tiny,
+                None,
+                EngineConfig(
+                    max_num_seqs=4,
+                    max_model_len=256,
+                    page_size=16,
+                    decode_steps=decode_steps,
+                ),
+            )
+        )
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         seen = []
 

@@ -23,9 +23,11 @@ def greedy(n: int) -> SamplingParams:
 
 def make_engine(model) -> Engine:
     """Eager steps (no graphs to capture on a GPU); `idle_pages` for `assert_idle`."""
-    engine = Engine(model, None, EngineConfig(
-        max_num_seqs=4, max_model_len=256, page_size=16, enable_cuda_graph=False
-    ))
+    engine = Engine(
+        model,
+        None,
+        EngineConfig(max_num_seqs=4, max_model_len=256, page_size=16, enable_cuda_graph=False),
+    )
     engine.idle_pages = engine.cache.available_pages
     return engine
 
@@ -208,9 +210,7 @@ def test_close_aborts_what_runs_and_refuses_more(tiny, step_thread):
 
 
 @BOTH
-def test_a_failing_loop_reaches_every_consumer_once_and_is_not_left_unretrieved(
-    tiny, step_thread
-):
+def test_a_failing_loop_reaches_every_consumer_once_and_is_not_left_unretrieved(tiny, step_thread):
     """A failure outside a step's batch (here the scheduler's) ends every stream with that
     exception, each raised from where the loop caught it (not piling up the other consumers'
     frames), and the stepping task does not end with an exception nobody retrieves."""

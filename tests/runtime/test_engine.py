@@ -33,8 +33,13 @@ def run(engine, requests):
 
 
 def small_engine(model, **options):
-    base = dict(page_size=16, max_num_seqs=4, max_model_len=400, prefill_token_budget=48,
-                checkpoint_interval_pages=2)
+    base = dict(
+        page_size=16,
+        max_num_seqs=4,
+        max_model_len=400,
+        prefill_token_budget=48,
+        checkpoint_interval_pages=2,
+    )
     base.update(options)
     return Engine(model, None, EngineConfig(**base))
 
@@ -69,8 +74,13 @@ def test_turns_hit_the_prefix_cache_and_stay_exact(tiny, decode_steps):
 def test_preemption_under_a_tiny_cache_loses_nothing(tiny, decode_steps):
     geometry = cache_geometry(tiny, 16)
     budget = CacheConfig.budget_for(geometry, pages=14, live_requests=4, checkpoints=16)
-    engine = small_engine(tiny, cache_budget_bytes=budget, checkpoint_slots=16, max_preemptions=50,
-                          decode_steps=decode_steps)
+    engine = small_engine(
+        tiny,
+        cache_budget_bytes=budget,
+        checkpoint_slots=16,
+        max_preemptions=50,
+        decode_steps=decode_steps,
+    )
     prompts = [tokens(n, seed=100 + n) for n in (50, 40, 45, 30)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     done = run(engine, [(i, p, params) for i, p in enumerate(prompts)])
@@ -85,8 +95,9 @@ def _replay(model, l2, decode_steps=1):
     hits can only come from the host tier (L2)."""
     geometry = cache_geometry(model, 16)
     budget = CacheConfig.budget_for(geometry, pages=9, live_requests=4, checkpoints=3)
-    engine = small_engine(model, cache_budget_bytes=budget, checkpoint_slots=3, l2=l2,
-                          decode_steps=decode_steps)
+    engine = small_engine(
+        model, cache_budget_bytes=budget, checkpoint_slots=3, l2=l2, decode_steps=decode_steps
+    )
     sessions = {s: tokens(30 + 7 * s, seed=200 + s) for s in range(3)}
     outputs = []
     for turn in range(3):
@@ -225,8 +236,9 @@ def test_a_stop_inside_a_multi_step_run_ends_there_and_the_next_turn_stays_exact
             continue  # the stop would fire earlier
         engine = small_engine(tiny, decode_steps=4)
         calls = 0
-        engine.add_request("t1", prompt, SamplingParams(temperature=0, max_tokens=12,
-                                                        stop_token_ids=[stop]))
+        engine.add_request(
+            "t1", prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+        )
         while engine.has_unfinished():
             outs = {o.request_id: o for o in engine.step()}
             calls += 1
@@ -264,12 +276,17 @@ def test_logprobs_are_the_same_in_multi_step_runs(tiny):
 
     def outputs(decode_steps):
         engine = small_engine(tiny, decode_steps=decode_steps)
-        done = run(engine, [
-            ("a", a, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])),
-            ("b", b, SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)),
-        ])
-        return {k: (o.token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs)
-                for k, o in done.items()}
+        done = run(
+            engine,
+            [
+                ("a", a, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])),
+                ("b", b, SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)),
+            ],
+        )
+        return {
+            k: (o.token_ids, o.outputs[0].logprobs, o.outputs[0].top_logprobs)
+            for k, o in done.items()
+        }
 
     multi, single = outputs(4), outputs(1)
     assert len(multi["a"][0]) < 12 and len(multi["b"][1]) == 12
@@ -392,7 +409,6 @@ def test_p90_interactivity_is_the_simulators_per_request_score(tiny):
     assert engine.metrics.summary()["p90_interactivity_tok_s"] == pytest.approx(
         sim.p90_interactivity, rel=1e-9
     )
-
 
 
 def test_p90_interactivity_leaves_out_aborted_and_single_token_requests(tiny):

@@ -97,8 +97,15 @@ def test_a_failing_admission_aborts_only_that_request(steady, seed):
     starting its host-tier load): that request ends aborted with the error, gives back what it
     took, and the step goes on without it (no StepError); every other request gets exactly its
     tokens."""
-    played = play(steady, seed, num_requests=16, failures=0.3, kinds=("admission",),
-                  l2=LocalHostCache(capacity_bytes=1 << 30), **BUSY_L2)
+    played = play(
+        steady,
+        seed,
+        num_requests=16,
+        failures=0.3,
+        kinds=("admission",),
+        l2=LocalHostCache(capacity_bytes=1 << 30),
+        **BUSY_L2,
+    )
     assert played.admissions > 0
 
 

@@ -20,17 +20,33 @@ pytestmark = pytest.mark.gpu
 
 def _generate(model, graphs: bool, decode_steps: int = 1, stops=None):
     """Greedy outputs of six mixed-length prompts; stops: per prompt, stop token ids."""
-    engine = Engine(model, None, EngineConfig(
-        device="cuda", page_size=16, max_num_seqs=8, max_model_len=512,
-        prefill_token_budget=128, enable_cuda_graph=graphs, decode_steps=decode_steps,
-    ))
+    engine = Engine(
+        model,
+        None,
+        EngineConfig(
+            device="cuda",
+            page_size=16,
+            max_num_seqs=8,
+            max_model_len=512,
+            prefill_token_budget=128,
+            enable_cuda_graph=graphs,
+            decode_steps=decode_steps,
+        ),
+    )
     assert engine.runner.graphs.captured == graphs
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9)]
     for i, p in enumerate(prompts):
         stop = (stops or {}).get(i, [])
-        engine.add_request(i, p, SamplingParams(
-            temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=stop,
-        ))
+        engine.add_request(
+            i,
+            p,
+            SamplingParams(
+                temperature=0,
+                max_tokens=24,
+                ignore_eos=True,
+                stop_token_ids=stop,
+            ),
+        )
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -72,8 +88,11 @@ def test_no_garbage_collection_runs_inside_a_graph_capture(monkeypatch):
     thresholds = gc.get_threshold()
     gc.set_threshold(1, 1, 1)
     try:
-        engine = Engine(model, None, EngineConfig(device="cuda", page_size=16, max_num_seqs=4,
-                                                  max_model_len=128))
+        engine = Engine(
+            model,
+            None,
+            EngineConfig(device="cuda", page_size=16, max_num_seqs=4, max_model_len=128),
+        )
     finally:
         gc.set_threshold(*thresholds)
     assert engine.runner.graphs.captured
@@ -88,8 +107,12 @@ def test_multi_step_decoding_gives_the_single_step_tokens():
     )
     _keep_fp32(model)
     single = _generate(model, graphs=True)
-    stops = {i: [out[k]] for i, k in ((0, 7), (2, 11), (3, 18)) for out in [single[i]]
-             if out[k] not in out[:k]}
+    stops = {
+        i: [out[k]]
+        for i, k in ((0, 7), (2, 11), (3, 18))
+        for out in [single[i]]
+        if out[k] not in out[:k]
+    }
     assert stops  # at least one row stops early
     single = _generate(model, graphs=True, stops=stops)
     multi = _generate(model, graphs=True, decode_steps=5, stops=stops)
@@ -113,10 +136,19 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
     model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to(
         "cuda", torch.float32
     )
-    engine = Engine(model, None, EngineConfig(
-        device="cuda", page_size=16, max_num_seqs=8, max_model_len=512,
-        prefill_token_budget=128, enable_cuda_graph=True, decode_steps=decode_steps,
-    ))
+    engine = Engine(
+        model,
+        None,
+        EngineConfig(
+            device="cuda",
+            page_size=16,
+            max_num_seqs=8,
+            max_model_len=512,
+            prefill_token_budget=128,
+            enable_cuda_graph=True,
+            decode_steps=decode_steps,
+        ),
+    )
     idle = engine.cache.available_pages
     injected = inject_failures(engine, random.Random(decode_steps), 0.1)
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9, 50, 33)]
@@ -152,8 +184,9 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
         del vars(engine.runner)[name]  # the runner's own methods again
     for name in ADMISSION_CALLS:
         del vars(engine.cache.storage)[name]
-    engine.add_request("after", prompts[0], SamplingParams(temperature=0, max_tokens=24,
-                                                           ignore_eos=True))
+    engine.add_request(
+        "after", prompts[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )
     while engine.has_unfinished():
         outputs = engine.step()
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 24

@@ -58,8 +58,9 @@ def test_many_random_async_clients_all_end_and_leave_the_engine_idle(steady, see
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2, 12))
 def test_many_random_async_clients_with_the_step_on_a_worker_thread(steady, seed):
-    play_async(steady, seed, failures=random.Random(seed).choice([0.0, 0.03, 0.1]),
-               step_thread=True)
+    play_async(
+        steady, seed, failures=random.Random(seed).choice([0.0, 0.03, 0.1]), step_thread=True
+    )
 
 
 @pytest.mark.slow

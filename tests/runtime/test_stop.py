@@ -26,8 +26,9 @@ def test_a_stop_string_far_from_the_end_of_a_long_token_ends_the_output(tiny):
     want = reference(tiny, prompt, 6)
     stop = f"<{want[2]}>"
     assert stop not in LongTokens().decode(want[:2])  # the third token brings it
-    engine = Engine(tiny, LongTokens(), EngineConfig(max_num_seqs=2, max_model_len=128,
-                                                     page_size=16))
+    engine = Engine(
+        tiny, LongTokens(), EngineConfig(max_num_seqs=2, max_model_len=128, page_size=16)
+    )
     engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=6, stop=[stop]))
     while engine.has_unfinished():
         outs = engine.step()

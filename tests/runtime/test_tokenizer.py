@@ -42,8 +42,12 @@ def _tiktoken_dir(tmp_path, module=MODULE):
     lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in ranks.items()]
     (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
     base = len(ranks)
-    config = {"added_tokens_decoder": {str(base): {"content": "[BOS]"},
-                                       str(base + 1): {"content": "[EOS]"}}}
+    config = {
+        "added_tokens_decoder": {
+            str(base): {"content": "[BOS]"},
+            str(base + 1): {"content": "[EOS]"},
+        }
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     if module is not None:
         (tmp_path / "tokenization_kimi.py").write_text(module)

@@ -51,8 +51,10 @@ def _on_chain(slot_page, slot_key, keys, limit, out):
     found = 0
     for s in range(slot_page.shape[0]):
         i = slot_page[s]
-        if 0 <= i < limit and keys[i]["lo"] == slot_key[s]["lo"] and keys[i]["hi"] == (
-            slot_key[s]["hi"]
+        if (
+            0 <= i < limit
+            and keys[i]["lo"] == slot_key[s]["lo"]
+            and keys[i]["hi"] == (slot_key[s]["hi"])
         ):
             out[found] = i
             found += 1

@@ -127,12 +127,7 @@ def _prefix_chain(
                 s = c
             else:
                 c = prev - 1
-                if (
-                    c >= 0
-                    and owner[c] == want
-                    and column[c]["lo"] == lo
-                    and column[c]["hi"] == hi
-                ):
+                if c >= 0 and owner[c] == want and column[c]["lo"] == lo and column[c]["hi"] == hi:
                     s = c
         if s < 0:
             s = _value(tab, mask, lo, hi)
@@ -145,8 +140,9 @@ def _prefix_chain(
             far = min(run_len[r] - 1 - o, n - 1 - i)
             if far > 0:
                 t = run_slots[base + far]
-                if column[t]["lo"] == keys[i + far]["lo"] and column[t]["hi"] == (
-                    keys[i + far]["hi"]
+                if (
+                    column[t]["lo"] == keys[i + far]["lo"]
+                    and column[t]["hi"] == (keys[i + far]["hi"])
                 ):
                     d = far
                 else:  # equal at 0, not at far: find the last equal offset
@@ -155,8 +151,9 @@ def _prefix_chain(
                     while top - d > 1:
                         mid = (d + top) // 2
                         t = run_slots[base + mid]
-                        if column[t]["lo"] == keys[i + mid]["lo"] and column[t]["hi"] == (
-                            keys[i + mid]["hi"]
+                        if (
+                            column[t]["lo"] == keys[i + mid]["lo"]
+                            and column[t]["hi"] == (keys[i + mid]["hi"])
                         ):
                             d = mid
                         else:

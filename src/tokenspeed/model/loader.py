@@ -137,9 +137,7 @@ class CheckpointIndex:
                 # either would silently drop the other.
                 unreadable.append(f"{entries[normal][1]} and {name}: both name {normal}")
             entries[normal] = (file, name)
-        return cls(
-            root=root, entries=entries, ignored=tuple(ignored), unreadable=tuple(unreadable)
-        )
+        return cls(root=root, entries=entries, ignored=tuple(ignored), unreadable=tuple(unreadable))
 
     def shapes(self) -> tuple[dict[str, tuple[int, ...]], list[str]]:
         """Shape of every tensor that can be read, from the safetensors headers only, and the

@@ -109,7 +109,6 @@ def cache_geometry(model: KimiForCausalLM, page_size: int) -> CacheGeometry:
     )
 
 
-
 def _free_memory_bytes(device: torch.device) -> int | None:
     """Memory an allocation could take now on `device`, where it can be read: the GPU's free
     memory, or Linux's MemAvailable (free plus reclaimable page cache) for the host."""
@@ -143,6 +142,7 @@ def _check_budget_fits(budget: int, device: torch.device, *, explicit: bool) -> 
         f"the cache needs {budget / gib:.1f} GiB but the {device.type} device has "
         f"{free / gib:.1f} GiB free: {fix}"
     )
+
 
 class Engine:
     """One rank serving requests step by step: scheduler, two-tier cache, runner and sampler.
@@ -209,7 +209,9 @@ class Engine:
             # Eager mode runs the same padded steps without capturing them, so that the two
             # modes compute identical numbers.
             self.runner.graphs = DecodeGraphs(
-                self.runner, sizes, config.max_pages_per_request,
+                self.runner,
+                sizes,
+                config.max_pages_per_request,
                 capture=config.enable_cuda_graph,
             )
         self.sampler = Sampler(seed=config.seed, device=self.device)
@@ -476,11 +478,13 @@ class Engine:
             logits = self.runner.decode(tokens, prefixes, handles)
             # A row whose history now ends on a page boundary: its state there is copied now;
             # the checkpoint is taken once the page's tokens (sampled in this run) are known.
-            crossings.append([
-                (i, n + 1, self.runner.read_live_state(handles[i]))
-                for i, n in enumerate(prefixes)
-                if (n + 1) % page == 0
-            ])
+            crossings.append(
+                [
+                    (i, n + 1, self.runner.read_live_state(handles[i]))
+                    for i, n in enumerate(prefixes)
+                    if (n + 1) % page == 0
+                ]
+            )
             samples.append(self.sampler.sample(logits, params, rids))
             tokens = samples[-1].tokens
         sampled = torch.stack([out.tokens for out in samples]).tolist()  # the one wait

@@ -86,10 +86,12 @@ def test_chunked_survives_strong_decay_over_long_chunks():
 def test_state_carries_across_calls():
     q, k, v, g, beta, h0, _ = _inputs(4, steps=40)
     o, s = kda_recurrent(q, k, v, g, beta, initial_state=h0)
-    o1, s1 = kda_chunked(q[:, :25], k[:, :25], v[:, :25], g[:, :25], beta[:, :25],
-                         initial_state=h0, chunk_size=8)
-    o2, s2 = kda_recurrent(q[:, 25:], k[:, 25:], v[:, 25:], g[:, 25:], beta[:, 25:],
-                           initial_state=s1)
+    o1, s1 = kda_chunked(
+        q[:, :25], k[:, :25], v[:, :25], g[:, :25], beta[:, :25], initial_state=h0, chunk_size=8
+    )
+    o2, s2 = kda_recurrent(
+        q[:, 25:], k[:, 25:], v[:, 25:], g[:, 25:], beta[:, 25:], initial_state=s1
+    )
     assert (torch.cat([o1, o2], 1) - o).abs().max() <= 1e-4
     assert (s2 - s).abs().max() <= 1e-4
 

@@ -254,7 +254,12 @@ def case_stages(overlap_prep=True):
     out = torch.empty_like(o)
     counters = torch.zeros(3, 2, dtype=torch.int32)
     stages = kda_decode_stages(
-        **mine, gate="lower_bound", out=out, variant="split", counters=counters, block_v=4,
+        **mine,
+        gate="lower_bound",
+        out=out,
+        variant="split",
+        counters=counters,
+        block_v=4,
         overlap_prep=overlap_prep,
     )
     assert len(stages) == 2
@@ -387,26 +392,42 @@ CPU_CASES = {
     "split:given-counters": lambda: case_given_counters("split"),
     # The recurrence's two ways to wait for the prep, each where it is not the default.
     "split:ready-counters-T3": lambda: compare(
-        make_inputs(steps=3, seed=19), "lower_bound", variant="split", block_v=8,
-        overlap_prep=True),
+        make_inputs(steps=3, seed=19), "lower_bound", variant="split", block_v=8, overlap_prep=True
+    ),
     "split:grid-wait-T1": lambda: compare(
-        make_inputs(steps=1, seed=20), "softplus", variant="split", block_v=8,
-        overlap_prep=False),
+        make_inputs(steps=1, seed=20), "softplus", variant="split", block_v=8, overlap_prep=False
+    ),
     # The prep kernel doing the v conv too (the recurrence then reads v from the record): the
     # default for verify steps, here also at one token and with the ready counters.
     "split:v-in-prep-T1": lambda: compare(
-        make_inputs(batch=2, steps=1, seed=30), "lower_bound", variant="split", block_v=8,
-        v_in_prep=True),
+        make_inputs(batch=2, steps=1, seed=30),
+        "lower_bound",
+        variant="split",
+        block_v=8,
+        v_in_prep=True,
+    ),
     "split:v-in-prep-T3": lambda: compare(
-        make_inputs(steps=3, seed=31), "softplus", variant="split", block_v=8, v_in_prep=True),
+        make_inputs(steps=3, seed=31), "softplus", variant="split", block_v=8, v_in_prep=True
+    ),
     "split:v-in-prep-sink-slot": lambda: compare(
-        make_inputs(batch=4, steps=1, slots=[0, 5, 0, 2], seed=32), "lower_bound", rows=[1, 3],
-        variant="split", block_v=8, v_in_prep=True),
+        make_inputs(batch=4, steps=1, slots=[0, 5, 0, 2], seed=32),
+        "lower_bound",
+        rows=[1, 3],
+        variant="split",
+        block_v=8,
+        v_in_prep=True,
+    ),
     "split:v-in-prep-ready-counters-T2": lambda: compare(
-        make_inputs(steps=2, seed=33), "lower_bound", variant="split", block_v=8, v_in_prep=True,
-        overlap_prep=True),
+        make_inputs(steps=2, seed=33),
+        "lower_bound",
+        variant="split",
+        block_v=8,
+        v_in_prep=True,
+        overlap_prep=True,
+    ),
     "split:v-conv-in-recurrence-T2": lambda: compare(
-        make_inputs(steps=2, seed=34), "softplus", variant="split", block_v=8, v_in_prep=False),
+        make_inputs(steps=2, seed=34), "softplus", variant="split", block_v=8, v_in_prep=False
+    ),
     "split:v-in-prep-sequential": lambda: case_sequential(batch=2, options={"v_in_prep": True}),
     "split:v-conv-in-recurrence-rollback": lambda: case_rollback(options={"v_in_prep": False}),
 }

@@ -38,8 +38,17 @@ FP32_TOL = 1e-5
 GPU_RMS_RATIO = 0.02
 
 
-def make_inputs(lens=(4, 1, 9, 3), heads=2, k_dim=16, v_dim=16, pool=7, slots=None,
-                dtype=torch.float32, seed=0, device="cpu"):
+def make_inputs(
+    lens=(4, 1, 9, 3),
+    heads=2,
+    k_dim=16,
+    v_dim=16,
+    pool=7,
+    slots=None,
+    dtype=torch.float32,
+    seed=0,
+    device="cpu",
+):
     gen = torch.Generator().manual_seed(seed)
     tokens = sum(lens)
     if slots is None:
@@ -72,8 +81,9 @@ def reference(inp, gate, lower_bound=-5.0):
         q, k = l2_norm(inp["q"][seg][None]), l2_norm(inp["k"][seg][None])
         g = kda_gate(inp["f"][seg][None].float(), inp["a_log"], inp["dt_bias"], gate, lower_bound)
         beta = torch.sigmoid(inp["beta"][seg][None].float())
-        o, final = kda_chunked(q, k, inp["v"][seg][None].float(), g, beta,
-                               initial_state=pool[slot : slot + 1])
+        o, final = kda_chunked(
+            q, k, inp["v"][seg][None].float(), g, beta, initial_state=pool[slot : slot + 1]
+        )
         outs.append(o[0])
         pool[slot] = final[0]
     return torch.cat(outs), pool
@@ -124,8 +134,16 @@ def cpu_case(gate, flat_f=False):
     return {**report(inp, o, pool, o_ref, pool_ref, max_abs), "safe_gate": seen["safe_gate"]}
 
 
-def make_conv_inputs(lens=(4, 1, 9, 2, 3), channels=24, width=4, pool=7, slots=None,
-                     dtype=torch.float32, seed=0, device="cpu"):
+def make_conv_inputs(
+    lens=(4, 1, 9, 2, 3),
+    channels=24,
+    width=4,
+    pool=7,
+    slots=None,
+    dtype=torch.float32,
+    seed=0,
+    device="cpu",
+):
     """Lengths include sequences shorter than the W-1 window (their new window keeps part of
     the old one)."""
     gen = torch.Generator().manual_seed(seed)
@@ -149,8 +167,9 @@ def conv_reference(inp):
     cu = inp["cu_seqlens"].tolist()
     outs = []
     for i, slot in enumerate(inp["slots"].long().tolist()):
-        y, window = causal_conv(inp["qkv"][cu[i] : cu[i + 1]].float(), inp["weight"].float(),
-                                pool[slot])
+        y, window = causal_conv(
+            inp["qkv"][cu[i] : cu[i + 1]].float(), inp["weight"].float(), pool[slot]
+        )
         outs.append(y)
         pool[slot] = window
     return torch.cat(outs), pool
@@ -186,10 +205,18 @@ CPU_CASES = {
 @pytest.fixture(scope="module")
 def interpreted():
     src = str(Path(tokenspeed.__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, *sorted(CPU_CASES)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, *sorted(CPU_CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -256,8 +283,9 @@ def _gpu_reference(inp, gate):
     ("gate", "safe_gate"), [("softplus", False), ("lower_bound", True), ("lower_bound", False)]
 )
 def test_gpu_k3_matches_reference(gate, safe_gate):
-    inp = make_inputs(lens=GPU_LENS, pool=12, slots=GPU_SLOTS, dtype=torch.bfloat16, seed=3,
-                      device="cuda", **K3)
+    inp = make_inputs(
+        lens=GPU_LENS, pool=12, slots=GPU_SLOTS, dtype=torch.bfloat16, seed=3, device="cuda", **K3
+    )
     o, pool = run_adapter(inp, gate, safe_gate=safe_gate)
     o_ref, pool_ref = _gpu_reference(inp, gate)
     r = report(inp, o, pool, o_ref, pool_ref, rms_ratio)
@@ -271,8 +299,15 @@ def test_gpu_conv_k3_matches_reference():
     """K3's q|k|v channels (3 x 96 x 128), bf16 inputs and windows (as the cache keeps them):
     fla convolves in fp32 and rounds once, so the output is within bf16 rounding of the fp32
     reference, and the new windows are exact copies of the last inputs."""
-    inp = make_conv_inputs(lens=GPU_LENS, channels=3 * 96 * 128, pool=12, slots=GPU_SLOTS,
-                           dtype=torch.bfloat16, seed=6, device="cuda")
+    inp = make_conv_inputs(
+        lens=GPU_LENS,
+        channels=3 * 96 * 128,
+        pool=12,
+        slots=GPU_SLOTS,
+        dtype=torch.bfloat16,
+        seed=6,
+        device="cuda",
+    )
     y, pool = run_conv_adapter(inp, cu_seqlens_cpu=inp["cu_seqlens"].cpu())
     y_ref, pool_ref = conv_reference(inp)
     r = report(inp, y, pool, y_ref, pool_ref, rms_ratio, pool_key="conv_state")
@@ -287,17 +322,28 @@ def test_gpu_adapter_equals_chunk_kda_called_directly():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from fla.ops.kda import chunk_kda
-    inp = make_inputs(lens=GPU_LENS, pool=12, slots=GPU_SLOTS, dtype=torch.bfloat16, seed=4,
-                      device="cuda", **K3)
+    inp = make_inputs(
+        lens=GPU_LENS, pool=12, slots=GPU_SLOTS, dtype=torch.bfloat16, seed=4, device="cuda", **K3
+    )
     o, pool = run_adapter(inp, "lower_bound", cu_seqlens_cpu=inp["cu_seqlens"].cpu())
     slots = inp["slots"].long()
     with torch.no_grad():
         o_direct, final = chunk_kda(
-            inp["q"][None], inp["k"][None], inp["v"][None], inp["f"][None], inp["beta"][None],
-            initial_state=inp["recurrent_state"][slots], output_final_state=True,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-            cu_seqlens=inp["cu_seqlens"], A_log=inp["a_log"], dt_bias=inp["dt_bias"],
+            inp["q"][None],
+            inp["k"][None],
+            inp["v"][None],
+            inp["f"][None],
+            inp["beta"][None],
+            initial_state=inp["recurrent_state"][slots],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            safe_gate=True,
+            lower_bound=-5.0,
+            cu_seqlens=inp["cu_seqlens"],
+            A_log=inp["a_log"],
+            dt_bias=inp["dt_bias"],
         )
     assert torch.equal(o, o_direct[0])
     assert torch.equal(pool[slots], final)

@@ -41,22 +41,26 @@ FP8_HALF_ULP, FP8_SUBNORMAL_STEP = 2.0**-4, 2.0**-9
 FP8_MIN_AGREEMENT = 0.99
 
 
-def make_inputs(tokens=5, heads=3, v_dim=16, dtype=torch.float32, seed=0, device="cpu",
-                gate_pad=0, zero_rows=()):
+def make_inputs(
+    tokens=5, heads=3, v_dim=16, dtype=torch.float32, seed=0, device="cpu", gate_pad=0, zero_rows=()
+):
     gen = torch.Generator().manual_seed(seed)
     o = torch.randn(tokens, heads, v_dim, generator=gen) * 3
     o[list(zero_rows)] = 0.0
     wide = torch.randn(tokens, heads * v_dim + 2 * gate_pad, generator=gen) * 2
     gate = wide[:, gate_pad : gate_pad + heads * v_dim]
     weight = 1.0 + 0.1 * torch.randn(v_dim, generator=gen)
-    return dict(o=o.to(dtype).to(device), gate=gate.to(dtype).to(device),
-                weight=weight.to(device))
+    return dict(o=o.to(dtype).to(device), gate=gate.to(dtype).to(device), weight=weight.to(device))
 
 
 def reference(inp):
     """fp32 [T, H*V]."""
-    y = gated_rms_norm(inp["o"].float().cpu(), inp["gate"].float().cpu().reshape(inp["o"].shape),
-                       inp["weight"].cpu(), EPS)
+    y = gated_rms_norm(
+        inp["o"].float().cpu(),
+        inp["gate"].float().cpu().reshape(inp["o"].shape),
+        inp["weight"].cpu(),
+        EPS,
+    )
     return y.reshape(y.shape[0], -1)
 
 
@@ -65,8 +69,10 @@ def out_report(inp, **kw):
     ref = reference(inp)
     ulps = 2.0 if INTERPRETED and y.dtype == torch.bfloat16 else 1.0
     excess = (y.float().cpu() - ref).abs() - ulps * HALF_ULP[y.dtype] * ref.abs()
-    return {"out": max(excess.max().item(), 0.0) / ref.abs().max().item(),
-            "dtype_ok": y.dtype == inp["o"].dtype and tuple(y.shape) == tuple(ref.shape)}
+    return {
+        "out": max(excess.max().item(), 0.0) / ref.abs().max().item(),
+        "dtype_ok": y.dtype == inp["o"].dtype and tuple(y.shape) == tuple(ref.shape),
+    }
 
 
 def scaled_report(inp):
@@ -111,17 +117,26 @@ CPU_CASES = {
     "fp16-strided-gate": lambda: out_report(make_inputs(dtype=torch.float16, seed=3, gate_pad=3)),
     "fp8-scaled-fp32-in": lambda: scaled_report(make_inputs(tokens=6, heads=4, seed=4)),
     "fp8-scaled-bf16-in-zero-row": lambda: scaled_report(
-        make_inputs(tokens=4, dtype=torch.bfloat16, seed=5, zero_rows=(2,))),
+        make_inputs(tokens=4, dtype=torch.bfloat16, seed=5, zero_rows=(2,))
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     src = str(Path(tokenspeed.__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, *sorted(CPU_CASES)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, *sorted(CPU_CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -149,18 +164,26 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="gate"):
         kda_output_tail(inp["o"], inp["gate"][:, :-1], inp["weight"], EPS)
     with pytest.raises(ValueError, match="power of two"):
-        kda_output_tail(inp["o"].reshape(5, -1)[:, :36], inp["gate"][:, :36],
-                        inp["weight"][:12], EPS)
+        kda_output_tail(
+            inp["o"].reshape(5, -1)[:, :36], inp["gate"][:, :36], inp["weight"][:12], EPS
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 128, 1000])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_k3_matches_reference(tokens, fp8):
-    inp = make_inputs(tokens=tokens, heads=96, v_dim=128, dtype=torch.bfloat16, seed=tokens,
-                      device="cuda", gate_pad=64,
-                      # a zero row among others (a lone zero row has no top code to reach)
-                      zero_rows=(0,) if fp8 and tokens > 1 else ())
+    inp = make_inputs(
+        tokens=tokens,
+        heads=96,
+        v_dim=128,
+        dtype=torch.bfloat16,
+        seed=tokens,
+        device="cuda",
+        gate_pad=64,
+        # a zero row among others (a lone zero row has no top code to reach)
+        zero_rows=(0,) if fp8 and tokens > 1 else (),
+    )
     _check(fp8_report(inp) if fp8 else out_report(inp))
 
 

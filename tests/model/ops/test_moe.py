@@ -14,8 +14,9 @@ def _expected_route(x, weight, bias, top_k, groups, topk_groups, renorm, scaling
     for t in range(x.shape[0]):
         s = torch.sigmoid(weight @ x[t]).tolist()
         b = [s[e] + float(bias[e]) for e in range(experts)]
-        group_score = [sum(sorted(b[g * per : (g + 1) * per], reverse=True)[:2])
-                       for g in range(groups)]
+        group_score = [
+            sum(sorted(b[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(groups)
+        ]
         kept = sorted(range(groups), key=lambda g: (-group_score[g], g))[:topk_groups]
         allowed = [e for e in range(experts) if e // per in kept]
         chosen = sorted(allowed, key=lambda e: (-b[e], e))[:top_k]
@@ -68,11 +69,15 @@ def test_routed_experts_weighted_sum():
         return F.silu(g) * u
 
     got = routed_experts(x, weights, ids, w1, w2, w3, glu)
-    want = torch.stack([
-        sum(weights[t, j] * (w2[e] @ glu(w1[e] @ x[t], w3[e] @ x[t]))
-            for j, e in enumerate(ids[t].tolist()))
-        for t in range(7)
-    ])
+    want = torch.stack(
+        [
+            sum(
+                weights[t, j] * (w2[e] @ glu(w1[e] @ x[t], w3[e] @ x[t]))
+                for j, e in enumerate(ids[t].tolist())
+            )
+            for t in range(7)
+        ]
+    )
     assert torch.allclose(got, want, atol=1e-5)
 
 

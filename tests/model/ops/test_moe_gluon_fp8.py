@@ -69,15 +69,22 @@ def test_gluon_matches_triton_fp8_and_emulation(activation):
     kw = dict(activation=activation, linear_beta=25.0 if activation == "situ" else None)
     assert grouped._gluon_down(x, experts, LARGE, torch.bfloat16)
     got = fused_experts(x, weights, ids, experts, config=LARGE, **kw)
-    triton_path = fused_experts(
-        x, weights, ids, experts, config=LARGE._replace(gluon=False), **kw
-    )
+    triton_path = fused_experts(x, weights, ids, experts, config=LARGE._replace(gluon=False), **kw)
     assert rel_rms(got, triton_path) <= 1e-3
     local = ids < K3["local"]
     w_local, ids_local = torch.where(local, weights, 0.0), torch.where(local, ids, 0)
     emulated = fp8_reference(
-        x.float(), w_local, ids_local, experts.w1, experts.s1, experts.w2, experts.s2,
-        experts.w3, experts.s3, activation, round_dtype=torch.bfloat16,
+        x.float(),
+        w_local,
+        ids_local,
+        experts.w1,
+        experts.s1,
+        experts.w2,
+        experts.s2,
+        experts.w3,
+        experts.s3,
+        activation,
+        round_dtype=torch.bfloat16,
     )
     assert rel_rms(got, emulated) <= 2e-2
 
@@ -95,12 +102,21 @@ def test_gluon_all_local_with_norm_and_graph_replay():
     norm_w = (torch.rand(K3["width"], device="cuda", generator=gen) + 0.5).bfloat16()
 
     def run():
-        return fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0,
-                             norm_weight=norm_w, config=LARGE)
+        return fused_experts(
+            x,
+            weights,
+            ids,
+            experts,
+            activation="situ",
+            linear_beta=25.0,
+            norm_weight=norm_w,
+            config=LARGE,
+        )
 
     got = run()
-    exact = rms_norm(local_reference(x, weights, ids.long(), w1, w2, w3, make_glu("situ")),
-                     norm_w, 1e-6)
+    exact = rms_norm(
+        local_reference(x, weights, ids.long(), w1, w2, w3, make_glu("situ")), norm_w, 1e-6
+    )
     assert rel_rms(got, exact) <= 0.15
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

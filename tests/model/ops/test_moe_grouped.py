@@ -47,12 +47,14 @@ def local_reference(x, weights, ids, w1, w2, w3, glu, first=0):
     """routed_experts over experts [first, first + E): other ids contribute nothing."""
     num_local = w1.shape[0]
     local = (ids >= first) & (ids < first + num_local)
-    return routed_experts(x, torch.where(local, weights, 0.0), torch.where(local, ids - first, 0),
-                          w1, w2, w3, glu)
+    return routed_experts(
+        x, torch.where(local, weights, 0.0), torch.where(local, ids - first, 0), w1, w2, w3, glu
+    )
 
 
-def random_problem(tokens, top_k, experts, width, inter, seed, device="cpu",
-                   dtype=torch.float32, num_local=None):
+def random_problem(
+    tokens, top_k, experts, width, inter, seed, device="cpu", dtype=torch.float32, num_local=None
+):
     gen = torch.Generator().manual_seed(seed)
     num_local = num_local or experts
     x = torch.randn(tokens, width, generator=gen)
@@ -77,13 +79,21 @@ def assert_close_scaled(got, want, rel):
 
 def _case_dense(dtype, activation, first=0, num_local=None, norm=False, config=None):
     def case():
-        x, w1, w2, w3, ids, weights = random_problem(8, 3, 8, 32, 48, seed=1, dtype=dtype,
-                                                     num_local=num_local)
+        x, w1, w2, w3, ids, weights = random_problem(
+            8, 3, 8, 32, 48, seed=1, dtype=dtype, num_local=num_local
+        )
         experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3, first_expert=first)
         norm_w = torch.rand(32).to(dtype) + 0.5 if norm else None
-        got = fused_experts(x, weights, ids, experts, activation=activation,
-                            linear_beta=25.0 if activation == "situ" else None,
-                            norm_weight=norm_w, config=config)
+        got = fused_experts(
+            x,
+            weights,
+            ids,
+            experts,
+            activation=activation,
+            linear_beta=25.0 if activation == "situ" else None,
+            norm_weight=norm_w,
+            config=config,
+        )
         want = local_reference(x, weights, ids.long(), w1, w2, w3, make_glu(activation), first)
         if norm:
             want = rms_norm(want, norm_w, 1e-6)
@@ -122,8 +132,14 @@ def _case_router_pipeline():
     gate = torch.randn(8, 16, generator=gen)
     x, w1, w2, w3, _, _ = random_problem(10, 2, 8, 32, 32, seed=4)
     r = route_fused(hidden, gate, None, 3)
-    got = fused_experts(x, r.weights, r.ids, ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3),
-                        counts=r.counts, ranks=r.ranks)
+    got = fused_experts(
+        x,
+        r.weights,
+        r.ids,
+        ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3),
+        counts=r.counts,
+        ranks=r.ranks,
+    )
     weights, ids = route(hidden, gate, None, 3)
     assert_close_scaled(got, routed_experts(x, weights, ids, w1, w2, w3, silu_glu), 1e-5)
 
@@ -160,7 +176,7 @@ def _case_align_many_programs():
     assert int(layout.num_blocks) == int(padded.sum()) // 8
     blocks = torch.repeat_interleave(torch.arange(64), padded // 8)
     assert torch.equal(layout.block_expert[: len(blocks)], blocks.int())
-    assert (layout.block_expert[len(blocks):] == -1).all()
+    assert (layout.block_expert[len(blocks) :] == -1).all()
     flat = ids.reshape(-1).long()
     local = flat < 64
     rows = layout.pair_row.long()
@@ -175,8 +191,7 @@ def _case_fp8():
     (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
     experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
     got = fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0)
-    assert_close_scaled(got, fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, "situ"),
-                        1e-5)
+    assert_close_scaled(got, fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, "situ"), 1e-5)
 
 
 def _case_fp8_wide_down():
@@ -187,8 +202,7 @@ def _case_fp8_wide_down():
     experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
     config = MoeKernelConfig(16, GemmTile(128, 128, 4, 2), GemmTile(256, 128, 4, 2))
     got = fused_experts(x, weights, ids, experts, config=config)
-    assert_close_scaled(got, fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, "silu"),
-                        1e-5)
+    assert_close_scaled(got, fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, "silu"), 1e-5)
 
 
 def _case_mxfp4():
@@ -196,8 +210,15 @@ def _case_mxfp4():
     (p1, c1), (p2, c2), (p3, c3) = (quantize_mxfp4(w) for w in (w1, w2, w3))
     experts = ExpertWeights(format="mxfp4", w1=p1, w2=p2, w3=p3, s1=c1, s2=c2, s3=c3)
     got = fused_experts(x, weights, ids, experts)
-    want = routed_experts(x, weights, ids.long(), decode_mxfp4(p1, c1), decode_mxfp4(p2, c2),
-                          decode_mxfp4(p3, c3), silu_glu)
+    want = routed_experts(
+        x,
+        weights,
+        ids.long(),
+        decode_mxfp4(p1, c1),
+        decode_mxfp4(p2, c2),
+        decode_mxfp4(p3, c3),
+        silu_glu,
+    )
     assert_close_scaled(got, want, 1e-5)
 
 
@@ -261,8 +282,15 @@ def fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, activation, round_dty
         return dequantize_fp8_rows(*quantize_fp8_rows_reference(h))
 
     xq = dequantize_fp8_rows(*quantize_fp8_rows_reference(x))
-    return routed_experts(xq, weights, ids.long(), dequantize_fp8_blocks(q1, s1),
-                          dequantize_fp8_blocks(q2, s2), dequantize_fp8_blocks(q3, s3), glu_q)
+    return routed_experts(
+        xq,
+        weights,
+        ids.long(),
+        dequantize_fp8_blocks(q1, s1),
+        dequantize_fp8_blocks(q2, s2),
+        dequantize_fp8_blocks(q3, s3),
+        glu_q,
+    )
 
 
 CASES = {
@@ -270,7 +298,8 @@ CASES = {
     "dense-fp16-situ-local": _case_dense(torch.float16, "situ", first=2, num_local=4),
     "dense-fp32-situ-norm": _case_dense(torch.float32, "situ", norm=True),
     "dense-fp32-blockm32": _case_dense(
-        torch.float32, "silu",
+        torch.float32,
+        "silu",
         config=MoeKernelConfig(32, GemmTile(32, 32, 4, 2), GemmTile(32, 16, 4, 2)),
     ),
     "padding-ids": _case_padding_ids,
@@ -303,12 +332,19 @@ def test_expert_weights_validate_shapes():
     with pytest.raises(ValueError, match="w2"):
         ExpertWeights(format="dense", w1=w, w2=torch.zeros(2, 16, 4), w3=w)
     with pytest.raises(ValueError, match="s1"):
-        ExpertWeights(format="mxfp4", w1=torch.zeros(2, 32, 16, dtype=torch.uint8),
-                      w2=torch.zeros(2, 32, 16, dtype=torch.uint8),
-                      w3=torch.zeros(2, 32, 16, dtype=torch.uint8))
+        ExpertWeights(
+            format="mxfp4",
+            w1=torch.zeros(2, 32, 16, dtype=torch.uint8),
+            w2=torch.zeros(2, 32, 16, dtype=torch.uint8),
+            w3=torch.zeros(2, 32, 16, dtype=torch.uint8),
+        )
     with pytest.raises(ValueError, match="contiguous rows"):
-        ExpertWeights(format="dense", w1=w.transpose(1, 2).contiguous().transpose(1, 2),
-                      w2=torch.zeros(2, 16, 8), w3=w)
+        ExpertWeights(
+            format="dense",
+            w1=w.transpose(1, 2).contiguous().transpose(1, 2),
+            w2=torch.zeros(2, 16, 8),
+            w3=w,
+        )
     fused = torch.zeros(2, 16, 16)
     ExpertWeights(format="dense", w1=fused[:, :8], w2=torch.zeros(2, 16, 8), w3=fused[:, 8:])
     with pytest.raises(ValueError, match="same strides"):
@@ -348,8 +384,14 @@ def rel_rms(got, want):
 def test_grouped_bf16_k3(tokens, activation):
     x, w1, w2, w3, ids, weights = k3_problem(tokens, seed=tokens)
     experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3, first_expert=0)
-    got = fused_experts(x, weights, ids, experts, activation=activation,
-                        linear_beta=25.0 if activation == "situ" else None)
+    got = fused_experts(
+        x,
+        weights,
+        ids,
+        experts,
+        activation=activation,
+        linear_beta=25.0 if activation == "situ" else None,
+    )
     want = local_reference(x, weights, ids.long(), w1, w2, w3, make_glu(activation))
     assert rel_rms(got, want) <= 1e-2
     assert_close_scaled(got, want, 5e-2)
@@ -364,10 +406,18 @@ def test_grouped_bf16_k3_all_experts_local_with_norm():
     ids = torch.rand(1024, 8, device="cuda", generator=gen).argsort(-1)[:, :2].int()
     weights = torch.rand(1024, 2, device="cuda", generator=gen)
     norm_w = (torch.rand(K3["width"], device="cuda", generator=gen) + 0.5).bfloat16()
-    got = fused_experts(x, weights, ids, ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3),
-                        activation="situ", linear_beta=25.0, norm_weight=norm_w)
-    want = rms_norm(local_reference(x, weights, ids.long(), w1, w2, w3, make_glu("situ")),
-                    norm_w, 1e-6)
+    got = fused_experts(
+        x,
+        weights,
+        ids,
+        ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3),
+        activation="situ",
+        linear_beta=25.0,
+        norm_weight=norm_w,
+    )
+    want = rms_norm(
+        local_reference(x, weights, ids.long(), w1, w2, w3, make_glu("situ")), norm_w, 1e-6
+    )
     assert rel_rms(got, want) <= 1e-2
     assert_close_scaled(got, want, 5e-2)
 
@@ -395,8 +445,9 @@ def test_combine_k3_matches_reference():
     norm_w = torch.rand(K3["width"], device="cuda", generator=gen) + 0.5
     for nw, block_l in ((None, None), (None, 512), (norm_w, None)):
         got = combine(y, pair_row.int(), weights, torch.bfloat16, nw, block_l=block_l)
-        want = _combine_reference(y.float().cpu(), pair_row.cpu(), weights.cpu(),
-                                  None if nw is None else nw.cpu())
+        want = _combine_reference(
+            y.float().cpu(), pair_row.cpu(), weights.cpu(), None if nw is None else nw.cpu()
+        )
         assert rel_rms(got.cpu(), want) <= 4e-3  # one bf16 rounding (two with the norm)
 
 
@@ -409,8 +460,9 @@ def test_grouped_fp8_k3(tokens):
     got = fused_experts(x, weights, ids, experts, activation="situ", linear_beta=25.0)
     local = ids < K3["local"]
     w_local, ids_local = torch.where(local, weights, 0.0), torch.where(local, ids, 0)
-    emulated = fp8_reference(x.float(), w_local, ids_local, q1, s1, q2, s2, q3, s3, "situ",
-                             round_dtype=torch.bfloat16)
+    emulated = fp8_reference(
+        x.float(), w_local, ids_local, q1, s1, q2, s2, q3, s3, "situ", round_dtype=torch.bfloat16
+    )
     # Same quantisation: only accumulation order, and rare e4m3 rounding flips of h, differ.
     assert rel_rms(got, emulated) <= 2e-2
     # Against unquantised bf16 experts: the FP8 error budget (e4m3 has 3 mantissa bits).
@@ -475,8 +527,9 @@ def test_grouped_deterministic_and_graph_capturable():
 def test_side_stream_serialises_when_disabled():
     calls = []
     side = SideStream(enabled=False)
-    main_out, side_out = side.run(lambda: calls.append("main") or 1,
-                                  lambda: calls.append("side") or 2)
+    main_out, side_out = side.run(
+        lambda: calls.append("main") or 1, lambda: calls.append("side") or 2
+    )
     assert (main_out, side_out) == (1, 2)
     assert calls == ["side", "main"]
 

@@ -78,8 +78,7 @@ def _case_all_ties():
 
 def _case_local_counts():
     x, w, bias = dyadic_inputs(12, 32, 16, seed=7)
-    out = check_against_reference(x, w, bias, 6, 1, 1, True, 1.0, first_expert=8,
-                                  num_local=12)
+    out = check_against_reference(x, w, bias, 6, 1, 1, True, 1.0, first_expert=8, num_local=12)
     check_counts(out, 8, 12)
 
 
@@ -152,10 +151,12 @@ K3 = {"experts": 896, "dim": 7168, "top_k": 16}
 @pytest.mark.parametrize("groups,topk_groups", [(1, 1), (8, 4)])
 def test_router_k3_exact_inputs_identical(weight_dtype, groups, topk_groups):
     # Exact logits -> the selections (with many exact ties) must equal the reference's.
-    x, w, bias = dyadic_inputs(1024, K3["experts"], K3["dim"], seed=11, device="cuda",
-                               dtype=torch.bfloat16)
-    out = check_against_reference(x, w.to(weight_dtype), bias, K3["top_k"], groups,
-                                  topk_groups, True, 2.5)
+    x, w, bias = dyadic_inputs(
+        1024, K3["experts"], K3["dim"], seed=11, device="cuda", dtype=torch.bfloat16
+    )
+    out = check_against_reference(
+        x, w.to(weight_dtype), bias, K3["top_k"], groups, topk_groups, True, 2.5
+    )
     check_counts(out, 0, K3["experts"])
 
 
@@ -186,8 +187,9 @@ def test_router_k3_random_inputs():
 
 @pytest.mark.gpu
 def test_router_cuda_graph_replay():
-    x, w, bias = dyadic_inputs(64, K3["experts"], K3["dim"], seed=2, device="cuda",
-                               dtype=torch.bfloat16)
+    x, w, bias = dyadic_inputs(
+        64, K3["experts"], K3["dim"], seed=2, device="cuda", dtype=torch.bfloat16
+    )
     w = w.bfloat16()
     eager = route_fused(x, w, bias, K3["top_k"])
     static_x = x.clone()

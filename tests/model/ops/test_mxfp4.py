@@ -82,11 +82,16 @@ def test_quantize_is_exact_on_the_grid_and_bounded_off_it():
 
 
 def test_recognises_compressed_tensors_configs():
-    nested = {"config_groups": {"group_0": {"format": "mxfp4-pack-quantized",
-                                            "weights": {"group_size": 32, "num_bits": 4}}}}
+    nested = {
+        "config_groups": {
+            "group_0": {
+                "format": "mxfp4-pack-quantized",
+                "weights": {"group_size": 32, "num_bits": 4},
+            }
+        }
+    }
     assert is_mxfp4_config(nested)
-    assert is_mxfp4_config({"quant_method": "compressed-tensors",
-                            "format": "mxfp4-pack-quantized"})
+    assert is_mxfp4_config({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})
     assert not is_mxfp4_config({"format": "float-quantized"})
     assert not is_mxfp4_config(None)
 
@@ -145,10 +150,8 @@ def test_mxfp4_under_interpreter(interpreter_results, case):
 def test_triton_decode_exact_at_k3_expert_shape():
     # One K3 expert's gate projection: [3072, 3584] -> packed [3072, 1792], scales [3072, 112].
     gen = torch.Generator(device="cuda").manual_seed(0)
-    packed = torch.randint(0, 256, (3072, 1792), device="cuda", generator=gen,
-                           dtype=torch.uint8)
-    scale = torch.randint(100, 140, (3072, 112), device="cuda", generator=gen,
-                          dtype=torch.uint8)
+    packed = torch.randint(0, 256, (3072, 1792), device="cuda", generator=gen, dtype=torch.uint8)
+    scale = torch.randint(100, 140, (3072, 112), device="cuda", generator=gen, dtype=torch.uint8)
     for dtype in (torch.bfloat16, torch.float32):
         got = dequantize_mxfp4(packed, scale, dtype)
         assert torch.equal(got, decode_mxfp4(packed, scale, dtype))

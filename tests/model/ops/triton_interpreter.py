@@ -49,13 +49,17 @@ def run_cases(modules: tuple[str, ...], timeout: float = 900) -> dict[str, dict]
     )
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(_MARK):])
+    return json.loads(lines[-1][len(_MARK) :])
 
 
 def run_here(module: str) -> dict[str, str | None]:

@@ -106,7 +106,12 @@ class GatedMla(nn.Module):
             w_uk, w_uv = self._absorbed()
             return mla_decode(q, latent, w_uk, w_uv, batch.cu_seqlens, cu_k, c.softmax_scale)
         return mla_prefill(
-            q, latent, self.kv_b_proj.weight, batch.cu_seqlens, cu_k, c.v_head_dim,
+            q,
+            latent,
+            self.kv_b_proj.weight,
+            batch.cu_seqlens,
+            cu_k,
+            c.v_head_dim,
             c.softmax_scale,
         )
 

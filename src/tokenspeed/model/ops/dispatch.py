@@ -123,8 +123,7 @@ def mla_decode(
 
         if plan is None:
             sms = (
-                torch.cuda.get_device_properties(q.device).multi_processor_count
-                if q.is_cuda else 8
+                torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
             )
             budget = decode_parallelism(sms, q.shape[1], q.shape[0] // page_table.shape[0])
             return mla_decode_paged_split(

@@ -129,7 +129,9 @@ def _mix_norm_kernel(
             v = ahead.to(tl.float32)
             if i + 2 < N:
                 ahead = tl.load(
-                    row + (i + 1) * stride_bn.to(tl.int64), mask=dmask, other=0.0,
+                    row + (i + 1) * stride_bn.to(tl.int64),
+                    mask=dmask,
+                    other=0.0,
                     eviction_policy="evict_first",
                 )
             elif i + 2 == N:
@@ -142,7 +144,9 @@ def _mix_norm_kernel(
         if STAGES == 0:
             ahead = tl.load(
                 row + e.to(tl.int64)[:, None] * stride_bn,
-                mask=(e < N)[:, None] & dmask[None, :], other=0.0, eviction_policy="evict_first",
+                mask=(e < N)[:, None] & dmask[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
             )
         for first in tl.range(0, N, BL, num_stages=max(STAGES, 1)):
             idx = first + e  # [BL] entry indices of this tile
@@ -151,13 +155,15 @@ def _mix_norm_kernel(
                 nxt = idx + BL
                 ahead = tl.load(  # all lanes masked off after the last tile: no traffic
                     row + nxt.to(tl.int64)[:, None] * stride_bn,
-                    mask=(nxt < N)[:, None] & dmask[None, :], other=0.0,
+                    mask=(nxt < N)[:, None] & dmask[None, :],
+                    other=0.0,
                     eviction_policy="evict_first",
                 )
             else:  # Triton's pipeliner keeps STAGES - 1 tiles in flight through shared memory
                 tile = tl.load(
                     row + idx.to(tl.int64)[:, None] * stride_bn,
-                    mask=(idx < N)[:, None] & dmask[None, :], other=0.0,
+                    mask=(idx < N)[:, None] & dmask[None, :],
+                    other=0.0,
                     eviction_policy="evict_first",
                 )
             if HAS_DELTA:  # noqa: SIM102 (a constexpr and a loop value: Triton needs two ifs)
@@ -169,8 +175,11 @@ def _mix_norm_kernel(
                         upd = tl.broadcast_to(delta.to(dtype)[None, :], (BL, BD))
                     is_partial = (idx == N - 1)[:, None]
                     tile = tl.where(is_partial, upd, tile)
-                    tl.store(row + idx.to(tl.int64)[:, None] * stride_bn, tile,
-                             mask=is_partial & dmask[None, :])
+                    tl.store(
+                        row + idx.to(tl.int64)[:, None] * stride_bn,
+                        tile,
+                        mask=is_partial & dmask[None, :],
+                    )
             v = tile.to(tl.float32)  # [BL, BD]
             emask = idx < N
             score = _score(v, qw[None, :], D, mix_eps, 1, ONE_REDUCE)

@@ -40,8 +40,16 @@ BM, BN, BK = 64, 256, 128
 
 
 @gluon.jit
-def _tile(tile, block_expert_ptr, n_tiles, L, stride_se, stride_sn,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile(
+    tile,
+    block_expert_ptr,
+    n_tiles,
+    L,
+    stride_se,
+    stride_sn,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
     """(first h row, first W2 row, offset of its two scale rows, expert) of a tile."""
     blk = tile // n_tiles
     t = tile % n_tiles
@@ -58,8 +66,22 @@ def _pick(use_next, cur, nxt):
 
 
 @gluon.jit
-def _issue_loads(q, my_steps, KSTEPS, j, cur_a, cur_b, nxt_a, nxt_b, h_desc, w_desc, a_bufs,
-                 b_bufs, ready, STAGES: gl.constexpr):
+def _issue_loads(
+    q,
+    my_steps,
+    KSTEPS,
+    j,
+    cur_a,
+    cur_b,
+    nxt_a,
+    nxt_b,
+    h_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    STAGES: gl.constexpr,
+):
     """TMA loads of this program's local K step q (of its tile j or of the next one) into
     stage q % STAGES; predicated off past its last step."""
     s = q % STAGES
@@ -68,15 +90,31 @@ def _issue_loads(q, my_steps, KSTEPS, j, cur_a, cur_b, nxt_a, nxt_b, h_desc, w_d
     pred = q < my_steps
     bar = ready.index(s)
     mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(h_desc, [_pick(nxt, cur_a, nxt_a), k], bar,
-                                    a_bufs.index(s), pred)
-    tma.async_copy_global_to_shared(w_desc, [_pick(nxt, cur_b, nxt_b), k], bar,
-                                    b_bufs.index(s), pred)
+    tma.async_copy_global_to_shared(
+        h_desc, [_pick(nxt, cur_a, nxt_a), k], bar, a_bufs.index(s), pred
+    )
+    tma.async_copy_global_to_shared(
+        w_desc, [_pick(nxt, cur_b, nxt_b), k], bar, b_bufs.index(s), pred
+    )
 
 
 @gluon.jit
-def _load_scales(q, my_steps, KSTEPS, j, cur_a, cur_s, nxt_a, nxt_s, hs_ptr, s2_ptr,
-                 stride_hsr, stride_hsk, stride_sn, offs_m):
+def _load_scales(
+    q,
+    my_steps,
+    KSTEPS,
+    j,
+    cur_a,
+    cur_s,
+    nxt_a,
+    nxt_s,
+    hs_ptr,
+    s2_ptr,
+    stride_hsr,
+    stride_hsk,
+    stride_sn,
+    offs_m,
+):
     """Scales of local K step q (clamped to the last step): h's [BM] row scales and the
     tile's two weight-block scales. With no step at all it reads step 0 (never used)."""
     q = gl.maximum(gl.minimum(q, my_steps - 1), 0)
@@ -135,49 +173,149 @@ def _down_kernel_fp8_gluon(
 
     # Two streams run ahead of the MMAs across tile boundaries: the TMA loads (STAGES steps)
     # and the scale loads (3 steps); a tile looks up its successor's coordinates at its start.
-    cur_a, cur_b, cur_s, cur_e = _tile(gl.minimum(pid, gl.maximum(total - 1, 0)),
-                                       block_expert_ptr, n_tiles, L, stride_se, stride_sn,
-                                       BLOCK_M, BLOCK_N)
+    cur_a, cur_b, cur_s, cur_e = _tile(
+        gl.minimum(pid, gl.maximum(total - 1, 0)),
+        block_expert_ptr,
+        n_tiles,
+        L,
+        stride_se,
+        stride_sn,
+        BLOCK_M,
+        BLOCK_N,
+    )
     for i in gl.static_range(STAGES):
-        _issue_loads(i, my_steps, KSTEPS, 0, cur_a, cur_b, cur_a, cur_b, h_desc, w_desc,
-                     a_bufs, b_bufs, ready, STAGES)
+        _issue_loads(
+            i,
+            my_steps,
+            KSTEPS,
+            0,
+            cur_a,
+            cur_b,
+            cur_a,
+            cur_b,
+            h_desc,
+            w_desc,
+            a_bufs,
+            b_bufs,
+            ready,
+            STAGES,
+        )
     prod = gl.to_tensor(STAGES)
     cons = gl.to_tensor(0)
-    c0 = _load_scales(0, my_steps, KSTEPS, 0, cur_a, cur_s, cur_a, cur_s, hs_ptr, s2_ptr,
-                      stride_hsr, stride_hsk, stride_sn, offs_m)
-    c1 = _load_scales(1, my_steps, KSTEPS, 0, cur_a, cur_s, cur_a, cur_s, hs_ptr, s2_ptr,
-                      stride_hsr, stride_hsk, stride_sn, offs_m)
-    c2 = _load_scales(2, my_steps, KSTEPS, 0, cur_a, cur_s, cur_a, cur_s, hs_ptr, s2_ptr,
-                      stride_hsr, stride_hsk, stride_sn, offs_m)
+    c0 = _load_scales(
+        0,
+        my_steps,
+        KSTEPS,
+        0,
+        cur_a,
+        cur_s,
+        cur_a,
+        cur_s,
+        hs_ptr,
+        s2_ptr,
+        stride_hsr,
+        stride_hsk,
+        stride_sn,
+        offs_m,
+    )
+    c1 = _load_scales(
+        1,
+        my_steps,
+        KSTEPS,
+        0,
+        cur_a,
+        cur_s,
+        cur_a,
+        cur_s,
+        hs_ptr,
+        s2_ptr,
+        stride_hsr,
+        stride_hsk,
+        stride_sn,
+        offs_m,
+    )
+    c2 = _load_scales(
+        2,
+        my_steps,
+        KSTEPS,
+        0,
+        cur_a,
+        cur_s,
+        cur_a,
+        cur_s,
+        hs_ptr,
+        s2_ptr,
+        stride_hsr,
+        stride_hsk,
+        stride_sn,
+        offs_m,
+    )
 
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     for j in range(my_tiles):
         tile = pid + j * nprog
         t = tile % n_tiles
         row_end = gl.load(expert_start_ptr + cur_e) + gl.load(counts_ptr + cur_e)
-        nxt_a, nxt_b, nxt_s, nxt_e = _tile(gl.minimum(tile + nprog, total - 1),
-                                           block_expert_ptr, n_tiles, L, stride_se, stride_sn,
-                                           BLOCK_M, BLOCK_N)
+        nxt_a, nxt_b, nxt_s, nxt_e = _tile(
+            gl.minimum(tile + nprog, total - 1),
+            block_expert_ptr,
+            n_tiles,
+            L,
+            stride_se,
+            stride_sn,
+            BLOCK_M,
+            BLOCK_N,
+        )
         q0 = j * KSTEPS
         acc = zero
         # K step 0: issue its MMA; every step's partial is promoted one step later.
         s = cons % STAGES
         mbarrier.wait(ready.index(s), (cons // STAGES) & 1)
-        p = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero,
-                          use_acc=False, is_async=True)
+        p = warpgroup_mma(
+            a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True
+        )
         cons += 1
         for k in range(1, KSTEPS):
-            c3 = _load_scales(q0 + k + 2, my_steps, KSTEPS, j, cur_a, cur_s, nxt_a, nxt_s,
-                              hs_ptr, s2_ptr, stride_hsr, stride_hsk, stride_sn, offs_m)
+            c3 = _load_scales(
+                q0 + k + 2,
+                my_steps,
+                KSTEPS,
+                j,
+                cur_a,
+                cur_s,
+                nxt_a,
+                nxt_s,
+                hs_ptr,
+                s2_ptr,
+                stride_hsr,
+                stride_hsk,
+                stride_sn,
+                offs_m,
+            )
             s = cons % STAGES
             mbarrier.wait(ready.index(s), (cons // STAGES) & 1)
-            pn = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero,
-                               use_acc=False, is_async=True)
+            pn = warpgroup_mma(
+                a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True
+            )
             # The previous step's MMA is done (the one just issued may still run): refill its
             # stage and promote its partial while the tensor cores work.
             pd = warpgroup_mma_wait(num_outstanding=1, deps=(p,))
-            _issue_loads(prod, my_steps, KSTEPS, j, cur_a, cur_b, nxt_a, nxt_b, h_desc, w_desc,
-                         a_bufs, b_bufs, ready, STAGES)
+            _issue_loads(
+                prod,
+                my_steps,
+                KSTEPS,
+                j,
+                cur_a,
+                cur_b,
+                nxt_a,
+                nxt_b,
+                h_desc,
+                w_desc,
+                a_bufs,
+                b_bufs,
+                ready,
+                STAGES,
+            )
             prod += 1
             a_s, w0, w1 = c0
             acc += pd * (a_s[:, None] * gl.where(first_block, w0, w1)[None, :])
@@ -187,11 +325,39 @@ def _down_kernel_fp8_gluon(
             c2 = c3
             cons += 1
         pd = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-        _issue_loads(prod, my_steps, KSTEPS, j, cur_a, cur_b, nxt_a, nxt_b, h_desc, w_desc,
-                     a_bufs, b_bufs, ready, STAGES)
+        _issue_loads(
+            prod,
+            my_steps,
+            KSTEPS,
+            j,
+            cur_a,
+            cur_b,
+            nxt_a,
+            nxt_b,
+            h_desc,
+            w_desc,
+            a_bufs,
+            b_bufs,
+            ready,
+            STAGES,
+        )
         prod += 1
-        c3 = _load_scales(q0 + KSTEPS + 2, my_steps, KSTEPS, j, cur_a, cur_s, nxt_a, nxt_s,
-                          hs_ptr, s2_ptr, stride_hsr, stride_hsk, stride_sn, offs_m)
+        c3 = _load_scales(
+            q0 + KSTEPS + 2,
+            my_steps,
+            KSTEPS,
+            j,
+            cur_a,
+            cur_s,
+            nxt_a,
+            nxt_s,
+            hs_ptr,
+            s2_ptr,
+            stride_hsr,
+            stride_hsk,
+            stride_sn,
+            offs_m,
+        )
         a_s, w0, w1 = c0
         acc += pd * (a_s[:, None] * gl.where(first_block, w0, w1)[None, :])
         c0 = c1
@@ -201,8 +367,7 @@ def _down_kernel_fp8_gluon(
         rows = cur_a + offs_m
         cols = t * BLOCK_N + offs_n
         ptrs = y_ptr + rows.to(gl.int64)[:, None] * L + cols[None, :]
-        gl.store(ptrs, acc.to(gl.bfloat16),
-                 mask=(rows < row_end)[:, None] & (cols < L)[None, :])
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=(rows < row_end)[:, None] & (cols < L)[None, :])
         cur_a = nxt_a
         cur_b = nxt_b
         cur_s = nxt_s

@@ -241,12 +241,34 @@ def _gate_up_kernel(
             if WFMT == 1:
                 a_scale = tl.load(xs_ptr + token * stride_xst + k0 // 128, mask=rmask, other=0.0)
             acc_g = _mma_step(
-                acc_g, a, a_scale, w1_ptr + w_off, s1_ptr + s_off, s1_ptr + s_block, k0, L,
-                ks, nmask, WFMT, BK, BN,
+                acc_g,
+                a,
+                a_scale,
+                w1_ptr + w_off,
+                s1_ptr + s_off,
+                s1_ptr + s_block,
+                k0,
+                L,
+                ks,
+                nmask,
+                WFMT,
+                BK,
+                BN,
             )
             acc_u = _mma_step(
-                acc_u, a, a_scale, w3_ptr + w_off, s3_ptr + s_off, s3_ptr + s_block, k0, L,
-                ks, nmask, WFMT, BK, BN,
+                acc_u,
+                a,
+                a_scale,
+                w3_ptr + w_off,
+                s3_ptr + s_off,
+                s3_ptr + s_block,
+                k0,
+                L,
+                ks,
+                nmask,
+                WFMT,
+                BK,
+                BN,
             )
         g = acc_g.to(ROUND).to(tl.float32)
         u = acc_u.to(ROUND).to(tl.float32)
@@ -329,8 +351,19 @@ def _down_kernel(
             if WFMT == 1:
                 a_scale = tl.load(hs_ptr + r64 * stride_hst + k0 // 128, mask=rmask, other=0.0)
             acc = _mma_step(
-                acc, a, a_scale, w2_ptr + w_off, s2_ptr + s_off, s2_ptr + s_block, k0, inter, ks,
-                nmask, WFMT, BK, BN,
+                acc,
+                a,
+                a_scale,
+                w2_ptr + w_off,
+                s2_ptr + s_off,
+                s2_ptr + s_block,
+                k0,
+                inter,
+                ks,
+                nmask,
+                WFMT,
+                BK,
+                BN,
             )
         y_ptrs = y_ptr + r64[:, None] * stride_yt + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask)
