@@ -43,7 +43,12 @@ from tokenspeed.model.ops.mla.decode import (
     uniform_split_count,
 )
 from tokenspeed.model.ops.mla.reference import mla_decode_paged
-from tokenspeed.sched.split_planner import SplitPlanBuffers, min_split_capacity, plan_decode_splits
+from tokenspeed.sched.split_planner import (
+    SplitPlanBuffers,
+    launch_order,
+    min_split_capacity,
+    plan_decode_splits,
+)
 
 GRAIN = 64  # planner granularity (page size)
 TOL = 2e-2  # max |err| / max |ref|, bf16 (see tests/model/ops/test_mla_decode.py)
@@ -359,6 +364,7 @@ def uniform_plan(env: Env, lens: list[int], splits: int) -> SplitPlanBuffers:
     bufs.split_row[:used] = torch.tensor(owner, dtype=torch.int32)
     bufs.split_start[:used] = torch.tensor(starts, dtype=torch.int32)
     bufs.split_len[:used] = torch.tensor(sizes, dtype=torch.int32)
+    bufs.split_order.copy_(torch.tensor(launch_order(bufs.split_len.tolist()), dtype=torch.int32))
     return SplitPlanBuffers(*(t.to(env.device) for t in attrs.astuple(bufs, recurse=False)))
 
 

@@ -2,9 +2,11 @@
 benchmarks/mla_decode.py is).
 
 Times the whole decode call (absorb + split kernel + merge tail) on the large mixed batch of
-benchmarks/mla_decode.py (36 histories drawn from 2k-200k) for configs "kind,bm,bn,warps,stages":
+benchmarks/mla_decode.py (36 histories drawn from 2k-200k) for configs
+"kind,bm,bn,warps,stages[,chunk,early]":
   orig - the Triton split kernel (`decode._split_kernel`) at BLOCK_M bm, BLOCK_N bn
-  G    - the Gluon kernel (`gluon_decode`) with BN bn and `stages` shared-memory stages
+  G    - the Gluon kernel (`gluon_decode`) with BN bn and `stages` shared-memory stages, TMA
+         chunks of `chunk` latent columns (0: the default) and EARLY_REFILL `early` (0 / 1)
   W/WT - the library call `mla_decode_paged_split(kernel="gluon" / "triton")` at its defaults
 Each config is first checked on a small ragged case whose splits start mid-tile (granularity
 16), then on the large batch, against the torch reference.
@@ -28,7 +30,7 @@ from tokenspeed.model.ops.mla import decode as md
 LOG2E = md.LOG2E
 
 
-def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
+def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0, early=1):
     d = env.dims
     q, pages = batch.q, batch.pages
     tokens, heads, _ = q.shape
@@ -80,11 +82,21 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages):
     if kind == "G":
         from tokenspeed.model.ops.mla import gluon_decode as gd
 
-        dc, dr = gd.descriptors(pages, d.rank, bn)
+        dc, dr = gd.descriptors(pages, d.rank, bn, chunk or None)
         grid = (triton.cdiv(rows, gd.BLOCK_M), slots)
         # part_lse stands in for the row scales, unused with a bf16 cache
         gd._split_kernel_gluon[grid](
-            q_lat, q_rope, pages, part_lse, dc, dr, *args, **shape, STAGES=stages, num_warps=8
+            q_lat,
+            q_rope,
+            pages,
+            part_lse,
+            dc,
+            dr,
+            *args,
+            **shape,
+            STAGES=stages,
+            EARLY_REFILL=bool(early),
+            num_warps=8,
         )
     else:
         md._split_kernel[(triton.cdiv(rows, bm), slots)](
@@ -184,13 +196,14 @@ def main() -> int:
         ref = bench.reference_out(env, batch)
         rows_bytes = sum(mixed) * dims.width * 2
         flops = 2.0 * sum(mixed) * n * dims.heads * (2 * dims.rank + dims.rope)
-        for kind, bm, bn, w, st in configs:
+        for kind, bm, bn, w, st, *extra in configs:
             bm, bn, w, st = int(bm), int(bn), int(w), int(st)
+            extra = [int(x) for x in extra]
             groups = -(-n * dims.heads // bm)
             par = max(1, 4 * sms // groups)
             bufs = bench.planner_buffers(env, batch, par)
             order = md.longest_first(bufs)
-            label = f"{kind} bm{bm} bn{bn} w{w} s{st} n{n} P{par}"
+            label = f"{kind} bm{bm} bn{bn} w{w} s{st} {extra} n{n} P{par}"
             try:
                 if not smoke:
                     # Small ragged case, splits at 16-row granularity (unaligned to the tile).
@@ -205,11 +218,11 @@ def main() -> int:
                         out=sb,
                     )
                     e2 = bench.rel_err(
-                        run(kind, small, env, sb, md.longest_first(sb), bm, bn, w, st),
+                        run(kind, small, env, sb, md.longest_first(sb), bm, bn, w, st, *extra),
                         bench.reference_out(env, small),
                     )
                     print(f"{label}: small ragged case err {e2:.1e}", flush=True)
-                fn = functools.partial(run, kind, batch, env, bufs, order, bm, bn, w, st)
+                fn = functools.partial(run, kind, batch, env, bufs, order, bm, bn, w, st, *extra)
                 err = bench.rel_err(fn(), ref)
                 if smoke:
                     print(f"{label}: err {err:.1e}", flush=True)

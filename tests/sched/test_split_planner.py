@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from tokenspeed.sched.split_planner import (
     SplitPlanBuffers,
+    launch_order,
     min_split_capacity,
     plan_decode_splits,
     target_split_len,
@@ -47,7 +48,14 @@ def test_metadata_has_fixed_size_whatever_the_batch():
         shapes.add(
             tuple(
                 t.shape
-                for t in (b.num_splits, b.split_indptr, b.split_row, b.split_start, b.split_len)
+                for t in (
+                    b.num_splits,
+                    b.split_indptr,
+                    b.split_row,
+                    b.split_start,
+                    b.split_len,
+                    b.split_order,
+                )
             )
         )
         assert all(t.dtype == torch.int32 for t in (b.num_splits, b.split_len))
@@ -55,7 +63,19 @@ def test_metadata_has_fixed_size_whatever_the_batch():
         assert b.num_splits[len(lens) :].eq(0).all()
         assert b.split_indptr[len(lens) :].eq(plan.total_splits).all()
         assert b.split_len[plan.total_splits :].eq(0).all()
-    assert shapes == {((MAX_BATCH,), (MAX_BATCH + 1,), (CAP,), (CAP,), (CAP,))}
+    assert shapes == {((MAX_BATCH,), (MAX_BATCH + 1,), (CAP,), (CAP,), (CAP,), (CAP,))}
+
+
+def test_split_order_is_longest_first_with_unused_slots_last():
+    lens = [1_000, 64_000, 200_000, 5_000]
+    b = plan_decode_splits(lens, parallelism=PAR, max_batch=MAX_BATCH, max_splits=CAP).buffers
+    order = b.split_order.tolist()
+    assert sorted(order) == list(range(CAP))  # a permutation of the slots
+    ordered = [int(b.split_len[i]) for i in order]
+    assert ordered == sorted(ordered, reverse=True)
+    # Equal lengths keep slot order (the device-side torch.argsort(stable=True) agrees).
+    assert order == torch.argsort(b.split_len, descending=True, stable=True).tolist()
+    assert launch_order([3, 0, 5, 3]) == [2, 0, 3, 1]
 
 
 def test_out_buffers_are_filled_in_place():

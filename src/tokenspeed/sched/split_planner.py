@@ -31,6 +31,9 @@ class SplitPlanBuffers:
     split_row   [max_splits]     owning row of each split slot (0 for unused slots)
     split_start [max_splits]     first history token of the split
     split_len   [max_splits]     tokens in the split (0 for unused slots)
+    split_order [max_splits]     the slots in launch order: longest first, unused slots last
+                                 (`launch_order`; the kernel's program i takes slot
+                                 split_order[i], so the long splits do not form the tail)
     """
 
     num_splits: torch.Tensor
@@ -38,6 +41,7 @@ class SplitPlanBuffers:
     split_row: torch.Tensor
     split_start: torch.Tensor
     split_len: torch.Tensor
+    split_order: torch.Tensor
 
     @classmethod
     def allocate(
@@ -52,6 +56,7 @@ class SplitPlanBuffers:
             split_row=zeros(max_splits),
             split_start=zeros(max_splits),
             split_len=zeros(max_splits),
+            split_order=zeros(max_splits),
         )
 
     @property
@@ -74,6 +79,13 @@ def min_split_capacity(max_batch: int, parallelism: int) -> int:
     """Split slots that always suffice, for any lengths l and the target t this module picks:
     sum(ceil(l / t)) <= sum(l) / t + rows <= parallelism + rows."""
     return parallelism + max_batch
+
+
+def launch_order(split_lens: Sequence[int]) -> list[int]:
+    """Split slots longest first (ties and unused, zero-length slots in slot order): the order
+    the decode kernel's programs take them in, so that the longest splits start in the first
+    wave instead of forming the tail."""
+    return sorted(range(len(split_lens)), key=lambda slot: -split_lens[slot])
 
 
 def target_split_len(total_tokens: int, parallelism: int, granularity: int) -> int:
@@ -138,6 +150,7 @@ def plan_decode_splits(
         (out.split_row, rows),
         (out.split_start, starts),
         (out.split_len, lens),
+        (out.split_order, launch_order(lens)),
     ):
         copy_into(tensor, torch.tensor(values, dtype=torch.int32))
     return SplitPlan(target_len=target, total_splits=slot, buffers=out)

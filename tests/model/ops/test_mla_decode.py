@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 
+import attrs
 import pytest
 import torch
 
@@ -106,12 +107,7 @@ def plan(lens, batch, parallelism, granularity, device="cpu", out=None):
     )
     b = p.buffers
     if out is None and device != "cpu":
-        b = SplitPlanBuffers(
-            *(
-                t.to(device)
-                for t in (b.num_splits, b.split_indptr, b.split_row, b.split_start, b.split_len)
-            )
-        )
+        b = SplitPlanBuffers(*(t.to(device) for t in attrs.astuple(b, recurse=False)))
     return b
 
 
@@ -207,6 +203,8 @@ def _case_any_launch_order():
         "err": rel_err(out, reference(inp)),
         "tol": TOL[torch.float32],
         "longest_first_sorted": bool((sorted_lens[:-1] >= sorted_lens[1:]).all()),
+        # the planner's own launch order (the default) is the device-side one
+        "planner_order_is_longest_first": torch.equal(splits.split_order, longest_first(splits)),
     }
 
 
@@ -263,6 +261,7 @@ def test_interpreter_kernel_matches_reference(interpreter_results, name):
     # Padded graph rows have no splits: they come out as zeros, never NaN.
     assert res.get("padded_rows_zero", True)
     assert res.get("longest_first_sorted", True)
+    assert res.get("planner_order_is_longest_first", True)
 
 
 def test_interpreter_cases_use_several_splits(interpreter_results):

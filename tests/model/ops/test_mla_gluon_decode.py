@@ -40,6 +40,11 @@ def test_fits_k3_and_kimi_linear_shapes_only_where_tiles_fit():
     assert not gluon_decode.fits(1024, 64, 64)  # each warpgroup's MMA is at most 256 wide
     assert not gluon_decode.fits(384, 64, 64)  # not a power of two
     assert not gluon_decode.fits(32, 16, 64)  # R below 64
+    # e4m3 caches take 32-row tiles (three converted tiles beside the queries and the ring)
+    assert gluon_decode.fits(512, 64, 32, fp8=True)
+    assert not gluon_decode.fits(512, 64, 16, fp8=True)
+    assert gluon_decode.block_n_for(torch.float8_e4m3fn) == 32
+    assert gluon_decode.block_n_for(torch.bfloat16) == 64
 
 
 def test_never_applies_on_the_cpu():
@@ -106,6 +111,26 @@ def test_gpu_gluon_fp8_matches_dequantized_reference_and_triton(per_row, n, gran
     _assert_close(out, ref, inp["real"], TOL[torch.bfloat16])
     tri = run(fp8, splits, page_scales=scales, kernel="triton")
     _assert_close(tri, ref, inp["real"], TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("per_row", [True, False])
+def test_gpu_gluon_fp8_on_32_row_pages(per_row):
+    """e4m3 tiles are 32 rows, so 32-row pages take the Gluon kernel too (bf16 ones do not):
+    every tile is a whole page, and splits start mid-page."""
+    lens = [4, 31, 32, 33, 97, 2000, 9000]
+    inp = make_inputs(
+        lens, 1, pad_rows=1, dtype=torch.bfloat16, device="cuda", seed=6, **dict(K3, page_size=32)
+    )
+    inp["pages"][0] = 0.0
+    pages, scales = (quantize_fp8_rows if per_row else quantize_fp8_pages)(inp["pages"])
+    assert gluon_applies(inp["q"], pages, scales, 512, 64, 32)
+    assert not gluon_applies(inp["q"], inp["pages"], None, 512, 64, 32)
+    splits = plan(lens, len(lens) + 1, 64, 16, device="cuda")
+    ref = reference(inp, dequantize_pages(pages, scales))
+    out = run(dict(inp, pages=pages), splits, page_scales=scales, kernel="gluon")
+    _assert_close(out, ref, inp["real"], TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -28,8 +28,8 @@ would); a per-head program reads w_uv[h] once per token block, so merge + W_UV +
 pass over the partials and no extra pass over anything.
 
 On Hopper, bf16 / fp16 caches take `gluon_decode._split_kernel_gluon` for step 2 instead (same
-inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 1.5-2.1x faster than
-`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.3x); `kernel="triton"` or
+inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 2.0-2.7x faster than
+`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.35x); `kernel="triton"` or
 explicit `tiles` keep the Triton kernel, which also serves other GPUs and the interpreter.
 
 Split plans: `splits` carries the planner's fixed-capacity metadata (`SplitPlanBuffers` of
@@ -61,8 +61,9 @@ UNIFORM_GRANULE = 64
 class SplitMetadata(Protocol):
     """The planner's int32 device tensors (`SplitPlanBuffers` satisfies this).
 
-    num_splits [max_batch], split_indptr [max_batch + 1], split_row / split_start / split_len
-    [max_splits]; padded rows have 0 splits, unused slots have length 0.
+    num_splits [max_batch], split_indptr [max_batch + 1], split_row / split_start / split_len /
+    split_order [max_splits]; padded rows have 0 splits, unused slots have length 0;
+    split_order lists the slots longest first (the programs' launch order).
     """
 
     num_splits: torch.Tensor
@@ -70,6 +71,7 @@ class SplitMetadata(Protocol):
     split_row: torch.Tensor
     split_start: torch.Tensor
     split_len: torch.Tensor
+    split_order: torch.Tensor
 
 
 @attrs.frozen(kw_only=True)
@@ -155,7 +157,7 @@ def gluon_applies(
         from . import gluon_decode
     except ImportError:  # a Triton without Gluon's Hopper API
         return False
-    return gluon_decode.fits(rank, rope, page_size)
+    return gluon_decode.fits(rank, rope, page_size, fp8=fp8)
 
 
 def quantize_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,8 +434,8 @@ def mla_decode_paged_split(
     Exactly one of `splits` (planner metadata over history lengths = context_lens, device int32)
     and `uniform_splits` (S splits per request). Returns [B * n, H, Dv] in q's dtype:
     attention * sigmoid(gate) when a gate is given. No host sync; static shapes.
-    split_order: `longest_first(splits)`, computed once per step and shared by every layer;
-    computed here (one small device sort) when not given.
+    split_order: overrides `splits.split_order`, the launch order the planner wrote (longest
+    first; `longest_first` computes the same on the device).
     kernel: "gluon" (the pipelined Hopper kernel of `gluon_decode`), "triton" (`_split_kernel`)
     or None: Gluon wherever `gluon_applies` and no `tiles` are given, else Triton. `tiles` and
     the split kernel's PDL apply to the Triton kernel (the merge tail uses PDL either way).
@@ -498,7 +500,7 @@ def mla_decode_paged_split(
 
     if splits is not None:
         num_slots = splits.split_len.numel()
-        order = longest_first(splits) if split_order is None else split_order
+        order = splits.split_order if split_order is None else split_order
         _check(order.numel() == num_slots, "split_order must have one entry per split slot")
         meta = (order, splits.split_row, splits.split_start, splits.split_len)
         n_uniform = 1
@@ -614,8 +616,8 @@ def mla_decode_paged_split(
 
 
 def longest_first(splits: SplitMetadata) -> torch.Tensor:
-    """Launch order of the split slots: longest first (unused, empty slots last). [S] int32,
-    on the device, no host sync."""
+    """Launch order of the split slots computed on the device from split_len: longest first
+    (unused, empty slots last), as the planner's `split_order`. [S] int32, no host sync."""
     order = torch.argsort(splits.split_len, descending=True, stable=True)
     return order.to(torch.int32)
 

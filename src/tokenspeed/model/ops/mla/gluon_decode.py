@@ -1,27 +1,32 @@
 """The split kernel of the absorbed MLA decode for Hopper, in Gluon (bf16 / fp16 / e4m3 caches).
 
 Same contract as `decode._split_kernel` (one program per (split slot, 64 query-head rows),
-normalised partial o [R] and log2-sum-exp per row into part_o / part_lse), written so the
-tensor cores keep working while the softmax runs:
+normalised partial o [R] and log2-sum-exp per row into part_o / part_lse):
 
 - Two warpgroups side by side along the output: for S = Q K^T each owns half of the tile's
   cache rows, for O += P V half of the 512 latent columns (acc [64, 256] fp32 each, 128
   registers a thread). The row max of S is exchanged between them through shared memory; the
   row sums are kept elementwise and reduced once at the end.
-- Software pipelining across tiles (FlashAttention-3's intra-warpgroup order): tile i's
-  Q K^T is issued, then tile i-1's P V, and the softmax of tile i runs while that P V is still
-  on the tensor cores; only then is the accumulator rescaled.
 - Full tiles come by TMA into a ring of STAGES shared-memory stages (a tile lies inside one
   page: tiles are aligned to BLOCK_N in the history and BLOCK_N divides the page size); the
   queries stay in shared memory for the whole split. The ragged last tile of a split is read
   with masked loads, so rows past the history are zeros, never stale page contents.
-- e4m3 caches (SCALE_MODE 1 per page, 2 per row): each tile is converted exactly to the
-  queries' type in shared memory and the scales multiply score columns and probabilities, as in
-  the Triton kernel. Those steps run in order: a second converted buffer would not fit beside
-  the queries and the ring. 1.26x the Triton kernel on the H200 (bf16: 1.5-1.7x at 96 heads).
+- Step order (bf16 / fp16, `EARLY_REFILL`): tile t-1's P V is issued, then tile t's Q K^T;
+  as soon as that P V is done, its stage is refilled with tile t+1 while Q K^T still runs,
+  then the softmax of tile t. With the queries resident only two 64-row stages fit, and a
+  stage holds its tile until that tile's P V: FlashAttention-3's order (Q K^T of t, then P V
+  of t-1 under the softmax of t; `EARLY_REFILL=False`) can refill a stage only at the very end
+  of a step, so every tile's load latency was exposed. The early refill measured 1.23x faster
+  on the H200 (2.08 against 2.56 ms on the mixed 36-request batch), though the softmax now
+  runs with the tensor cores idle.
+- e4m3 caches (SCALE_MODE 1 per page, 2 per row): 32-row tiles; tile t+1 is converted exactly
+  to the queries' type into one of three shared buffers while tile t's MMAs run, and the
+  scales multiply score columns and probabilities, as in the Triton kernel. The conversion is
+  ALU-bound (e4m3 -> f16 -> bf16 by `cvt`, 1.5 conversions per value), so this path gains
+  only ~1.35x over the Triton kernel (bf16: ~2x at 96 heads).
 
-Shared memory at the default shapes (K3: R 512, Dr 64, two stages of 64 rows): bf16 queries
-72 KiB + 2 x 72 KiB of bf16 cache rows; e4m3: 72 KiB + 2 x 36 KiB + the 72 KiB converted tile.
+Shared memory at the default shapes (K3: R 512, Dr 64): bf16 queries 72 KiB + 2 x 72 KiB of
+64-row cache tiles; e4m3: 72 KiB + 2 x 18 KiB of raw 32-row tiles + 3 x 36 KiB converted.
 The split kernel launches without programmatic dependent launch (the merge tail still uses it).
 """
 
@@ -45,6 +50,14 @@ BLOCK_M = 64
 # (scripts/mla_kernel_probe.py, docs/perf/mla.md).
 BLOCK_N = 64
 STAGES = 2
+# e4m3 caches: 32-row tiles, so that three converted tiles fit beside the queries and the ring
+# (the conversion of one tile then overlaps the MMAs of the previous one).
+BLOCK_N_FP8 = 32
+
+
+def block_n_for(dtype: torch.dtype) -> int:
+    """Rows per tile of the kernel for a cache of this dtype."""
+    return BLOCK_N_FP8 if dtype == torch.float8_e4m3fn else BLOCK_N
 
 
 @gluon.jit
@@ -74,22 +87,136 @@ def _issue(
     STAGES: gl.constexpr,
 ):
     """TMA loads of full tile t of the split (on `page`) into stage t % STAGES, predicated
-    off past the last full tile."""
+    off past the last full tile: one load and one barrier per CW-column chunk of the latent
+    part (CW: desc_c's box width) and one for the shared key, so that Q K^T can start on the
+    first chunks while the later ones are still in flight."""
     BN: gl.constexpr = desc_c.block_type.shape[0]
+    CW: gl.constexpr = desc_c.block_type.shape[1]
+    NCH: gl.constexpr = RANK // CW + 1
     s = t % STAGES
     pred = t < n_full
     n0 = first + gl.minimum(t, gl.maximum(n_full - 1, 0)) * BN
     r0 = page * PAGE_SIZE + n0 % PAGE_SIZE  # TMA coordinates are 32-bit
-    bar = ready.index(s)
-    mbarrier.expect(bar, desc_c.block_type.nbytes + desc_r.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc_c, [r0, 0], bar, c_bufs.index(s), pred)
+    # All expects first, then all copies: interleaved, the compiler puts two block-wide
+    # barriers between each expect and its copy.
+    for k in gl.static_range(RANK // CW):
+        mbarrier.expect(ready.index(s * NCH + k), desc_c.block_type.nbytes, pred=pred)
+    mbarrier.expect(ready.index(s * NCH + NCH - 1), desc_r.block_type.nbytes, pred=pred)
+    for k in gl.static_range(RANK // CW):
+        dst = c_bufs.index(s).slice(k * CW, CW, dim=1)
+        tma.async_copy_global_to_shared(desc_c, [r0, k * CW], ready.index(s * NCH + k), dst, pred)
+    bar = ready.index(s * NCH + NCH - 1)
     tma.async_copy_global_to_shared(desc_r, [r0, RANK], bar, r_bufs.index(s), pred)
 
 
 @gluon.jit
+def _wait_tile(ready, s, phase, NCH: gl.constexpr):
+    """Wait for every chunk of ring stage s."""
+    for k in gl.static_range(NCH):
+        mbarrier.wait(ready.index(s * NCH + k), phase)
+
+
+@gluon.jit
+def _convert_tile(
+    t,
+    n_full,
+    first,
+    row,
+    page_table,
+    stride_table,
+    desc_c,
+    desc_r,
+    c_bufs,
+    r_bufs,
+    ready,
+    cv_c,
+    cv_r,
+    PAGE_SIZE: gl.constexpr,
+    RANK: gl.constexpr,
+    STAGES: gl.constexpr,
+    CHUNK: gl.constexpr,
+    LD: gl.constexpr,
+):
+    """e4m3 caches: wait for full tile t's raw rows, convert them exactly into converted buffer
+    t % 3 (by CHUNK-column slices: a whole tile in registers would spill), then refill the
+    tile's ring stage with tile t + STAGES."""
+    BN: gl.constexpr = desc_c.block_type.shape[0]
+    st = t % STAGES
+    page = _page_of(t + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
+    # Buffer t % 3 last held tile t - 3, whose MMAs every warpgroup has waited for by now.
+    gl.thread_barrier()
+    _wait_tile(ready, st, (t // STAGES) & 1, RANK // desc_c.block_type.shape[1] + 1)
+    dst = cv_c.index(t % 3)
+    for k in gl.static_range(RANK // CHUNK):
+        part = c_bufs.index(st).slice(k * CHUNK, CHUNK, dim=1).load(LD)
+        dst.slice(k * CHUNK, CHUNK, dim=1).store(part.to(dst.dtype))
+    cv_r.index(t % 3).store(r_bufs.index(st).load(LD).to(dst.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # stage st is read (refill it) and the buffer written (MMAs may read it)
+    _issue(
+        t + STAGES,
+        page,
+        n_full,
+        first,
+        desc_c,
+        desc_r,
+        c_bufs,
+        r_bufs,
+        ready,
+        PAGE_SIZE,
+        RANK,
+        STAGES,
+    )
+
+
+@gluon.jit
+def _tile_scales(
+    t,
+    first,
+    table_row,
+    row_scales,
+    BN: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    SCALE_MODE: gl.constexpr,
+    col_l: gl.constexpr,
+):
+    """e4m3 caches: the scales of full tile t's rows, [BN] fp32 (per page: one value);
+    table_row: the request's page-table row."""
+    n0 = first + t * BN
+    page = gl.load(table_row + n0 // PAGE_SIZE).to(gl.int64)
+    if SCALE_MODE == 1:
+        sc = gl.zeros([BN], gl.float32, col_l) + gl.load(row_scales + page)
+    else:
+        sc = gl.load(
+            row_scales + page * PAGE_SIZE + n0 % PAGE_SIZE + gl.arange(0, BN, layout=col_l)
+        )
+    return sc
+
+
+@gluon.jit
 def _scores(q_s, qr_s, c, r, zero_s):
-    """S = Q_lat C^T + Q_rope K_rope^T for one tile, issued asynchronously."""
+    """S = Q_lat C^T + Q_rope K_rope^T for one resident tile, issued asynchronously."""
     s = warpgroup_mma(q_s, c.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    return warpgroup_mma(qr_s, r.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _scores_streamed(q_s, qr_s, c, r, zero_s, ready, st, phase, CW: gl.constexpr):
+    """S of ring stage st, one asynchronous MMA group per chunk, each issued as soon as its
+    chunk has landed (RANK / CW + 1 groups)."""
+    RANK: gl.constexpr = q_s.shape[1]
+    NCH: gl.constexpr = RANK // CW + 1
+    s = zero_s
+    for k in gl.static_range(RANK // CW):
+        mbarrier.wait(ready.index(st * NCH + k), phase)
+        s = warpgroup_mma(
+            q_s.slice(k * CW, CW, dim=1),
+            c.slice(k * CW, CW, dim=1).permute((1, 0)),
+            s,
+            use_acc=k > 0,
+            is_async=True,
+        )
+    mbarrier.wait(ready.index(st * NCH + NCH - 1), phase)
     return warpgroup_mma(qr_s, r.permute((1, 0)), s, is_async=True)
 
 
@@ -162,9 +289,12 @@ def _split_kernel_gluon(
     GRANULE: gl.constexpr,
     STAGES: gl.constexpr,
     SCALE_MODE: gl.constexpr,  # 0 none (bf16 / fp16 cache), 1 per page, 2 per row (e4m3)
+    EARLY_REFILL: gl.constexpr = True,  # bf16 / fp16: the step order, see the loop
 ):
     BM: gl.constexpr = 64
     BN: gl.constexpr = desc_c.block_type.shape[0]
+    CW: gl.constexpr = desc_c.block_type.shape[1]
+    NCH: gl.constexpr = RANK // CW + 1
     ROWS: gl.constexpr = N_QUERY * NUM_HEADS
     WIDTH: gl.constexpr = RANK + ROPE
     cache_t: gl.constexpr = desc_c.block_type.element_ty
@@ -207,8 +337,8 @@ def _split_kernel_gluon(
 
     c_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, RANK], desc_c.layout)
     r_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, ROPE], desc_r.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES * NCH):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(STAGES):
         page = _page_of(i, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
@@ -248,78 +378,112 @@ def _split_kernel_gluon(
     l_acc = gl.zeros([BM, BN], gl.float32, S_L)
 
     if HAS_SCALE:
-        # FP8 cache: each tile is converted to the MMA type exactly (e4m3 -> bf16 / fp16) into
-        # one shared buffer, so the steps run in order (no second buffer fits beside the
-        # queries and the ring); the TMA ring still runs STAGES tiles ahead.
-        cb = gl.allocate_shared_memory(
-            dtype, [BN, RANK], gl.NVMMASharedLayout.get_default_for([BN, RANK], dtype)
+        # FP8 cache: tile t is converted exactly to the MMA type (e4m3 -> bf16 / fp16) into
+        # converted buffer t % 3 while the tensor cores run tile t-1's MMAs: Q K^T of tile t+1
+        # and P V of tile t (the other two buffers) may still read theirs. The ring of raw e4m3
+        # tiles feeds the conversions STAGES tiles ahead.
+        cv_c = gl.allocate_shared_memory(
+            dtype, [3, BN, RANK], gl.NVMMASharedLayout.get_default_for([BN, RANK], dtype)
         )
-        rb = gl.allocate_shared_memory(
-            dtype, [BN, ROPE], gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
+        cv_r = gl.allocate_shared_memory(
+            dtype, [3, BN, ROPE], gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
         )
-        offs_n = gl.arange(0, BN, layout=col_l)
-        for t in range(n_full):
-            st = t % STAGES
-            n0 = first + t * BN
-            pg_t = gl.load(page_table + row * stride_table + n0 // PAGE_SIZE).to(gl.int64)
-            if SCALE_MODE == 1:
-                sc = gl.zeros([BN], gl.float32, col_l) + gl.load(row_scales + pg_t)
-            else:
-                sc = gl.load(row_scales + pg_t * PAGE_SIZE + n0 % PAGE_SIZE + offs_n)
-            nxt = _page_of(t + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
-            mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-            # Convert by 128-column chunks (a whole tile in registers would spill).
-            for k in gl.static_range(RANK // CHUNK):
-                part = c_bufs.index(st).slice(k * CHUNK, CHUNK, dim=1).load(LD)
-                cb.slice(k * CHUNK, CHUNK, dim=1).store(part.to(dtype))
-            rb.store(r_bufs.index(st).load(LD).to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # stage st is read (refill it) and cb is written (MMAs read it)
-            _issue(
-                t + STAGES,
-                nxt,
+        if n_full > 0:
+            _convert_tile(
+                0,
                 n_full,
                 first,
+                row,
+                page_table,
+                stride_table,
                 desc_c,
                 desc_r,
                 c_bufs,
                 r_bufs,
                 ready,
+                cv_c,
+                cv_r,
                 PAGE_SIZE,
                 RANK,
                 STAGES,
+                CHUNK,
+                LD,
             )
-            s = _scores(q_s, qr_s, cb, rb, zero_s)
+            table_row = page_table + row * stride_table
+            sc = _tile_scales(0, first, table_row, row_scales, BN, PAGE_SIZE, SCALE_MODE, col_l)
+            # Scales come one tile ahead, so that their two dependent loads are not waited on.
+            sc_next = _tile_scales(
+                gl.minimum(n_full - 1, 1),
+                first,
+                table_row,
+                row_scales,
+                BN,
+                PAGE_SIZE,
+                SCALE_MODE,
+                col_l,
+            )
+            s = _scores(q_s, qr_s, cv_c.index(0), cv_r.index(0), zero_s)
+            if n_full > 1:
+                _convert_tile(
+                    1,
+                    n_full,
+                    first,
+                    row,
+                    page_table,
+                    stride_table,
+                    desc_c,
+                    desc_r,
+                    c_bufs,
+                    r_bufs,
+                    ready,
+                    cv_c,
+                    cv_r,
+                    PAGE_SIZE,
+                    RANK,
+                    STAGES,
+                    CHUNK,
+                    LD,
+                )
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_acc = _softmax(
-                s, n0, start, end, last, m_i, l_acc, qk_scale, sc, col_l, BN, P_OP, dtype, True
-            )
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            acc = warpgroup_mma(p, cb, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()  # the MMAs read cb before the next tile overwrites it
-    else:
-        cb = c_bufs.index(0)
-        rb = r_bufs.index(0)
-        if n_full > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s = _scores(q_s, qr_s, c_bufs.index(0), r_bufs.index(0), zero_s)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, alpha, m_i, l_acc = _softmax(
-                s, first, start, end, last, m_i, l_acc, qk_scale, 1.0, col_l, BN, P_OP, dtype, False
+                s, first, start, end, last, m_i, l_acc, qk_scale, sc, col_l, BN, P_OP, dtype, True
             )
             for t in range(1, n_full):
-                st = t % STAGES
-                prev = (t - 1) % STAGES
-                # The page of the tile fetched at the end of this step, looked up before the wait
-                # so that its latency hides behind the MMAs.
-                page = _page_of(
-                    t - 1 + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE
+                b = t % 3
+                s = _scores(q_s, qr_s, cv_c.index(b), cv_r.index(b), zero_s)
+                acc = warpgroup_mma(p, cv_c.index((t - 1) % 3), acc, is_async=True)
+                sc = sc_next
+                sc_next = _tile_scales(
+                    gl.minimum(n_full - 1, t + 1),
+                    first,
+                    table_row,
+                    row_scales,
+                    BN,
+                    PAGE_SIZE,
+                    SCALE_MODE,
+                    col_l,
                 )
-                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-                s = _scores(q_s, qr_s, c_bufs.index(st), r_bufs.index(st), zero_s)
-                acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
-                # Tile t's scores are ready while tile t-1's P V may still run.
+                if t + 1 < n_full:
+                    _convert_tile(
+                        t + 1,
+                        n_full,
+                        first,
+                        row,
+                        page_table,
+                        stride_table,
+                        desc_c,
+                        desc_r,
+                        c_bufs,
+                        r_bufs,
+                        ready,
+                        cv_c,
+                        cv_r,
+                        PAGE_SIZE,
+                        RANK,
+                        STAGES,
+                        CHUNK,
+                        LD,
+                    )
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
                 p, alpha, m_i, l_acc = _softmax(
                     s,
@@ -330,31 +494,139 @@ def _split_kernel_gluon(
                     m_i,
                     l_acc,
                     qk_scale,
-                    1.0,
+                    sc,
                     col_l,
                     BN,
                     P_OP,
                     dtype,
-                    False,
+                    True,
                 )
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                # Stage prev is free again: fetch the tile STAGES after it. Each warpgroup
-                # waited for its own MMAs only; the barrier makes it every warpgroup's.
-                gl.thread_barrier()
-                _issue(
-                    t - 1 + STAGES,
-                    page,
-                    n_full,
-                    first,
-                    desc_c,
-                    desc_r,
-                    c_bufs,
-                    r_bufs,
-                    ready,
-                    PAGE_SIZE,
-                    RANK,
-                    STAGES,
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            acc = warpgroup_mma(p, cv_c.index((n_full - 1) % 3), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # The ragged tail goes into the buffer no MMA reads any more.
+        cb = cv_c.index(n_full % 3)
+        rb = cv_r.index(n_full % 3)
+    else:
+        cb = c_bufs.index(0)
+        rb = r_bufs.index(0)
+        if n_full > 0:
+            s = _scores_streamed(
+                q_s, qr_s, c_bufs.index(0), r_bufs.index(0), zero_s, ready, 0, 0, CW
+            )
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p, alpha, m_i, l_acc = _softmax(
+                s, first, start, end, last, m_i, l_acc, qk_scale, 1.0, col_l, BN, P_OP, dtype, False
+            )
+            for t in range(1, n_full):
+                st = t % STAGES
+                prev = (t - 1) % STAGES
+                # The page of the tile fetched into stage prev, looked up early so that its
+                # latency hides behind the MMAs.
+                page = _page_of(
+                    t - 1 + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE
                 )
+                if EARLY_REFILL:
+                    # P V of tile t-1 first, then tile t's Q K^T chunk by chunk; stage prev is
+                    # refilled as soon as that P V is done, while Q K^T still runs, which gives
+                    # the refill the softmax and the next P V to land in. The softmax itself
+                    # runs with the tensor cores idle.
+                    acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
+                    s = _scores_streamed(
+                        q_s,
+                        qr_s,
+                        c_bufs.index(st),
+                        r_bufs.index(st),
+                        zero_s,
+                        ready,
+                        st,
+                        (t // STAGES) & 1,
+                        CW,
+                    )
+                    acc = warpgroup_mma_wait(num_outstanding=NCH, deps=(acc,))
+                    gl.thread_barrier()  # every warpgroup's P V on stage prev is done
+                    _issue(
+                        t - 1 + STAGES,
+                        page,
+                        n_full,
+                        first,
+                        desc_c,
+                        desc_r,
+                        c_bufs,
+                        r_bufs,
+                        ready,
+                        PAGE_SIZE,
+                        RANK,
+                        STAGES,
+                    )
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                    p, alpha, m_i, l_acc = _softmax(
+                        s,
+                        first + t * BN,
+                        start,
+                        end,
+                        last,
+                        m_i,
+                        l_acc,
+                        qk_scale,
+                        1.0,
+                        col_l,
+                        BN,
+                        P_OP,
+                        dtype,
+                        False,
+                    )
+                else:
+                    # FlashAttention-3's order: tile t's Q K^T, then tile t-1's P V, and tile
+                    # t's softmax while that P V still runs; stage prev is refilled after it.
+                    s = _scores_streamed(
+                        q_s,
+                        qr_s,
+                        c_bufs.index(st),
+                        r_bufs.index(st),
+                        zero_s,
+                        ready,
+                        st,
+                        (t // STAGES) & 1,
+                        CW,
+                    )
+                    acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                    p, alpha, m_i, l_acc = _softmax(
+                        s,
+                        first + t * BN,
+                        start,
+                        end,
+                        last,
+                        m_i,
+                        l_acc,
+                        qk_scale,
+                        1.0,
+                        col_l,
+                        BN,
+                        P_OP,
+                        dtype,
+                        False,
+                    )
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    # Each warpgroup waited for its own MMAs only; the barrier makes it every
+                    # warpgroup's.
+                    gl.thread_barrier()
+                    _issue(
+                        t - 1 + STAGES,
+                        page,
+                        n_full,
+                        first,
+                        desc_c,
+                        desc_r,
+                        c_bufs,
+                        r_bufs,
+                        ready,
+                        PAGE_SIZE,
+                        RANK,
+                        STAGES,
+                    )
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             last_st = (n_full - 1) % STAGES
             acc = warpgroup_mma(p, c_bufs.index(last_st), acc, is_async=True)
@@ -411,7 +683,7 @@ def _split_kernel_gluon(
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         acc = warpgroup_mma(p, cb, acc)
 
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(STAGES * NCH):
         mbarrier.invalidate(ready.index(i))
 
     l_i = gl.sum(l_acc, 1)
@@ -432,30 +704,42 @@ def _split_kernel_gluon(
 
 
 def descriptors(
-    pages: torch.Tensor, rank: int, block_n: int = BLOCK_N
+    pages: torch.Tensor, rank: int, block_n: int | None = None, chunk: int | None = None
 ) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors over the page pool [NP, P, R + Dr] (bf16, fp16 or e4m3) as rows:
-    [block_n, R] latent boxes and [block_n, Dr] shared-key boxes."""
+    [block_n, chunk] boxes of the latent part (the kernel loads a tile chunk by chunk, one
+    barrier each) and [block_n, Dr] shared-key boxes. block_n: `block_n_for`; chunk: all R
+    columns by default. Chunks of 64 or 128 columns measured slower on the H200 (2.43 / 2.30
+    against 2.08 ms on the mixed 36-request batch, docs/perf/mla.md): the compiler puts a
+    block-wide barrier around every barrier expect and TMA copy, which costs more than
+    starting Q K^T on the first chunks gains."""
+    block_n = block_n or block_n_for(pages.dtype)
+    chunk = chunk or rank
     flat = pages.view(-1, pages.shape[-1])
     elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(pages.dtype, gl.float8e4nv)
     out = []
-    for cols in (rank, flat.shape[1] - rank):
+    for cols in (chunk, flat.shape[1] - rank):
         block = [block_n, cols]
         layout = gl.NVMMASharedLayout.get_default_for(block, elem)
         out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout))
     return out[0], out[1]
 
 
-def fits(rank: int, rope: int, page_size: int) -> bool:
+def fits(rank: int, rope: int, page_size: int, fp8: bool = False) -> bool:
     """Shapes the kernel tiles: R and Dr powers of two (64 <= R <= 512: each warpgroup's MMA is
-    R/2 wide; 16 <= Dr <= 256), whole tiles inside a page, and the shared memory it takes."""
+    R/2 wide; 16 <= Dr <= 256), whole tiles inside a page, and the shared memory it takes
+    (queries, the ring of cache tiles and, for e4m3 caches, three converted tiles)."""
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
-    smem = 2 * (BLOCK_M + STAGES * BLOCK_N) * (rank + rope)
+    width = rank + rope
+    block_n = BLOCK_N_FP8 if fp8 else BLOCK_N
+    smem = 2 * BLOCK_M * width + STAGES * block_n * width * (1 if fp8 else 2)
+    if fp8:
+        smem += 3 * block_n * width * 2
     return (
         pow2(rank)
         and 64 <= rank <= 512
         and pow2(rope)
         and 16 <= rope <= 256
-        and page_size % BLOCK_N == 0
+        and page_size % block_n == 0
         and smem <= 224 * 1024
     )
