@@ -29,7 +29,7 @@ pass over the partials and no extra pass over anything.
 
 On Hopper, bf16 / fp16 caches take `gluon_decode._split_kernel_gluon` for step 2 instead (same
 inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 2.0-2.7x faster than
-`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.35x); `kernel="triton"` or
+`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.5x); `kernel="triton"` or
 explicit `tiles` keep the Triton kernel, which also serves other GPUs and the interpreter.
 
 Split plans: `splits` carries the planner's fixed-capacity metadata (`SplitPlanBuffers` of
