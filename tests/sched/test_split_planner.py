@@ -1,3 +1,4 @@
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,3 +140,24 @@ def test_plan_tiles_every_history_within_capacity(lens, par):
         )
         assert sum(length for _, length in splits) == n
         assert max(length for _, length in splits) <= plan.target_len
+
+
+def test_one_block_or_separate_tensors_give_the_same_plan():
+    # allocate() makes the fields views of one block (one host-to-device copy per plan);
+    # buffers put together from separate tensors are filled field by field.
+    lens = [70_000, 300, 12_345]
+    block = SplitPlanBuffers.allocate(MAX_BATCH, CAP)
+    flat = block.block()
+    assert flat is not None and flat.numel() == MAX_BATCH * 2 + 1 + 4 * CAP
+    assert flat.data_ptr() == block.num_splits.data_ptr()
+    separate = SplitPlanBuffers(*(torch.zeros_like(t) for t in attrs.astuple(block, recurse=False)))
+    assert separate.block() is None
+    for bufs in (block, separate):
+        plan_decode_splits(lens, parallelism=PAR, max_batch=MAX_BATCH, max_splits=CAP, out=bufs)
+    for a, b in zip(
+        attrs.astuple(block, recurse=False), attrs.astuple(separate, recurse=False), strict=True
+    ):
+        assert torch.equal(a, b)
+    assert block.split_len[: len(lens)].sum() > 0 and int(block.num_splits.sum()) == int(
+        block.split_indptr[MAX_BATCH]
+    )

@@ -14,7 +14,9 @@ have zero length. Pass `out=` (from `SplitPlanBuffers.allocate`) to write into c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import array
+import itertools
+from collections.abc import Iterable, Sequence
 
 import attrs
 import torch
@@ -47,17 +49,27 @@ class SplitPlanBuffers:
     def allocate(
         cls, max_batch: int, max_splits: int, device: torch.device | str = "cpu"
     ) -> SplitPlanBuffers:
-        def zeros(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int32, device=device)
+        """Zeroed buffers, all views of one int32 block in field order, so that the planner
+        refills them with one host-to-device copy per step instead of one per field."""
+        sizes = (max_batch, max_batch + 1) + (max_splits,) * 4
+        block = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
+        return cls(*block.split(sizes))
 
-        return cls(
-            num_splits=zeros(max_batch),
-            split_indptr=zeros(max_batch + 1),
-            split_row=zeros(max_splits),
-            split_start=zeros(max_splits),
-            split_len=zeros(max_splits),
-            split_order=zeros(max_splits),
-        )
+    def block(self) -> torch.Tensor | None:
+        """The one int32 block the fields are consecutive views of, in field order (as
+        `allocate` makes them); None for buffers put together otherwise."""
+        fields = attrs.astuple(self, recurse=False)
+        first = fields[0]
+        ptr = first.data_ptr()
+        for t in fields:
+            same = t.device == first.device and t.untyped_storage().data_ptr() == (
+                first.untyped_storage().data_ptr()
+            )
+            if not (same and t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() == ptr):
+                return None
+            ptr += t.numel() * t.element_size()
+        total = sum(t.numel() for t in fields)
+        return first.as_strided((total,), (1,), first.storage_offset())
 
     @property
     def max_batch(self) -> int:
@@ -75,6 +87,15 @@ class SplitPlan:
     buffers: SplitPlanBuffers
 
 
+def _int32(values: Iterable[int]) -> torch.Tensor:
+    """A host int32 tensor of `values`; through `array` because `torch.tensor` of a Python list
+    takes ~3x longer, and the planner runs on the host before every decode step."""
+    packed = array.array("i", values)
+    if not packed:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.int32)
+    return torch.frombuffer(packed, dtype=torch.int32)
+
+
 def min_split_capacity(max_batch: int, parallelism: int) -> int:
     """Split slots that always suffice, for any lengths l and the target t this module picks:
     sum(ceil(l / t)) <= sum(l) / t + rows <= parallelism + rows."""
@@ -85,7 +106,8 @@ def launch_order(split_lens: Sequence[int]) -> list[int]:
     """Split slots longest first (ties and unused, zero-length slots in slot order): the order
     the decode kernel's programs take them in, so that the longest splits start in the first
     wave instead of forming the tail."""
-    return sorted(range(len(split_lens)), key=lambda slot: -split_lens[slot])
+    # reverse=True keeps equal keys in their original order, as a stable sort does.
+    return sorted(range(len(split_lens)), key=split_lens.__getitem__, reverse=True)
 
 
 def target_split_len(total_tokens: int, parallelism: int, granularity: int) -> int:
@@ -126,31 +148,29 @@ def plan_decode_splits(
         raise ValueError("out buffers do not match max_batch / max_splits")
 
     target = target_split_len(sum(history_lens), parallelism, granularity)
-    num_splits = [0] * max_batch
-    indptr = [0] * (max_batch + 1)
-    rows = [0] * max_splits
-    starts = [0] * max_splits
-    lens = [0] * max_splits
-    slot = 0
-    for row, length in enumerate(history_lens):
-        n = -(-length // target)
-        num_splits[row] = n
-        for i in range(n):
-            rows[slot] = row
-            starts[slot] = i * target
-            lens[slot] = min(target, length - i * target)
-            slot += 1
-        indptr[row + 1] = slot
-    for row in range(len(history_lens), max_batch):
-        indptr[row + 1] = slot
-
-    for tensor, values in (
-        (out.num_splits, num_splits),
-        (out.split_indptr, indptr),
-        (out.split_row, rows),
-        (out.split_start, starts),
-        (out.split_len, lens),
-        (out.split_order, launch_order(lens)),
-    ):
-        copy_into(tensor, torch.tensor(values, dtype=torch.int32))
+    num_splits = [-(-length // target) for length in history_lens]
+    indptr = [0, *itertools.accumulate(num_splits)]
+    rows: list[int] = []
+    starts: list[int] = []
+    lens: list[int] = []
+    for row, (length, n) in enumerate(zip(history_lens, num_splits, strict=True)):
+        rows += [row] * n
+        starts += range(0, n * target, target)
+        lens += [target] * (n - 1)
+        lens.append(length - (n - 1) * target)
+    slot = len(lens)
+    unused = [0] * (max_splits - slot)
+    padded_rows = max_batch - len(history_lens)
+    num_splits += [0] * padded_rows
+    indptr += [slot] * padded_rows
+    rows += unused
+    starts += unused
+    lens += unused
+    fields = (num_splits, indptr, rows, starts, lens, launch_order(lens))
+    block = out.block()
+    if block is not None:  # one copy (one pinned staging buffer) for the whole plan
+        copy_into(block, _int32(itertools.chain(*fields)))
+    else:
+        for tensor, values in zip(attrs.astuple(out, recurse=False), fields, strict=True):
+            copy_into(tensor, _int32(values))
     return SplitPlan(target_len=target, total_splits=slot, buffers=out)
