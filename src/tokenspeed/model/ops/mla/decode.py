@@ -16,8 +16,9 @@ lives in device tensors, so a captured graph replays any plan written into them)
    log-sum-exp, applies W_UV (o_lat [R] -> [Dv]) as a small GEMM against w_uv[h] and
    multiplies by sigmoid(gate) in the epilogue, then stores [T, H, Dv].
 
-Programs take the split slots longest first (`longest_first`, a device sort shared by all layers
-of a step): the planner makes every split of a row but its last exactly the target length, so
+Programs take the split slots longest first (the planner's `split_order`, written on the host
+with the plan; `longest_first` is the same order computed on the device): the planner makes
+every split of a row but its last exactly the target length, so
 launching the full ones first lets the short last splits fill in behind them (longest-
 processing-time order) rather than delaying full ones into an extra partial wave.
 
