@@ -72,24 +72,15 @@ def _page_of(
 
 
 @gluon.jit
-def _issue(
-    t,
-    page,
-    n_full,
-    first,
-    desc_c,
-    desc_r,
-    c_bufs,
-    r_bufs,
-    ready,
-    PAGE_SIZE: gl.constexpr,
-    RANK: gl.constexpr,
-    STAGES: gl.constexpr,
-):
+def _issue(t, page, n_full, first, ring, PAGE_SIZE: gl.constexpr):
     """TMA loads of full tile t of the split (on `page`) into stage t % STAGES, predicated
     off past the last full tile: one load and one barrier per CW-column chunk of the latent
     part (CW: desc_c's box width) and one for the shared key, so that Q K^T can start on the
-    first chunks while the later ones are still in flight."""
+    first chunks while the later ones are still in flight. ring: (desc_c, desc_r, c_bufs,
+    r_bufs, ready)."""
+    desc_c, desc_r, c_bufs, r_bufs, ready = ring
+    STAGES: gl.constexpr = c_bufs.shape[0]
+    RANK: gl.constexpr = c_bufs.shape[2]
     BN: gl.constexpr = desc_c.block_type.shape[0]
     CW: gl.constexpr = desc_c.block_type.shape[1]
     NCH: gl.constexpr = RANK // CW + 1
@@ -159,27 +150,22 @@ def _to_mma_type(x, dtype: gl.constexpr):
 @gluon.jit
 def _convert_tile(
     t,
-    n_full,
-    first,
-    row,
-    page_table,
-    stride_table,
-    desc_c,
-    desc_r,
-    c_bufs,
-    r_bufs,
-    ready,
-    cv_c,
-    cv_r,
+    split,
+    ring,
+    conv,
     PAGE_SIZE: gl.constexpr,
-    RANK: gl.constexpr,
-    STAGES: gl.constexpr,
     CHUNK: gl.constexpr,
     LD: gl.constexpr,
 ):
     """e4m3 caches: wait for full tile t's raw rows, convert them exactly into converted buffer
     t % 3 (by CHUNK-column slices: a whole tile in registers would spill), then refill the
-    tile's ring stage with tile t + STAGES."""
+    tile's ring stage with tile t + STAGES. split: (n_full, first, row, page_table,
+    stride_table); ring: (desc_c, desc_r, c_bufs, r_bufs, ready); conv: (cv_c, cv_r)."""
+    n_full, first, row, page_table, stride_table = split
+    desc_c, _, c_bufs, r_bufs, ready = ring
+    cv_c, cv_r = conv
+    STAGES: gl.constexpr = c_bufs.shape[0]
+    RANK: gl.constexpr = c_bufs.shape[2]
     BN: gl.constexpr = desc_c.block_type.shape[0]
     st = t % STAGES
     page = _page_of(t + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
@@ -193,20 +179,7 @@ def _convert_tile(
     cv_r.index(t % 3).store(_to_mma_type(r_bufs.index(st).load(LD), dst.dtype))
     fence_async_shared()
     gl.thread_barrier()  # stage st is read (refill it) and the buffer written (MMAs may read it)
-    _issue(
-        t + STAGES,
-        page,
-        n_full,
-        first,
-        desc_c,
-        desc_r,
-        c_bufs,
-        r_bufs,
-        ready,
-        PAGE_SIZE,
-        RANK,
-        STAGES,
-    )
+    _issue(t + STAGES, page, n_full, first, ring, PAGE_SIZE)
 
 
 @gluon.jit
@@ -380,11 +353,10 @@ def _split_kernel_gluon(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES * NCH):
         mbarrier.init(ready.index(i), count=1)
+    ring = (desc_c, desc_r, c_bufs, r_bufs, ready)  # what every tile load takes
     for i in gl.static_range(STAGES):
         page = _page_of(i, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
-        _issue(
-            i, page, n_full, first, desc_c, desc_r, c_bufs, r_bufs, ready, PAGE_SIZE, RANK, STAGES
-        )
+        _issue(i, page, n_full, first, ring, PAGE_SIZE)
 
     # Queries of this program's rows (query j, head h) = m, into shared memory for the split.
     offs_ml = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LD))
@@ -428,27 +400,11 @@ def _split_kernel_gluon(
         cv_r = gl.allocate_shared_memory(
             dtype, [3, BN, ROPE], gl.NVMMASharedLayout.get_default_for([BN, ROPE], dtype)
         )
+        # The arguments every tile conversion takes.
+        split = (n_full, first, row, page_table, stride_table)
+        conv = (cv_c, cv_r)
         if n_full > 0:
-            _convert_tile(
-                0,
-                n_full,
-                first,
-                row,
-                page_table,
-                stride_table,
-                desc_c,
-                desc_r,
-                c_bufs,
-                r_bufs,
-                ready,
-                cv_c,
-                cv_r,
-                PAGE_SIZE,
-                RANK,
-                STAGES,
-                CHUNK,
-                LD,
-            )
+            _convert_tile(0, split, ring, conv, PAGE_SIZE, CHUNK, LD)
             table_row = page_table + row * stride_table
             sc = _tile_scales(0, first, table_row, row_scales, BN, PAGE_SIZE, SCALE_MODE, col_l)
             # Scales come one tile ahead, so that their two dependent loads are not waited on.
@@ -464,26 +420,7 @@ def _split_kernel_gluon(
             )
             s = _scores(q_s, qr_s, cv_c.index(0), cv_r.index(0), zero_s)
             if n_full > 1:
-                _convert_tile(
-                    1,
-                    n_full,
-                    first,
-                    row,
-                    page_table,
-                    stride_table,
-                    desc_c,
-                    desc_r,
-                    c_bufs,
-                    r_bufs,
-                    ready,
-                    cv_c,
-                    cv_r,
-                    PAGE_SIZE,
-                    RANK,
-                    STAGES,
-                    CHUNK,
-                    LD,
-                )
+                _convert_tile(1, split, ring, conv, PAGE_SIZE, CHUNK, LD)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_acc = _softmax(
                 s, first, start, end, last, m_i, l_acc, qk_scale, sc, col_l, BN, P_OP, dtype, True
@@ -504,26 +441,7 @@ def _split_kernel_gluon(
                     col_l,
                 )
                 if t + 1 < n_full:
-                    _convert_tile(
-                        t + 1,
-                        n_full,
-                        first,
-                        row,
-                        page_table,
-                        stride_table,
-                        desc_c,
-                        desc_r,
-                        c_bufs,
-                        r_bufs,
-                        ready,
-                        cv_c,
-                        cv_r,
-                        PAGE_SIZE,
-                        RANK,
-                        STAGES,
-                        CHUNK,
-                        LD,
-                    )
+                    _convert_tile(t + 1, split, ring, conv, PAGE_SIZE, CHUNK, LD)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
                 p, alpha, m_i, l_acc = _softmax(
                     s,
@@ -586,20 +504,7 @@ def _split_kernel_gluon(
                     )
                     acc = warpgroup_mma_wait(num_outstanding=NCH, deps=(acc,))
                     gl.thread_barrier()  # every warpgroup's P V on stage prev is done
-                    _issue(
-                        t - 1 + STAGES,
-                        page,
-                        n_full,
-                        first,
-                        desc_c,
-                        desc_r,
-                        c_bufs,
-                        r_bufs,
-                        ready,
-                        PAGE_SIZE,
-                        RANK,
-                        STAGES,
-                    )
+                    _issue(t - 1 + STAGES, page, n_full, first, ring, PAGE_SIZE)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                     p, alpha, m_i, l_acc = _softmax(
                         s,
@@ -653,20 +558,7 @@ def _split_kernel_gluon(
                     # Each warpgroup waited for its own MMAs only; the barrier makes it every
                     # warpgroup's.
                     gl.thread_barrier()
-                    _issue(
-                        t - 1 + STAGES,
-                        page,
-                        n_full,
-                        first,
-                        desc_c,
-                        desc_r,
-                        c_bufs,
-                        r_bufs,
-                        ready,
-                        PAGE_SIZE,
-                        RANK,
-                        STAGES,
-                    )
+                    _issue(t - 1 + STAGES, page, n_full, first, ring, PAGE_SIZE)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             last_st = (n_full - 1) % STAGES
             acc = warpgroup_mma(p, c_bufs.index(last_st), acc, is_async=True)
