@@ -3,10 +3,10 @@ benchmarks/mla_decode.py is).
 
 Times the whole decode call (absorb + split kernel + merge tail) on the large mixed batch of
 benchmarks/mla_decode.py (36 histories drawn from 2k-200k) for configs
-"kind,bm,bn,warps,stages[,chunk,early]":
+"kind,bm,bn,warps,stages[,chunk]":
   orig - the Triton split kernel (`decode._split_kernel`) at BLOCK_M bm, BLOCK_N bn
-  G    - the Gluon kernel (`gluon_decode`) with BN bn and `stages` shared-memory stages, TMA
-         chunks of `chunk` latent columns (0: the default) and EARLY_REFILL `early` (0 / 1)
+  G    - the Gluon kernel (`gluon_decode`) with BN bn and `stages` shared-memory stages and TMA
+         chunks of `chunk` latent columns (0: the default)
   W/WT - the library call `mla_decode_paged_split(kernel="gluon" / "triton")` at its defaults
 Each config is first checked on a small ragged case whose splits start mid-tile (granularity
 16), then on the large batch, against the torch reference.
@@ -30,7 +30,7 @@ from tokenspeed.model.ops.mla import decode as md
 LOG2E = md.LOG2E
 
 
-def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0, early=1):
+def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
     d = env.dims
     q, pages = batch.q, batch.pages
     tokens, heads, _ = q.shape
@@ -95,7 +95,6 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0, early=1):
             *args,
             **shape,
             STAGES=stages,
-            EARLY_REFILL=bool(early),
             num_warps=8,
         )
     else:

@@ -111,6 +111,29 @@ def test_gpu_gluon_matches_reference_and_triton(n, granularity, heads):
     _assert_close(tri, ref, inp["real"], TOL[torch.bfloat16])
 
 
+# The latent part of a tile can come in several TMA boxes, one barrier each, with Q K^T
+# starting on the first boxes (`descriptors(chunk=)`); the library loads one box, so only this
+# test reaches the narrower chunks.
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+def test_gpu_gluon_latent_chunks_match_reference(chunk, monkeypatch):
+    whole = gluon_decode.descriptors
+    made = []
+
+    def chunked(pages, rank):
+        made.append(chunk)
+        return whole(pages, rank, chunk=chunk)
+
+    monkeypatch.setattr(gluon_decode, "descriptors", chunked)
+    lens = [4, 33, 65, 700, 4097]
+    inp = make_inputs(lens, 1, pad_rows=1, dtype=torch.bfloat16, device="cuda", seed=5, **K3)
+    splits = plan(lens, len(lens) + 1, 64, 16, device="cuda")
+    out = run(inp, splits, kernel="gluon")
+    assert made == [chunk]
+    _assert_close(out, reference(inp), inp["real"], TOL[torch.bfloat16])
+
+
 @pytest.mark.gpu
 @hopper
 def test_gpu_gluon_int64_page_table_and_uniform_mode():

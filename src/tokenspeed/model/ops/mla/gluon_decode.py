@@ -11,14 +11,14 @@ normalised partial o [R] and log2-sum-exp per row into part_o / part_lse):
   page: tiles are aligned to BLOCK_N in the history and BLOCK_N divides the page size); the
   queries stay in shared memory for the whole split. The ragged last tile of a split is read
   with masked loads, so rows past the history are zeros, never stale page contents.
-- Step order (bf16 / fp16, `EARLY_REFILL`): tile t-1's P V is issued, then tile t's Q K^T;
-  as soon as that P V is done, its stage is refilled with tile t+1 while Q K^T still runs,
-  then the softmax of tile t. With the queries resident only two 64-row stages fit, and a
-  stage holds its tile until that tile's P V: FlashAttention-3's order (Q K^T of t, then P V
-  of t-1 under the softmax of t; `EARLY_REFILL=False`) can refill a stage only at the very end
-  of a step, so every tile's load latency was exposed. The early refill measured 1.23x faster
-  on the H200 (2.08 against 2.56 ms on the mixed 36-request batch), though the softmax now
-  runs with the tensor cores idle.
+- Step order (bf16 / fp16): tile t-1's P V is issued, then tile t's Q K^T; as soon as that
+  P V is done, its stage is refilled with tile t+1 while Q K^T still runs, then the softmax of
+  tile t. With the queries resident only two 64-row stages fit, and a stage holds its tile
+  until that tile's P V: FlashAttention-3's order (Q K^T of t, then P V of t-1 under the
+  softmax of t) can refill a stage only at the very end of a step, so every tile's load
+  latency was exposed. This order measured 1.23x faster on the H200 (2.08 against 2.56 ms on
+  the mixed 36-request batch, docs/perf/mla.md), though the softmax now runs with the tensor
+  cores idle.
 - e4m3 caches (SCALE_MODE 1 per page, 2 per row): 32-row tiles; tile t+1 is converted exactly
   to the queries' type into one of three shared buffers while tile t's MMAs run, and the
   scales multiply score columns and probabilities, as in the Triton kernel. The conversion
@@ -302,7 +302,6 @@ def _split_kernel_gluon(
     GRANULE: gl.constexpr,
     STAGES: gl.constexpr,
     SCALE_MODE: gl.constexpr,  # 0 none (bf16 / fp16 cache), 1 per page, 2 per row (e4m3)
-    EARLY_REFILL: gl.constexpr = True,  # bf16 / fp16: the step order, see the loop
 ):
     BM: gl.constexpr = 64
     BN: gl.constexpr = desc_c.block_type.shape[0]
@@ -485,80 +484,42 @@ def _split_kernel_gluon(
                 page = _page_of(
                     t - 1 + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE
                 )
-                if EARLY_REFILL:
-                    # P V of tile t-1 first, then tile t's Q K^T chunk by chunk; stage prev is
-                    # refilled as soon as that P V is done, while Q K^T still runs, which gives
-                    # the refill the softmax and the next P V to land in. The softmax itself
-                    # runs with the tensor cores idle.
-                    acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
-                    s = _scores_streamed(
-                        q_s,
-                        qr_s,
-                        c_bufs.index(st),
-                        r_bufs.index(st),
-                        zero_s,
-                        ready,
-                        st,
-                        (t // STAGES) & 1,
-                        CW,
-                    )
-                    acc = warpgroup_mma_wait(num_outstanding=NCH, deps=(acc,))
-                    gl.thread_barrier()  # every warpgroup's P V on stage prev is done
-                    _issue(t - 1 + STAGES, page, n_full, first, ring, PAGE_SIZE)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                    p, alpha, m_i, l_acc = _softmax(
-                        s,
-                        first + t * BN,
-                        start,
-                        end,
-                        last,
-                        m_i,
-                        l_acc,
-                        qk_scale,
-                        1.0,
-                        col_l,
-                        BN,
-                        P_OP,
-                        dtype,
-                        False,
-                    )
-                else:
-                    # FlashAttention-3's order: tile t's Q K^T, then tile t-1's P V, and tile
-                    # t's softmax while that P V still runs; stage prev is refilled after it.
-                    s = _scores_streamed(
-                        q_s,
-                        qr_s,
-                        c_bufs.index(st),
-                        r_bufs.index(st),
-                        zero_s,
-                        ready,
-                        st,
-                        (t // STAGES) & 1,
-                        CW,
-                    )
-                    acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                    p, alpha, m_i, l_acc = _softmax(
-                        s,
-                        first + t * BN,
-                        start,
-                        end,
-                        last,
-                        m_i,
-                        l_acc,
-                        qk_scale,
-                        1.0,
-                        col_l,
-                        BN,
-                        P_OP,
-                        dtype,
-                        False,
-                    )
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    # Each warpgroup waited for its own MMAs only; the barrier makes it every
-                    # warpgroup's.
-                    gl.thread_barrier()
-                    _issue(t - 1 + STAGES, page, n_full, first, ring, PAGE_SIZE)
+                # P V of tile t-1 first, then tile t's Q K^T chunk by chunk; stage prev is
+                # refilled as soon as that P V is done, while Q K^T still runs, which gives
+                # the refill the softmax and the next P V to land in. The softmax itself
+                # runs with the tensor cores idle.
+                acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
+                s = _scores_streamed(
+                    q_s,
+                    qr_s,
+                    c_bufs.index(st),
+                    r_bufs.index(st),
+                    zero_s,
+                    ready,
+                    st,
+                    (t // STAGES) & 1,
+                    CW,
+                )
+                acc = warpgroup_mma_wait(num_outstanding=NCH, deps=(acc,))
+                gl.thread_barrier()  # every warpgroup's P V on stage prev is done
+                _issue(t - 1 + STAGES, page, n_full, first, ring, PAGE_SIZE)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                p, alpha, m_i, l_acc = _softmax(
+                    s,
+                    first + t * BN,
+                    start,
+                    end,
+                    last,
+                    m_i,
+                    l_acc,
+                    qk_scale,
+                    1.0,
+                    col_l,
+                    BN,
+                    P_OP,
+                    dtype,
+                    False,
+                )
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             last_st = (n_full - 1) % STAGES
             acc = warpgroup_mma(p, c_bufs.index(last_st), acc, is_async=True)
