@@ -37,13 +37,13 @@ default config. To change the default, set `variant=` in `kda_decode` (and DEFAU
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import warnings
 
 import torch
 import triton
 
+from cuda_timing import time_eager, time_graph
 from fla_tuning import autotuner, fastest, pinned
 from tokenspeed.model.ops.conv import causal_conv
 from tokenspeed.model.ops.kda import kda_gate, kda_recurrent
@@ -202,36 +202,6 @@ def fla_path(inp, gate, recurrent_only=False):
         return recurrent(q, k, v)
 
     return (lambda: recurrent(*pre)) if recurrent_only else step
-
-
-def time_eager(fn, iters: int = 50) -> float:
-    """us per call over back-to-back calls (median of 3)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(samples)
-
-
-def time_graph(fn) -> float:
-    """us per replay of a graph holding one call, L2 flushed before each replay (median)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile / autotune outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=20, rep=80, return_mode="median") * 1e3
 
 
 def copy_bandwidth() -> float:

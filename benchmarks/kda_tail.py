@@ -15,13 +15,13 @@ Before timing the kernel is checked against the torch references; a mismatch exi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from cuda_timing import time_eager, time_graph
 from tokenspeed.model.ops.kda.tail import fp8_quantize_rows, kda_output_tail
 from tokenspeed.model.ops.norm import gated_rms_norm
 
@@ -42,36 +42,6 @@ def torch_tail(o, gate, weight, fp8):
     normed = F.rms_norm(o.float(), (V,), weight.float(), EPS)
     y = (normed * torch.sigmoid(gate.float()).view_as(normed)).to(o.dtype)
     return fp8_quantize_rows(y.view(o.shape[0], -1)) if fp8 else y.view(o.shape[0], -1)
-
-
-def time_eager(fn, iters: int = 50) -> float:
-    """us per call over back-to-back calls (median of 3)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(samples)
-
-
-def time_graph(fn) -> float:
-    """us per replay of a graph holding one call (median, L2 flushed before each replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=20, rep=80, return_mode="median") * 1e3
 
 
 def check() -> list[str]:

@@ -179,6 +179,24 @@ def check(name: str, ok: bool, detail: str) -> None:
         raise Failure(f"{name}: {detail}")
 
 
+def situ_experts(h, routing, experts, tokens, **kw):
+    """Our expert path on `routing` (a `RouterOutput`) with the benchmark's SiTU; `kw` are the
+    options a caller varies (fast_math, config, norm_weight)."""
+    return fused_experts(
+        h,
+        routing.weights,
+        routing.ids,
+        experts,
+        counts=routing.counts,
+        ranks=routing.ranks,
+        activation="situ",
+        beta=BETA,
+        linear_beta=LINEAR_BETA,
+        pairs_hint=tokens,
+        **kw,
+    )
+
+
 def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, rows):
     x = torch.randn(tokens, HIDDEN, device=DEVICE, generator=gen).to(DTYPE)
     h = torch.randn(tokens, LATENT, device=DEVICE, generator=gen).to(DTYPE)
@@ -221,12 +239,9 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
     bf16_time = bf16_fast_time = None
     for fmt in formats:
         experts, ref_weights = weights_by_format[fmt]
-        kw = dict(activation="situ", beta=BETA, linear_beta=LINEAR_BETA, pairs_hint=tokens)
 
-        def ours_experts(experts=experts, kw=kw):
-            return fused_experts(
-                h, ours.weights, ids, experts, counts=ours.counts, ranks=ours.ranks, **kw
-            )
+        def ours_experts(experts=experts):
+            return situ_experts(h, ours, experts, tokens)
 
         got = ours_experts()
         if fmt == "fp8":
@@ -243,25 +258,16 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
         if fmt == "bf16":
             # Our bf16 with the fast math that FP8 uses by default (bf16's default is exact):
             # the like-for-like comparison of the formats.
-            def fast_experts(experts=experts, kw=kw):
-                return fused_experts(
-                    h,
-                    ours.weights,
-                    ids,
-                    experts,
-                    counts=ours.counts,
-                    ranks=ours.ranks,
-                    fast_math=True,
-                    **kw,
-                )
+            def fast_experts(experts=experts):
+                return situ_experts(h, ours, experts, tokens, fast_math=True)
 
             err = rel_rms(fast_experts(), got)
             check("bf16 fast-math experts", err <= 2e-3, f"rel rms {err} to exact math")
             bf16_fast_time = bench(fast_experts, False)
 
-        def ours_path(experts=experts, kw=kw):
+        def ours_path(experts=experts):
             r = route_fused(x, gate_w_kernel, bias, TOP_K, num_local=LOCAL)
-            return fused_experts(h, r.weights, r.ids, experts, counts=r.counts, ranks=r.ranks, **kw)
+            return situ_experts(h, r, experts, tokens)
 
         t_path = bench(ours_path, False)
         t_path_graph = bench(ours_path, True)
@@ -364,19 +370,7 @@ def sweep_rows(tokens, formats, weights_by_format, layer_parts, gen) -> list[str
         configs = _candidates(fmt, tokens / LOCAL)
 
         def run(config, experts=experts):
-            return fused_experts(
-                h,
-                r.weights,
-                r.ids,
-                experts,
-                counts=r.counts,
-                ranks=r.ranks,
-                activation="situ",
-                beta=BETA,
-                linear_beta=LINEAR_BETA,
-                pairs_hint=tokens,
-                config=config,
-            )
+            return situ_experts(h, r, experts, tokens, config=config)
 
         want = run(configs[0])
         base_ms = None
@@ -405,20 +399,7 @@ def layer_row(tokens, layer_parts, gen) -> str:
 
     def routed():
         r = route_fused(x, gate_w_kernel, bias, TOP_K, num_local=LOCAL)
-        h = x @ down_w.t()
-        y = fused_experts(
-            h,
-            r.weights,
-            r.ids,
-            experts,
-            counts=r.counts,
-            ranks=r.ranks,
-            activation="situ",
-            beta=BETA,
-            linear_beta=LINEAR_BETA,
-            pairs_hint=tokens,
-            norm_weight=norm_w,
-        )
+        y = situ_experts(x @ down_w.t(), r, experts, tokens, norm_weight=norm_w)
         return y @ up_w.t()
 
     def shared():

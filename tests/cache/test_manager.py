@@ -255,13 +255,19 @@ def test_hit_mixes_device_pages_host_pages_and_host_checkpoint():
     cache.check_integrity()
 
 
-def test_corrupted_host_object_is_rejected_and_the_hit_shrinks():
+def _only_in_l2(seed):
+    """(l2, cache, tokens, keys): a published 33-token history with checkpoints at 16 and 32,
+    evicted from the device tier, so that a hit on it loads everything from L2."""
     l2 = LocalHostCache(capacity_bytes=1 << 20)
     cache = make_manager(l2=l2)
-    tokens = token_stream(8, 33)
+    tokens = token_stream(seed, 33)
     _prefill(cache, "a", tokens, checkpoints=[16, 32], publish=True)
     cache.evict(pages=100, checkpoints=100)
-    keys = KeyChain(P).append_tokens(tokens)
+    return l2, cache, tokens, KeyChain(P).append_tokens(tokens)
+
+
+def test_corrupted_host_object_is_rejected_and_the_hit_shrinks():
+    l2, cache, tokens, keys = _only_in_l2(8)
     l2.corrupt_for_test(ObjectKind.PAGE, keys[5])  # page 5 lies between the two checkpoints
     h = cache.allocate("b", keys, 33)
     h.load.synchronize()
@@ -275,12 +281,7 @@ def test_corrupted_host_object_is_rejected_and_the_hit_shrinks():
 
 
 def test_corrupted_host_checkpoint_falls_back_to_a_shallower_one():
-    l2 = LocalHostCache(capacity_bytes=1 << 20)
-    cache = make_manager(l2=l2)
-    tokens = token_stream(9, 33)
-    _prefill(cache, "a", tokens, checkpoints=[16, 32], publish=True)
-    cache.evict(pages=100, checkpoints=100)
-    keys = KeyChain(P).append_tokens(tokens)
+    l2, cache, tokens, keys = _only_in_l2(9)
     l2.corrupt_for_test(ObjectKind.CHECKPOINT, keys[7])
     h = cache.allocate("b", keys, 33)
     h.load.synchronize()

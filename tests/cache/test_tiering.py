@@ -69,10 +69,27 @@ def test_coverage_asks_l2_the_same_gaps_as_a_page_by_page_walk(where):
     assert Tiering.coverage(tiering, keys, pids) == first_gap
 
 
-def test_coverage_continues_through_l2_gaps_and_l1_runs():
-    g = tiny_geometry()
+def _rank_over_l2(**kw):
+    """(host tier, manager): one metadata-only rank over an L2 of its own; `kw` go to the
+    manager."""
     l2 = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
-    cache = make_manager(g, l2=l2, metadata_only=True, pages=32)
+    return l2, make_manager(tiny_geometry(), l2=l2, metadata_only=True, **kw)
+
+
+def _two_ranks_sharing_l2(tier=LocalHostCache):
+    """(host tier, manager a, manager b): two metadata-only ranks over one shared L2 of class
+    `tier`."""
+    g = tiny_geometry()
+    shared = tier(capacity_bytes=1 << 20, metadata_only=True)
+    return (
+        shared,
+        make_manager(g, l2=shared, metadata_only=True),
+        make_manager(g, l2=shared, metadata_only=True),
+    )
+
+
+def test_coverage_continues_through_l2_gaps_and_l1_runs():
+    l2, cache = _rank_over_l2(pages=32)
     keys = KeyChain(P).append_tokens(token_stream(1, 41))
     _turn(cache, "a", keys, 41, checkpoints=[40])
     # Pages 0..9 in L1 and L2. Remove page 3 from L1 only and page 6 from both.
@@ -100,10 +117,7 @@ class _Unaware(LocalHostCache):
 
 @pytest.mark.parametrize("tier", [LocalHostCache, _Unaware])
 def test_object_vanishing_between_match_and_allocate_shrinks_the_hit(tier):
-    g = tiny_geometry()
-    shared = tier(capacity_bytes=1 << 20, metadata_only=True)
-    a = make_manager(g, l2=shared, metadata_only=True)
-    b = make_manager(g, l2=shared, metadata_only=True)
+    shared, a, b = _two_ranks_sharing_l2(tier)
     keys = KeyChain(P).append_tokens(token_stream(2, 33))
     _turn(a, "w", keys, 33, checkpoints=[16, 32])
     m = b.match(keys, 33)
@@ -121,10 +135,7 @@ def test_object_vanishing_between_match_and_allocate_shrinks_the_hit(tier):
 def test_a_vanished_l2_checkpoint_shrinks_the_hit_to_pages_already_read():
     # The stale plan reads every page, then finds its checkpoint gone: the second pass keeps the
     # pages the first read returned (none is read twice) and stops at the shallower checkpoint.
-    g = tiny_geometry()
-    shared = _Unaware(capacity_bytes=1 << 20, metadata_only=True)
-    a = make_manager(g, l2=shared, metadata_only=True)
-    b = make_manager(g, l2=shared, metadata_only=True)
+    shared, a, b = _two_ranks_sharing_l2(_Unaware)
     keys = KeyChain(P).append_tokens(token_stream(2, 33))
     _turn(a, "w", keys, 33, checkpoints=[16, 32])
     m = b.match(keys, 33)
@@ -136,17 +147,6 @@ def test_a_vanished_l2_checkpoint_shrinks_the_hit_to_pages_already_read():
     assert b.stats().counters.l2_fetch_failures == 1
     b.release(h)
     b.check_integrity()
-
-
-def _two_ranks_sharing_l2():
-    """(host tier, manager a, manager b): two metadata-only ranks over one shared L2."""
-    g = tiny_geometry()
-    shared = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
-    return (
-        shared,
-        make_manager(g, l2=shared, metadata_only=True),
-        make_manager(g, l2=shared, metadata_only=True),
-    )
 
 
 def test_a_match_is_reused_only_while_neither_tier_changed():
@@ -174,9 +174,7 @@ def test_a_history_published_turn_by_turn_from_two_ranks_is_stored_once():
 
 
 def test_l1_checkpoint_wins_ties_and_l2_extends_deeper():
-    g = tiny_geometry()
-    l2 = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
-    cache = make_manager(g, l2=l2, metadata_only=True)
+    _, cache = _rank_over_l2()
     keys = KeyChain(P).append_tokens(token_stream(3, 33))
     _turn(cache, "w", keys, 33, checkpoints=[16, 32])
     entry = cache._ckpts.get(keys[7])
@@ -231,9 +229,7 @@ def test_a_publish_larger_than_the_host_tier_counts_only_what_it_keeps():
 def test_a_publish_around_pages_already_in_l2_writes_only_the_missing_ones():
     # Pages 2 and 3 are in L2 already (another path wrote them): the prefix check finds none,
     # and the missing pages are two stretches, written in one batch that is no single run.
-    g = tiny_geometry()
-    l2 = LocalHostCache(capacity_bytes=1 << 20, metadata_only=True)
-    cache = make_manager(g, l2=l2, metadata_only=True)
+    l2, cache = _rank_over_l2()
     keys = KeyChain(P).append_tokens(token_stream(8, 33))
     l2.put_many(ObjectKind.PAGE, keys[2:4], [2, 3])
     h = cache.allocate("a", keys, 33)

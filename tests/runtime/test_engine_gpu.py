@@ -18,9 +18,9 @@ from .conftest import tokens
 pytestmark = pytest.mark.gpu
 
 
-def _generate(model, graphs: bool, decode_steps: int = 1, stops=None):
-    """Greedy outputs of six mixed-length prompts; stops: per prompt, stop token ids."""
-    engine = Engine(
+def _engine(model, graphs: bool, decode_steps: int) -> Engine:
+    """Up to eight sequences of 512 tokens, prefill chunks of 128 tokens."""
+    return Engine(
         model,
         None,
         EngineConfig(
@@ -33,6 +33,11 @@ def _generate(model, graphs: bool, decode_steps: int = 1, stops=None):
             decode_steps=decode_steps,
         ),
     )
+
+
+def _generate(model, graphs: bool, decode_steps: int = 1, stops=None):
+    """Greedy outputs of six mixed-length prompts; stops: per prompt, stop token ids."""
+    engine = _engine(model, graphs, decode_steps)
     assert engine.runner.graphs.captured == graphs
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9)]
     for i, p in enumerate(prompts):
@@ -136,19 +141,7 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
     model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to(
         "cuda", torch.float32
     )
-    engine = Engine(
-        model,
-        None,
-        EngineConfig(
-            device="cuda",
-            page_size=16,
-            max_num_seqs=8,
-            max_model_len=512,
-            prefill_token_budget=128,
-            enable_cuda_graph=True,
-            decode_steps=decode_steps,
-        ),
-    )
+    engine = _engine(model, graphs=True, decode_steps=decode_steps)
     idle = engine.cache.available_pages
     injected = inject_failures(engine, random.Random(decode_steps), 0.1)
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9, 50, 33)]

@@ -53,6 +53,28 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], why
         )
 
 
+def _mix_norm(
+    bank: torch.Tensor,
+    site: AttnResMix,
+    mix_eps: float,
+    norm: RMSNorm,
+    delta: torch.Tensor | None,
+    accumulate: bool = True,
+) -> torch.Tensor:
+    """One fused AttnRes site (`dispatch.attn_res_mix_norm`): `site` mixes `bank` (after adding
+    `delta` to its partial entry), then `norm` normalises the mix for the module that reads it."""
+    return dispatch.attn_res_mix_norm(
+        bank,
+        site.proj.weight,
+        site.norm.weight,
+        mix_eps,
+        norm.weight,
+        norm.eps,
+        delta=delta,
+        accumulate=accumulate,
+    )
+
+
 class KimiModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -112,15 +134,8 @@ class KimiModel(nn.Module):
         for layer in self.layers:
             if before_layer is not None:
                 before_layer(layer.index)
-            site = layer.self_attention_res
-            x = dispatch.attn_res_mix_norm(
-                bank[: n + 1],
-                site.proj.weight,
-                site.norm.weight,
-                eps,
-                layer.input_layernorm.weight,
-                layer.input_layernorm.eps,
-                delta=pending,
+            x = _mix_norm(
+                bank[: n + 1], layer.self_attention_res, eps, layer.input_layernorm, pending
             )
             # A layer at a block boundary closes the running sum into a completed entry (at layer
             # 0: the embedding) and starts a new partial with its attention output.
@@ -129,28 +144,16 @@ class KimiModel(nn.Module):
             states = state.kda if layer.kind == "kda" else state.mla
             out, new = layer.self_attn(x, batch, states[layer.index])
             (kda if layer.kind == "kda" else mla)[layer.index] = new
-            site = layer.mlp_res
-            x = dispatch.attn_res_mix_norm(
+            x = _mix_norm(
                 bank[: n + 1],
-                site.proj.weight,
-                site.norm.weight,
+                layer.mlp_res,
                 eps,
-                layer.post_attention_layernorm.weight,
-                layer.post_attention_layernorm.eps,
-                delta=out,
+                layer.post_attention_layernorm,
+                out,
                 accumulate=not opened,
             )
             pending = layer.mlp(x)
-        site = self.output_attn_res
-        hidden = dispatch.attn_res_mix_norm(
-            bank[: n + 1],
-            site.proj.weight,
-            site.norm.weight,
-            eps,
-            self.norm.weight,
-            self.norm.eps,
-            delta=pending,
-        )
+        hidden = _mix_norm(bank[: n + 1], self.output_attn_res, eps, self.norm, pending)
         if isinstance(state, PagedState):
             return hidden, state
         return hidden, DecoderState(kda=kda, mla=mla, num_tokens=list(batch.total_lens))

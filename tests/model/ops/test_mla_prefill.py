@@ -9,9 +9,6 @@ expanded keys and values and the probabilities once each.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -147,12 +144,10 @@ INTERP_CASES = {
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # Imported here, not at the top: the interpreter child runs this file as a plain script.
+    from .triton_interpreter import run_script
+
+    return run_script(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("name", sorted(INTERP_CASES))

@@ -9,6 +9,9 @@ or the failure text}} for the rest of the session.
 
 Interpreter caveats (Triton 3.9): fp32 -> bf16 casts truncate and tl.dot on bf16 is wrong,
 so checks use fp32 / fp16; libdevice is unavailable (kernels take their non-EXACT path).
+
+Modules that print their own reports when run as a script (the KDA and MLA kernel tests) run
+through `run_script` instead.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+import tokenspeed
 
 ROOT = Path(__file__).resolve().parents[3]
 MODULES = tuple(
@@ -60,6 +65,23 @@ def run_cases(modules: tuple[str, ...], timeout: float = 900) -> dict[str, dict]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"interpreter run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len(_MARK) :])
+
+
+def run_script(path: str, *args: str, timeout: float = 600) -> dict:
+    """Run the test module at `path` as a script, with `args`, in a child under
+    TRITON_INTERPRET=1 (and this checkout's package on its path); return the JSON object on the
+    last line it prints."""
+    src = str(Path(tokenspeed.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, path, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_here(module: str) -> dict[str, str | None]:

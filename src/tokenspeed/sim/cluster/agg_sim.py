@@ -11,8 +11,8 @@ from __future__ import annotations
 from tokenspeed.sched import Request, RequestState, Router, RouterConfig
 from tokenspeed.sim.cluster.config import ClusterConfig
 from tokenspeed.sim.cluster.engine import EventLoop
-from tokenspeed.sim.cluster.ranks import AggregatedRank, build_cache, build_host_tiers
-from tokenspeed.sim.cost import CostModel, decode_run_ends
+from tokenspeed.sim.cluster.ranks import AggregatedRank, build_cache
+from tokenspeed.sim.cost import CostModel
 from tokenspeed.sim.workload import SessionSource
 
 
@@ -21,8 +21,7 @@ class AggregatedSimulator(EventLoop):
         self, config: ClusterConfig, workload: SessionSource, cost: CostModel, **kw
     ) -> None:
         super().__init__(config, workload, cost, **kw)
-        tiers = build_host_tiers(config)
-        self.host_tiers = tiers
+        tiers = self.host_tiers
         self.agg = [
             AggregatedRank(i, build_cache(config, config.decode_live_requests, tiers[i]), config)
             for i in range(config.prefill_ranks)
@@ -30,9 +29,6 @@ class AggregatedSimulator(EventLoop):
         self.router = Router(
             RouterConfig(num_prefill_ranks=config.prefill_ranks, policy=config.routing)
         )
-        g = config.geometry
-        self._bytes_per_token = g.mla_page_bytes / g.page_size
-        self._state_bytes = g.kda_state_bytes
 
     @property
     def ranks(self):
@@ -60,28 +56,11 @@ class AggregatedSimulator(EventLoop):
             for chunk in plan.prefill.chunks:
                 req = chunk.request
                 spans.append((chunk.start, chunk.end))
-                if req.rid in rank.admitted:
-                    continue
-                rank.admitted.add(req.rid)
-                rec = self.records[req.rid]
-                if rec.prefill_start is None:
-                    rec.prefill_start = self.now
-                rec.cached_tokens += req.num_cached
-                rec.prefilled_tokens += req.prefill_target
-                handle = rank.port.handle(req.rid)
-                load_bytes += handle.l2_cached_tokens * self._bytes_per_token
-                if handle.load.l2_checkpoint:
-                    load_bytes += self._state_bytes
+                if req.rid not in rank.admitted:  # first chunk of this admission
+                    load_bytes += self._record_admission(rank, req)
         ends, total = [], 0.0
-        decode = plan.decode
-        if decode is not None:
-            for req in decode.requests:
-                rec = self.records[req.rid]
-                if rec.first_decode_step is None:
-                    rec.first_decode_step = self.now
-            ends = decode_run_ends(
-                self.cost, decode.size, decode.padded_size, sum(decode.history_lens), decode.steps
-            )
+        if plan.decode is not None:
+            ends = self._decode_run_ends(plan.decode)
             total = ends[-1]
         if spans:
             # A mixed forward: the prefill chunks ride on the (single) decode step.

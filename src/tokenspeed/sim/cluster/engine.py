@@ -7,8 +7,8 @@ its subagents, if the turn launched any); a finished session is replaced by the 
 source. Timed workloads (Mooncake traces) start each session at its recorded time instead. No turn
 is issued at or after `duration_s`; everything in flight drains.
 
-Subclasses (P/D, aggregated) implement `_admit_request` and call `_finished` / `_aborted` /
-`_preempted` as requests leave the cluster.
+Subclasses (P/D, aggregated) build their ranks over `host_tiers`, implement `_admit_request`,
+and call `_finished` / `_aborted` / `_preempted` as requests leave the cluster.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ import bisect
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 from tokenspeed.sched import Request
+from tokenspeed.sched.batch import DecodeBatch
 from tokenspeed.sim.cluster.config import ClusterConfig
+from tokenspeed.sim.cluster.ranks import AggregatedRank, PrefillRank, build_host_tiers
 from tokenspeed.sim.cluster.records import RequestRecord
 from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
-from tokenspeed.sim.cost import CostModel
+from tokenspeed.sim.cost import CostModel, decode_run_ends
 from tokenspeed.sim.workload import Session, SessionSource
 
 
@@ -70,6 +72,10 @@ class EventLoop:
         self._open_sessions = 0
         self.wall_s = 0.0
         self.cpu_s = 0.0
+        self.host_tiers = build_host_tiers(config)  # one entry per rank, prefill ranks first
+        g = config.geometry
+        self._bytes_per_token = g.mla_page_bytes / g.page_size
+        self._state_bytes = g.kda_state_bytes
 
     # ---- events -------------------------------------------------------------------------------
     def at(self, when: float, handler: Callable[[Any], None], arg: Any = None) -> None:
@@ -203,6 +209,34 @@ class EventLoop:
         self._open_sessions -= 1
         if not getattr(self.workload, "timed", False):
             self._start_next_session()
+
+    # ---- forwards on the ranks ----------------------------------------------------------------
+    def _record_admission(self, rank: PrefillRank | AggregatedRank, req: Request) -> float:
+        """The first prefill chunk of `req` since it was (re)admitted on `rank`: mark it admitted,
+        record it, and return the bytes its host-tier hit loads (pages, plus the KDA state when
+        the hit's checkpoint comes from there)."""
+        rank.admitted.add(req.rid)
+        rec = self.records[req.rid]
+        if rec.prefill_start is None:
+            rec.prefill_start = self.now
+        rec.cached_tokens += req.num_cached
+        rec.prefilled_tokens += req.prefill_target
+        handle = rank.port.handle(req.rid)
+        load_bytes = handle.l2_cached_tokens * self._bytes_per_token
+        if handle.load.l2_checkpoint:
+            load_bytes += self._state_bytes
+        return load_bytes
+
+    def _decode_run_ends(self, batch: DecodeBatch) -> Sequence[float]:
+        """A run of decode steps over `batch` starts now: record each row's first decode step,
+        and return the cumulative end offsets of the run's steps."""
+        for req in batch.requests:
+            rec = self.records[req.rid]
+            if rec.first_decode_step is None:
+                rec.first_decode_step = self.now
+        return decode_run_ends(
+            self.cost, batch.size, batch.padded_size, sum(batch.history_lens), batch.steps
+        )
 
     # ---- requests leaving the cluster ---------------------------------------------------------
     def _admit_request(self, req: Request) -> None:

@@ -25,13 +25,8 @@ from tokenspeed.sched import (
 )
 from tokenspeed.sim.cluster.config import ClusterConfig
 from tokenspeed.sim.cluster.engine import EventLoop
-from tokenspeed.sim.cluster.ranks import (
-    DecodeRank,
-    PrefillRank,
-    build_cache,
-    build_host_tiers,
-)
-from tokenspeed.sim.cost import CostModel, decode_run_ends
+from tokenspeed.sim.cluster.ranks import DecodeRank, PrefillRank, build_cache
+from tokenspeed.sim.cost import CostModel
 from tokenspeed.sim.workload import SessionSource
 
 
@@ -40,8 +35,7 @@ class PDSimulator(EventLoop):
         self, config: ClusterConfig, workload: SessionSource, cost: CostModel, **kw
     ) -> None:
         super().__init__(config, workload, cost, **kw)
-        tiers = build_host_tiers(config)
-        self.host_tiers = tiers
+        tiers = self.host_tiers
         self.prefill = [
             PrefillRank(i, build_cache(config, config.prefill_live_requests, tiers[i]), config)
             for i in range(config.prefill_ranks)
@@ -76,9 +70,6 @@ class PDSimulator(EventLoop):
         self._decode_loads = [DecodeLoad(0, 0)] * config.decode_ranks
         self._stale_prefill = set(range(config.prefill_ranks))
         self._stale_decode = set(range(config.decode_ranks))
-        g = config.geometry
-        self._bytes_per_token = g.mla_page_bytes / g.page_size
-        self._state_bytes = g.kda_state_bytes
 
     @property
     def ranks(self):
@@ -129,16 +120,7 @@ class PDSimulator(EventLoop):
         for chunk in batch.chunks:
             req = chunk.request
             if req.rid not in rank.admitted:  # first chunk of this admission
-                rank.admitted.add(req.rid)
-                rec = self.records[req.rid]
-                if rec.prefill_start is None:
-                    rec.prefill_start = self.now
-                rec.cached_tokens += req.num_cached
-                rec.prefilled_tokens += req.prefill_target
-                handle = rank.port.handle(req.rid)
-                load_bytes += handle.l2_cached_tokens * self._bytes_per_token
-                if handle.load.l2_checkpoint:
-                    load_bytes += self._state_bytes
+                load_bytes += self._record_admission(rank, req)
         spans = [(c.start, c.end) for c in batch.chunks]
         dt = max(self.cost.prefill_time(spans), self.cost.load_time(load_bytes))
         rank.batch, rank.busy = batch, True
@@ -233,13 +215,7 @@ class PDSimulator(EventLoop):
         self._drain_decode_side_effects(rank)
         if batch is None:
             return
-        for req in batch.requests:
-            rec = self.records[req.rid]
-            if rec.first_decode_step is None:
-                rec.first_decode_step = self.now
-        ends = decode_run_ends(
-            self.cost, batch.size, batch.padded_size, sum(batch.history_lens), batch.steps
-        )
+        ends = self._decode_run_ends(batch)
         total = ends[-1]
         rank.batch, rank.busy, rank.start, rank.ends = batch, True, self.now, ends
         rank.steps = batch.steps

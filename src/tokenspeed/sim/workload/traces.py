@@ -230,32 +230,32 @@ def _sessions(rows: list[_Row], *, timed: bool) -> list[Session]:
     return [s for _, s in sessions]
 
 
+def _load(
+    path: str | Path, block_size: int, on_error: OnError, *, timed: bool, kind: str
+) -> Workload:
+    """The workload of a trace file; `kind` names its layout in the workload's name."""
+    path = Path(path)
+    rows, issues = _read_rows(path, block_size, on_error, timed=timed)
+    return Workload.of(
+        _sessions(rows, timed=timed),
+        block_size=block_size,
+        name=f"{kind}:{path.name}",
+        issues=tuple(issues),
+    )
+
+
 def load_aiperf_dataset(
     path: str | Path, *, block_size: int = 512, on_error: OnError = "skip"
 ) -> Workload:
     """Sessions from an aiperf `dataset.jsonl`, replayed closed-loop."""
-    path = Path(path)
-    rows, issues = _read_rows(path, block_size, on_error, timed=False)
-    return Workload.of(
-        _sessions(rows, timed=False),
-        block_size=block_size,
-        name=f"aiperf:{path.name}",
-        issues=tuple(issues),
-    )
+    return _load(path, block_size, on_error, timed=False, kind="aiperf")
 
 
 def load_mooncake_trace(
     path: str | Path, *, block_size: int = 512, on_error: OnError = "skip"
 ) -> Workload:
     """Requests (or sessions) from a Mooncake-layout trace, replayed open-loop by timestamp."""
-    path = Path(path)
-    rows, issues = _read_rows(path, block_size, on_error, timed=True)
-    return Workload.of(
-        _sessions(rows, timed=True),
-        block_size=block_size,
-        name=f"mooncake:{path.name}",
-        issues=tuple(issues),
-    )
+    return _load(path, block_size, on_error, timed=True, kind="mooncake")
 
 
 def write_aiperf_dataset(sessions: list[Session], path: str | Path) -> Path:
