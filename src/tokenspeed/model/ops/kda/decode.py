@@ -66,6 +66,12 @@ from .decode_kernels import (
 GATE_FORMS = ("softplus", "lower_bound")
 
 
+def check_gate_form(gate: str) -> None:
+    """Refuse a gate form not in GATE_FORMS (the decode and the prefill entry points alike)."""
+    if gate not in GATE_FORMS:
+        raise ValueError(f"unknown KDA gate form {gate!r} (softplus or lower_bound)")
+
+
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Programmatic dependent launch: CUDA tensors on Hopper or later, never in the interpreter."""
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -137,6 +143,11 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _is_buffer(t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> bool:
+    """Whether `t` is a contiguous tensor of `shape` (and of `dtype`, when given)."""
+    return t.shape == shape and (dtype is None or t.dtype == dtype) and t.is_contiguous()
+
+
 def _plan(
     qkv: torch.Tensor,
     f: torch.Tensor,
@@ -165,8 +176,7 @@ def _plan(
     use_pdl: bool | None = None,
 ) -> tuple[torch.Tensor, list]:
     """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
-    if gate not in GATE_FORMS:
-        raise ValueError(f"unknown KDA gate form {gate!r} (softplus or lower_bound)")
+    check_gate_form(gate)
     if variant not in VARIANTS:
         raise ValueError(f"unknown KDA decode variant {variant!r} ({', '.join(VARIANTS)})")
     batch, steps, channels = qkv.shape
@@ -201,11 +211,9 @@ def _plan(
             raise ValueError(f"{name} must be contiguous")
     if (step_states is None) != (step_conv is None):
         raise ValueError("pass both step_states and step_conv, or neither")
-    if step_states is not None and (
-        step_states.shape != (batch, steps, heads, k_dim, v_dim)
-        or step_conv.shape != (batch, steps, channels, width - 1)
-        or step_states.dtype != torch.float32
-        or not (step_states.is_contiguous() and step_conv.is_contiguous())
+    if step_states is not None and not (
+        _is_buffer(step_states, (batch, steps, heads, k_dim, v_dim), torch.float32)
+        and _is_buffer(step_conv, (batch, steps, channels, width - 1))
     ):
         raise ValueError(
             "step_states / step_conv must be contiguous [B, T, H, K, V] fp32 and [B, T, C, W-1]"
@@ -219,7 +227,7 @@ def _plan(
         )
     if out is None:
         out = qkv.new_empty(batch, steps, heads, v_dim)
-    elif out.shape != (batch, steps, heads, v_dim) or not out.is_contiguous():
+    elif not _is_buffer(out, (batch, steps, heads, v_dim)):
         raise ValueError(f"out must be contiguous [{batch}, {steps}, {heads}, {v_dim}]")
     v_in_prep = resolve_v_in_prep(v_in_prep, steps)
     record = scratch_width(k_dim, v_dim if v_in_prep else None)
@@ -228,11 +236,7 @@ def _plan(
             scratch = decode_scratch(
                 batch, steps, heads, k_dim, qkv.device, v_dim, v_in_prep=v_in_prep
             )
-        elif (
-            scratch.shape != (batch, steps, heads, record)
-            or scratch.dtype != torch.float32
-            or not scratch.is_contiguous()
-        ):
+        elif not _is_buffer(scratch, (batch, steps, heads, record), torch.float32):
             raise ValueError(
                 f"scratch must be contiguous [{batch}, {steps}, {heads}, {record}] "
                 "fp32 (decode_scratch with v_dim and the same v_in_prep)"
@@ -242,11 +246,7 @@ def _plan(
     if variant == "split" or (variant == "onepass" and v_dim > block_v):
         if counters is None:
             counters = torch.zeros(batch, heads, dtype=torch.int32, device=qkv.device)
-        elif (
-            counters.shape != (batch, heads)
-            or counters.dtype != torch.int32
-            or not counters.is_contiguous()
-        ):
+        elif not _is_buffer(counters, (batch, heads), torch.int32):
             raise ValueError(f"counters must be contiguous int32 [{batch}, {heads}] (zeros)")
     elif variant == "onepass":
         # One V block per head needs no counters, but Triton 3.6 types the unused atomic branch
@@ -269,6 +269,9 @@ def _plan(
         STORE_STEPS=step_states is not None,
         USE_PDL=use_pdl,
     )
+    # The leading arguments of the prep and the single-launch kernels (the inputs of the step,
+    # the weights and the conv pool) and the row / token strides of the first three.
+    inputs = (qkv, f, beta, conv_weight, a_log, dt_bias, conv_state)
     strides = (
         qkv.stride(0),
         qkv.stride(1),
@@ -277,44 +280,21 @@ def _plan(
         beta.stride(0),
         beta.stride(1),
     )
-    if variant == "onepass":
+    if variant != "split":
+        # The single-launch variants take the same arguments but for onepass's counters: it runs
+        # a program per (row, head, V block), fused one per (row, head).
+        if variant == "onepass":
+            kernel, grid = _kda_onepass_kernel, (batch * heads * (v_dim // block_v),)
+            counter_args = (counters,)
+        else:
+            kernel, grid, counter_args = _kda_decode_kernel, (batch * heads,), ()
         return out, [
-            lambda: _kda_onepass_kernel[(batch * heads * (v_dim // block_v),)](
-                qkv,
-                f,
-                beta,
-                conv_weight,
-                a_log,
-                dt_bias,
-                conv_state,
+            lambda: kernel[grid](
+                *inputs,
                 recurrent_state,
                 slots,
                 out,
-                counters,
-                step_states,
-                step_conv,
-                *strides,
-                scale,
-                float(lower_bound),
-                BV=block_v,
-                num_warps=num_warps,
-                **common,
-                **launch,
-            )
-        ]
-    if variant == "fused":
-        return out, [
-            lambda: _kda_decode_kernel[(batch * heads,)](
-                qkv,
-                f,
-                beta,
-                conv_weight,
-                a_log,
-                dt_bias,
-                conv_state,
-                recurrent_state,
-                slots,
-                out,
+                *counter_args,
                 step_states,
                 step_conv,
                 *strides,
@@ -329,13 +309,7 @@ def _plan(
     overlap = steps == 1 if overlap_prep is None else overlap_prep
     return out, [
         lambda: _kda_prep_kernel[(batch * heads,)](
-            qkv,
-            f,
-            beta,
-            conv_weight,
-            a_log,
-            dt_bias,
-            conv_state,
+            *inputs,
             slots,
             scratch,
             counters,

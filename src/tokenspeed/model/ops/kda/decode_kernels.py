@@ -2,7 +2,7 @@
 
 `decode.py` describes the math and the three variants: the split variant's prep and recurrence
 kernels, the onepass kernel, and the first single-kernel design (`_kda_decode_kernel`, "fused").
-The shared pieces (conv windows, norms, the gate) come first.
+The shared pieces (conv windows and their stores, norms, the gate) come first.
 """
 
 from __future__ import annotations
@@ -94,6 +94,88 @@ def _gate(f, a_log, dt_bias, lower_bound, LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
+def _token_gate(
+    f_row,
+    beta_row,
+    t,
+    stride_f_t,
+    stride_beta_t,
+    a_log,
+    dt_bias,
+    lower_bound,
+    LOWER_BOUND: tl.constexpr,
+):
+    """Token t's decay exp(g) [K] (`_gate` of its raw f) and beta (sigmoid of its raw beta)."""
+    f = tl.load(f_row + t * stride_f_t).to(tl.float32)
+    decay = tl.exp(_gate(f, a_log, dt_bias, lower_bound, LOWER_BOUND))
+    beta = tl.sigmoid(tl.load(beta_row + t * stride_beta_t).to(tl.float32))
+    return decay, beta
+
+
+@triton.jit
+def _qk_windows(x_row, stride_t, conv_row, q_ch, k_ch, cols, T: tl.constexpr, W: tl.constexpr):
+    """The conv windows (`_conv_window`) of a head's q and k channels."""
+    q_win = _conv_window(x_row, stride_t, conv_row, q_ch, cols, T, W)
+    k_win = _conv_window(x_row, stride_t, conv_row, k_ch, cols, T, W)
+    return q_win, k_win
+
+
+@triton.jit
+def _store_qk_windows(conv_row, q_win, k_win, q_ch, k_ch, cols, first, W: tl.constexpr):
+    """`_store_window` of a head's q and k windows (q first)."""
+    _store_window(conv_row, q_win, q_ch, cols, first, W)
+    _store_window(conv_row, k_win, k_ch, cols, first, W)
+
+
+@triton.jit
+def _update_qk_conv_state(
+    x_row, stride_t, conv_row, q_ch, k_ch, cols, T: tl.constexpr, W: tl.constexpr
+):
+    """Advance a head's q/k conv state past the T new tokens: load its windows, then store
+    their last W-1 columns in place."""
+    q_win, k_win = _qk_windows(x_row, stride_t, conv_row, q_ch, k_ch, cols, T, W)
+    # All lanes must have read the old window before any lane overwrites it.
+    tl.debug_barrier()
+    _store_qk_windows(conv_row, q_win, k_win, q_ch, k_ch, cols, T, W)
+
+
+@triton.jit
+def _step_conv_row(step_conv_ptr, row, t, C: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """The conv state after token t of `row` in the step buffer [B, T, C, W-1]."""
+    return step_conv_ptr + (row * T + t) * C * (W - 1)
+
+
+@triton.jit
+def _store_step_windows(
+    step_conv_ptr, row, window, ch, cols, C: tl.constexpr, T: tl.constexpr, W: tl.constexpr
+):
+    """The conv state of channels `ch` after each token t (window columns t+1 .. t+W-1) into
+    `row`'s step buffer."""
+    for t in tl.static_range(T):
+        step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
+        _store_window(step_conv, window, ch, cols, t + 1, W)
+
+
+@triton.jit
+def _store_step_qk_windows(
+    step_conv_ptr,
+    row,
+    q_win,
+    k_win,
+    q_ch,
+    k_ch,
+    cols,
+    C: tl.constexpr,
+    T: tl.constexpr,
+    W: tl.constexpr,
+):
+    """`_store_step_windows` of a head's q and k windows, interleaved: per token, q's then k's."""
+    for t in tl.static_range(T):
+        step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
+        _store_qk_windows(step_conv, q_win, k_win, q_ch, k_ch, cols, t + 1, W)
+
+
+@triton.jit
 def _kda_decode_kernel(
     qkv_ptr,  # [B, T, C] pre-conv q|k|v, C = 2*H*K + H*V
     f_ptr,  # [B, T, H*K] raw gate (before dt_bias)
@@ -144,8 +226,7 @@ def _kda_decode_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     x_row = qkv_ptr + row * stride_qkv_b
     conv_row = conv_state_ptr + slot * C * (W - 1)
-    q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
-    k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
+    q_win, k_win = _qk_windows(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
     a_log = tl.load(a_log_ptr + head).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head * K + ok).to(tl.float32)
     f_row = f_ptr + row * stride_f_b + head * K + ok
@@ -191,7 +272,7 @@ def _kda_decode_kernel(
             if STORE_STEPS:
                 step = step_state_ptr + ((row * T + t) * H + head) * K * V
                 tl.store(step + tile, s)
-                step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
+                step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
                 _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
         tl.store(state_head + tile, s)
         # All lanes must have read the old window before any lane overwrites it.
@@ -202,13 +283,9 @@ def _kda_decode_kernel(
             v_win = v_win_next
 
     if STORE_STEPS:
-        for t in tl.static_range(T):
-            step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
-            _store_window(step_conv, q_win, q_ch, cols, t + 1, W)
-            _store_window(step_conv, k_win, k_ch, cols, t + 1, W)
+        _store_step_qk_windows(step_conv_ptr, row, q_win, k_win, q_ch, k_ch, cols, C, T, W)
     tl.debug_barrier()
-    _store_window(conv_row, q_win, q_ch, cols, T, W)
-    _store_window(conv_row, k_win, k_ch, cols, T, W)
+    _store_qk_windows(conv_row, q_win, k_win, q_ch, k_ch, cols, T, W)
 
 
 @triton.jit
@@ -280,9 +357,9 @@ def _kda_prep_kernel(
         q = _l2norm(_conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, q_ch, t, W))
         q = q * scale
         k = _l2norm(_conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, k_ch, t, W))
-        f = tl.load(f_row + t * stride_f_t).to(tl.float32)
-        decay = tl.exp(_gate(f, a_log, dt_bias, lower_bound, LOWER_BOUND))
-        beta = tl.sigmoid(tl.load(beta_row + t * stride_beta_t).to(tl.float32))
+        decay, beta = _token_gate(
+            f_row, beta_row, t, stride_f_t, stride_beta_t, a_log, dt_bias, lower_bound, LOWER_BOUND
+        )
         rec = scratch_ptr + ((row * T + t) * H + head) * D
         tl.store(rec + ok, decay * q)
         tl.store(rec + K + ok, k)
@@ -294,22 +371,19 @@ def _kda_prep_kernel(
             tl.store(rec + VOFF + tl.arange(0, V), v)
 
     # The q/k conv state update (and the per-token windows), from [K, WP] windows loaded now.
-    q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
-    k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
+    q_win, k_win = _qk_windows(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
     if V_IN_PREP:
         v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
     if STORE_STEPS:
         for t in tl.static_range(T):
-            step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
-            _store_window(step_conv, q_win, q_ch, cols, t + 1, W)
-            _store_window(step_conv, k_win, k_ch, cols, t + 1, W)
+            step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
+            _store_qk_windows(step_conv, q_win, k_win, q_ch, k_ch, cols, t + 1, W)
             if V_IN_PREP:
                 _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
     # All lanes must have read the old window before any lane overwrites it. No other program
     # touches these channels of this slot (padding rows sharing the sink slot aside).
     tl.debug_barrier()
-    _store_window(conv_row, q_win, q_ch, cols, T, W)
-    _store_window(conv_row, k_win, k_ch, cols, T, W)
+    _store_qk_windows(conv_row, q_win, k_win, q_ch, k_ch, cols, T, W)
     if V_IN_PREP:
         _store_window(conv_row, v_win, v_ch, cols, T, W)
     # Release, after every lane's stores (the barrier): the records and the conv state are
@@ -429,9 +503,7 @@ def _kda_recurrent_kernel(
             v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
         # The conv state of this block's own v channels (no other program touches them).
         if STORE_STEPS:
-            for t in tl.static_range(T):
-                step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
-                _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
+            _store_step_windows(step_conv_ptr, row, v_win, v_ch, cols, C, T, W)
         tl.debug_barrier()  # all lanes have read the old window before any lane overwrites it
         _store_window(conv_row, v_win, v_ch, cols, T, W)
         if OVERLAP:
@@ -516,9 +588,9 @@ def _kda_onepass_kernel(
         v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
         q = _l2norm(x_q) * scale
         k = _l2norm(x_k)
-        f = tl.load(f_row + t * stride_f_t).to(tl.float32)
-        decay = tl.exp(_gate(f, a_log, dt_bias, lower_bound, LOWER_BOUND))
-        beta = tl.sigmoid(tl.load(beta_row + t * stride_beta_t).to(tl.float32))
+        decay, beta = _token_gate(
+            f_row, beta_row, t, stride_f_t, stride_beta_t, a_log, dt_bias, lower_bound, LOWER_BOUND
+        )
         u, w = tl.reduce((s * (decay * k)[:, None], s * (decay * q)[:, None]), 0, _add_pairs)
         delta = beta * (v - u)
         s = s * decay[:, None] + k[:, None] * delta[None, :]
@@ -533,25 +605,15 @@ def _kda_onepass_kernel(
     # consumed (the tile was computed from it) before this program's counter increment below.
     v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
     if STORE_STEPS:
-        for t in tl.static_range(T):
-            step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
-            _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
+        _store_step_windows(step_conv_ptr, row, v_win, v_ch, cols, C, T, W)
         if vb == 0:  # the q/k step windows, once per head
-            q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
-            k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
-            for t in tl.static_range(T):
-                step_conv = step_conv_ptr + (row * T + t) * C * (W - 1)
-                _store_window(step_conv, q_win, q_ch, cols, t + 1, W)
-                _store_window(step_conv, k_win, k_ch, cols, t + 1, W)
+            q_win, k_win = _qk_windows(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
+            _store_step_qk_windows(step_conv_ptr, row, q_win, k_win, q_ch, k_ch, cols, C, T, W)
     # All lanes must have read the old window before any lane overwrites it.
     tl.debug_barrier()
     _store_window(conv_row, v_win, v_ch, cols, T, W)  # this block's own v channels
     if NV == 1:
-        q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
-        k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
-        tl.debug_barrier()
-        _store_window(conv_row, q_win, q_ch, cols, T, W)
-        _store_window(conv_row, k_win, k_ch, cols, T, W)
+        _update_qk_conv_state(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
     else:
         # The q/k windows of the head are rewritten by the last of its NV programs to arrive
         # here. Release: each program's reads of them (consumed above; the barrier orders the
@@ -560,8 +622,4 @@ def _kda_onepass_kernel(
         arrived = tl.atomic_add(counter_ptr + row_head, 1, sem="acq_rel")
         if arrived == NV - 1:  # uniform across the program
             tl.store(counter_ptr + row_head, 0)  # all NV have arrived: back to zero
-            q_win = _conv_window(x_row, stride_qkv_t, conv_row, q_ch, cols, T, W)
-            k_win = _conv_window(x_row, stride_qkv_t, conv_row, k_ch, cols, T, W)
-            tl.debug_barrier()
-            _store_window(conv_row, q_win, q_ch, cols, T, W)
-            _store_window(conv_row, k_win, k_ch, cols, T, W)
+            _update_qk_conv_state(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)

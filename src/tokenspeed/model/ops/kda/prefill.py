@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode import GATE_FORMS
+from .decode import check_gate_form
 
 # fla's bounded-gate fast path (`safe_gate`) accepts lower bounds in [-5, 0).
 SAFE_GATE_RANGE = (-5.0, 0.0)
@@ -109,8 +109,7 @@ def kda_prefill(
     Non-contiguous q/k/v/f/beta are copied by fla; pass contiguous tensors to avoid that.
     Not graph-safe without cu_seqlens_cpu (fla reads the lengths on the host).
     """
-    if gate not in GATE_FORMS:
-        raise ValueError(f"unknown KDA gate form {gate!r} (softplus or lower_bound)")
+    check_gate_form(gate)
     tokens, heads, k_dim = q.shape
     if k.shape != q.shape or v.shape[:2] != (tokens, heads) or beta.shape != (tokens, heads):
         raise ValueError(
