@@ -40,17 +40,10 @@ BM, BN, BK = 64, 256, 128
 
 
 @gluon.jit
-def _tile(
-    tile,
-    block_expert_ptr,
-    n_tiles,
-    L,
-    stride_se,
-    stride_sn,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-):
-    """(first h row, first W2 row, offset of its two scale rows, expert) of a tile."""
+def _tile(tile, tiling, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first h row, first W2 row, offset of its two scale rows, expert) of a tile.
+    tiling: (block_expert_ptr, n_tiles, L, stride_se, stride_sn)."""
+    block_expert_ptr, n_tiles, L, stride_se, stride_sn = tiling
     blk = tile // n_tiles
     t = tile % n_tiles
     # A block past the ones in use has expert -1; only a program with no tile at all looks one
@@ -66,64 +59,61 @@ def _pick(use_next, cur, nxt):
 
 
 @gluon.jit
-def _issue_loads(
-    q,
-    my_steps,
-    KSTEPS,
-    j,
-    cur_a,
-    cur_b,
-    nxt_a,
-    nxt_b,
-    h_desc,
-    w_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    STAGES: gl.constexpr,
-):
+def _issue_loads(q, my_steps, KSTEPS, j, cur, nxt, ring):
     """TMA loads of this program's local K step q (of its tile j or of the next one) into
-    stage q % STAGES; predicated off past its last step."""
+    stage q % STAGES; predicated off past its last step. cur, nxt: the _tile coordinates of
+    tile j and of the next one; ring: (h_desc, w_desc, a_bufs, b_bufs, ready)."""
+    h_desc, w_desc, a_bufs, b_bufs, ready = ring
+    STAGES: gl.constexpr = a_bufs.shape[0]
     s = q % STAGES
-    nxt = (q // KSTEPS != j).to(gl.int32)
+    use_next = (q // KSTEPS != j).to(gl.int32)
     k = (q % KSTEPS) * h_desc.block_type.shape[1]
     pred = q < my_steps
     bar = ready.index(s)
     mbarrier.expect(bar, h_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(
-        h_desc, [_pick(nxt, cur_a, nxt_a), k], bar, a_bufs.index(s), pred
+        h_desc, [_pick(use_next, cur[0], nxt[0]), k], bar, a_bufs.index(s), pred
     )
     tma.async_copy_global_to_shared(
-        w_desc, [_pick(nxt, cur_b, nxt_b), k], bar, b_bufs.index(s), pred
+        w_desc, [_pick(use_next, cur[1], nxt[1]), k], bar, b_bufs.index(s), pred
     )
 
 
 @gluon.jit
-def _load_scales(
-    q,
-    my_steps,
-    KSTEPS,
-    j,
-    cur_a,
-    cur_s,
-    nxt_a,
-    nxt_s,
-    hs_ptr,
-    s2_ptr,
-    stride_hsr,
-    stride_hsk,
-    stride_sn,
-    offs_m,
-):
+def _load_scales(q, my_steps, KSTEPS, j, cur, nxt, scales):
     """Scales of local K step q (clamped to the last step): h's [BM] row scales and the
-    tile's two weight-block scales. With no step at all it reads step 0 (never used)."""
+    tile's two weight-block scales. With no step at all it reads step 0 (never used).
+    cur, nxt: as for _issue_loads; scales: (hs_ptr, s2_ptr, stride_hsr, stride_hsk,
+    stride_sn, offs_m)."""
+    hs_ptr, s2_ptr, stride_hsr, stride_hsk, stride_sn, offs_m = scales
     q = gl.maximum(gl.minimum(q, my_steps - 1), 0)
-    nxt = (q // KSTEPS != j).to(gl.int32)
+    use_next = (q // KSTEPS != j).to(gl.int32)
     k = q % KSTEPS
-    rows = _pick(nxt, cur_a, nxt_a) + offs_m
+    rows = _pick(use_next, cur[0], nxt[0]) + offs_m
     a_s = gl.load(hs_ptr + rows * stride_hsr + k * stride_hsk)
-    w = s2_ptr + _pick(nxt, cur_s, nxt_s) + k
+    w = s2_ptr + _pick(use_next, cur[2], nxt[2]) + k
     return a_s, gl.load(w), gl.load(w + stride_sn)
+
+
+@gluon.jit
+def _mma_async(cons, ring, zero):
+    """Wait for the stage of local K step cons and issue its MMA asynchronously, not
+    accumulating (zero): every step's partial is promoted into the accumulator by itself."""
+    _, _, a_bufs, b_bufs, ready = ring
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    s = cons % STAGES
+    mbarrier.wait(ready.index(s), (cons // STAGES) & 1)
+    return warpgroup_mma(
+        a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True
+    )
+
+
+@gluon.jit
+def _promote(acc, partial, step_scales, first_block):
+    """acc + a finished step's partial product times its scales (from _load_scales): h's row
+    scales and, per warpgroup half of the columns, the weight block's scale."""
+    a_s, w0, w1 = step_scales
+    return acc + partial * (a_s[:, None] * gl.where(first_block, w0, w1)[None, :])
 
 
 @gluon.jit
@@ -170,196 +160,52 @@ def _down_kernel_fp8_gluon(
     offs_m = gl.arange(0, BLOCK_M, layout=row_l)
     offs_n = gl.arange(0, BLOCK_N, layout=col_l)
     first_block = offs_n < 128
+    tiling = (block_expert_ptr, n_tiles, L, stride_se, stride_sn)
+    ring = (h_desc, w_desc, a_bufs, b_bufs, ready)
+    scales = (hs_ptr, s2_ptr, stride_hsr, stride_hsk, stride_sn, offs_m)
 
     # Two streams run ahead of the MMAs across tile boundaries: the TMA loads (STAGES steps)
     # and the scale loads (3 steps); a tile looks up its successor's coordinates at its start.
-    cur_a, cur_b, cur_s, cur_e = _tile(
-        gl.minimum(pid, gl.maximum(total - 1, 0)),
-        block_expert_ptr,
-        n_tiles,
-        L,
-        stride_se,
-        stride_sn,
-        BLOCK_M,
-        BLOCK_N,
-    )
+    cur = _tile(gl.minimum(pid, gl.maximum(total - 1, 0)), tiling, BLOCK_M, BLOCK_N)
     for i in gl.static_range(STAGES):
-        _issue_loads(
-            i,
-            my_steps,
-            KSTEPS,
-            0,
-            cur_a,
-            cur_b,
-            cur_a,
-            cur_b,
-            h_desc,
-            w_desc,
-            a_bufs,
-            b_bufs,
-            ready,
-            STAGES,
-        )
+        _issue_loads(i, my_steps, KSTEPS, 0, cur, cur, ring)
     prod = gl.to_tensor(STAGES)
     cons = gl.to_tensor(0)
-    c0 = _load_scales(
-        0,
-        my_steps,
-        KSTEPS,
-        0,
-        cur_a,
-        cur_s,
-        cur_a,
-        cur_s,
-        hs_ptr,
-        s2_ptr,
-        stride_hsr,
-        stride_hsk,
-        stride_sn,
-        offs_m,
-    )
-    c1 = _load_scales(
-        1,
-        my_steps,
-        KSTEPS,
-        0,
-        cur_a,
-        cur_s,
-        cur_a,
-        cur_s,
-        hs_ptr,
-        s2_ptr,
-        stride_hsr,
-        stride_hsk,
-        stride_sn,
-        offs_m,
-    )
-    c2 = _load_scales(
-        2,
-        my_steps,
-        KSTEPS,
-        0,
-        cur_a,
-        cur_s,
-        cur_a,
-        cur_s,
-        hs_ptr,
-        s2_ptr,
-        stride_hsr,
-        stride_hsk,
-        stride_sn,
-        offs_m,
-    )
+    c0 = _load_scales(0, my_steps, KSTEPS, 0, cur, cur, scales)
+    c1 = _load_scales(1, my_steps, KSTEPS, 0, cur, cur, scales)
+    c2 = _load_scales(2, my_steps, KSTEPS, 0, cur, cur, scales)
 
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     for j in range(my_tiles):
         tile = pid + j * nprog
         t = tile % n_tiles
+        cur_a, _, _, cur_e = cur
         row_end = gl.load(expert_start_ptr + cur_e) + gl.load(counts_ptr + cur_e)
-        nxt_a, nxt_b, nxt_s, nxt_e = _tile(
-            gl.minimum(tile + nprog, total - 1),
-            block_expert_ptr,
-            n_tiles,
-            L,
-            stride_se,
-            stride_sn,
-            BLOCK_M,
-            BLOCK_N,
-        )
+        nxt = _tile(gl.minimum(tile + nprog, total - 1), tiling, BLOCK_M, BLOCK_N)
         q0 = j * KSTEPS
         acc = zero
         # K step 0: issue its MMA; every step's partial is promoted one step later.
-        s = cons % STAGES
-        mbarrier.wait(ready.index(s), (cons // STAGES) & 1)
-        p = warpgroup_mma(
-            a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True
-        )
+        p = _mma_async(cons, ring, zero)
         cons += 1
         for k in range(1, KSTEPS):
-            c3 = _load_scales(
-                q0 + k + 2,
-                my_steps,
-                KSTEPS,
-                j,
-                cur_a,
-                cur_s,
-                nxt_a,
-                nxt_s,
-                hs_ptr,
-                s2_ptr,
-                stride_hsr,
-                stride_hsk,
-                stride_sn,
-                offs_m,
-            )
-            s = cons % STAGES
-            mbarrier.wait(ready.index(s), (cons // STAGES) & 1)
-            pn = warpgroup_mma(
-                a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True
-            )
+            c3 = _load_scales(q0 + k + 2, my_steps, KSTEPS, j, cur, nxt, scales)
+            pn = _mma_async(cons, ring, zero)
             # The previous step's MMA is done (the one just issued may still run): refill its
             # stage and promote its partial while the tensor cores work.
             pd = warpgroup_mma_wait(num_outstanding=1, deps=(p,))
-            _issue_loads(
-                prod,
-                my_steps,
-                KSTEPS,
-                j,
-                cur_a,
-                cur_b,
-                nxt_a,
-                nxt_b,
-                h_desc,
-                w_desc,
-                a_bufs,
-                b_bufs,
-                ready,
-                STAGES,
-            )
+            _issue_loads(prod, my_steps, KSTEPS, j, cur, nxt, ring)
             prod += 1
-            a_s, w0, w1 = c0
-            acc += pd * (a_s[:, None] * gl.where(first_block, w0, w1)[None, :])
+            acc = _promote(acc, pd, c0, first_block)
             p = pn
             c0 = c1
             c1 = c2
             c2 = c3
             cons += 1
         pd = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
-        _issue_loads(
-            prod,
-            my_steps,
-            KSTEPS,
-            j,
-            cur_a,
-            cur_b,
-            nxt_a,
-            nxt_b,
-            h_desc,
-            w_desc,
-            a_bufs,
-            b_bufs,
-            ready,
-            STAGES,
-        )
+        _issue_loads(prod, my_steps, KSTEPS, j, cur, nxt, ring)
         prod += 1
-        c3 = _load_scales(
-            q0 + KSTEPS + 2,
-            my_steps,
-            KSTEPS,
-            j,
-            cur_a,
-            cur_s,
-            nxt_a,
-            nxt_s,
-            hs_ptr,
-            s2_ptr,
-            stride_hsr,
-            stride_hsk,
-            stride_sn,
-            offs_m,
-        )
-        a_s, w0, w1 = c0
-        acc += pd * (a_s[:, None] * gl.where(first_block, w0, w1)[None, :])
+        c3 = _load_scales(q0 + KSTEPS + 2, my_steps, KSTEPS, j, cur, nxt, scales)
+        acc = _promote(acc, pd, c0, first_block)
         c0 = c1
         c1 = c2
         c2 = c3
@@ -368,10 +214,7 @@ def _down_kernel_fp8_gluon(
         cols = t * BLOCK_N + offs_n
         ptrs = y_ptr + rows.to(gl.int64)[:, None] * L + cols[None, :]
         gl.store(ptrs, acc.to(gl.bfloat16), mask=(rows < row_end)[:, None] & (cols < L)[None, :])
-        cur_a = nxt_a
-        cur_b = nxt_b
-        cur_s = nxt_s
-        cur_e = nxt_e
+        cur = nxt
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

@@ -120,26 +120,30 @@ def _mxfp4_operand(x, dtype: tl.constexpr):
 @triton.jit
 def _mma_step(
     acc,
-    a,
-    a_scale,
-    w_tile,
-    s_tile,
-    s_block,
-    k0,
-    K,
-    ks,
+    a_blk,
+    w_ptr,
+    s_ptr,
+    w_offs,
     nmask,
+    K,
     WFMT: tl.constexpr,
     BK: tl.constexpr,
     BN: tl.constexpr,
 ):
     """acc += a [BM, BK] @ W[:, k0:k0+BK]^T for one weight.
 
-    w_tile: [1, BN] pointers to the weight rows (K contiguous); s_tile: [1, BN] pointers to
-    the rows of the scales (FP8: the 128-row block's scale row; MXFP4: the row's scales);
-    s_block: FP8 with BN <= 128: the scale row of the one 128-row block the tile lies in;
-    a_scale: [BM] FP8 activation scales of this K block (unused otherwise).
+    a_blk: (a, a_scale, k0, ks), A's K block: a_scale the [BM] FP8 activation scales of this
+    K block (unused otherwise), ks = k0 + arange(BK). w_ptr, s_ptr: the weight and its scales;
+    w_offs: the tile's (w_off, s_off, s_block) into them, shared by gate and up. w_off: [1, BN]
+    offsets of the weight rows (K contiguous); s_off: [1, BN] offsets of the rows of the scales
+    (FP8: the 128-row block's scale row; MXFP4: the row's scales); s_block: FP8 with BN <= 128:
+    the offset of the scale row of the one 128-row block the tile lies in.
     """
+    a, a_scale, k0, ks = a_blk
+    w_off, s_off, s_block_off = w_offs
+    w_tile = w_ptr + w_off
+    s_tile = s_ptr + s_off
+    s_block = s_ptr + s_block_off
     if WFMT == 0:
         b = tl.load(w_tile + ks[:, None], mask=nmask & (ks < K)[:, None], other=0.0)
         acc = tl.dot(a, b.to(a.dtype), acc)
@@ -228,6 +232,7 @@ def _gate_up_kernel(
         else:
             s_off = e64 * stride_se + cols[None, :].to(tl.int64) * stride_sn
         s_block = e64 * stride_se + ((nt * BN) // 128).to(tl.int64) * stride_sn
+        w_offs = (w_off, s_off, s_block)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, L, BK):
@@ -240,36 +245,9 @@ def _gate_up_kernel(
             a_scale = tl.zeros([BM], dtype=tl.float32)  # only FP8 has activation scales
             if WFMT == 1:
                 a_scale = tl.load(xs_ptr + token * stride_xst + k0 // 128, mask=rmask, other=0.0)
-            acc_g = _mma_step(
-                acc_g,
-                a,
-                a_scale,
-                w1_ptr + w_off,
-                s1_ptr + s_off,
-                s1_ptr + s_block,
-                k0,
-                L,
-                ks,
-                nmask,
-                WFMT,
-                BK,
-                BN,
-            )
-            acc_u = _mma_step(
-                acc_u,
-                a,
-                a_scale,
-                w3_ptr + w_off,
-                s3_ptr + s_off,
-                s3_ptr + s_block,
-                k0,
-                L,
-                ks,
-                nmask,
-                WFMT,
-                BK,
-                BN,
-            )
+            a_blk = (a, a_scale, k0, ks)
+            acc_g = _mma_step(acc_g, a_blk, w1_ptr, s1_ptr, w_offs, nmask, L, WFMT, BK, BN)
+            acc_u = _mma_step(acc_u, a_blk, w3_ptr, s3_ptr, w_offs, nmask, L, WFMT, BK, BN)
         g = acc_g.to(ROUND).to(tl.float32)
         u = acc_u.to(ROUND).to(tl.float32)
         h = _glu(g, u, beta, linear_beta, ACT, CAP_UP, ROUND, EXACT, INTERPRET).to(ROUND)
@@ -339,6 +317,7 @@ def _down_kernel(
         else:
             s_off = e64 * stride_se + cols[None, :].to(tl.int64) * stride_sn
         s_block = e64 * stride_se + ((nt * BN) // 128).to(tl.int64) * stride_sn
+        w_offs = (w_off, s_off, s_block)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, inter, BK):
             ks = k0 + tl.arange(0, BK)
@@ -350,20 +329,7 @@ def _down_kernel(
             a_scale = tl.zeros([BM], dtype=tl.float32)
             if WFMT == 1:
                 a_scale = tl.load(hs_ptr + r64 * stride_hst + k0 // 128, mask=rmask, other=0.0)
-            acc = _mma_step(
-                acc,
-                a,
-                a_scale,
-                w2_ptr + w_off,
-                s2_ptr + s_off,
-                s2_ptr + s_block,
-                k0,
-                inter,
-                ks,
-                nmask,
-                WFMT,
-                BK,
-                BN,
-            )
+            a_blk = (a, a_scale, k0, ks)
+            acc = _mma_step(acc, a_blk, w2_ptr, s2_ptr, w_offs, nmask, inter, WFMT, BK, BN)
         y_ptrs = y_ptr + r64[:, None] * stride_yt + cols[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask)
