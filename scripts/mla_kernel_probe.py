@@ -7,8 +7,6 @@ benchmarks/mla_decode.py (36 histories drawn from 2k-200k) for configs
   orig - the Triton split kernel (`decode._split_kernel`) at BLOCK_M bm, BLOCK_N bn
   G    - the Gluon kernel (`gluon_decode`) with BN bn and `stages` shared-memory stages and TMA
          chunks of `chunk` latent columns (0: the default)
-  S/SN - the warp-specialized "seesaw" form (`gluon_seesaw`, experimental), same fields as G,
-         with / without the early Q K^T (PIPE)
   W/WT - the library call `mla_decode_paged_split(kernel="gluon" / "triton")` at its defaults
 Each config is first checked on a small ragged case whose splits start mid-tile (granularity
 16), then on the large batch, against the torch reference.
@@ -81,16 +79,13 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
         GRANULE=64,
         SCALE_MODE=0,
     )
-    if kind in ("G", "S", "SN"):
+    if kind == "G":
         from tokenspeed.model.ops.mla import gluon_decode as gd
-        from tokenspeed.model.ops.mla import gluon_seesaw as gs
 
         dc, dr = gd.descriptors(pages, d.rank, bn, chunk or None)
         grid = (triton.cdiv(rows, gd.BLOCK_M), slots)
-        kernel = gd._split_kernel_gluon if kind == "G" else gs._split_kernel_seesaw
-        pipe = {} if kind == "G" else {"PIPE": kind == "S"}
         # part_lse stands in for the row scales, unused with a bf16 cache
-        kernel[grid](
+        gd._split_kernel_gluon[grid](
             q_lat,
             q_rope,
             pages,
@@ -100,8 +95,7 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
             *args,
             **shape,
             STAGES=stages,
-            **pipe,
-            num_warps=8 if kind == "G" else 4,
+            num_warps=8,
         )
     else:
         md._split_kernel[(triton.cdiv(rows, bm), slots)](
