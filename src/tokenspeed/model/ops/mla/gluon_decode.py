@@ -237,23 +237,22 @@ def _scores_streamed(q_s, qr_s, c, r, zero_s, ready, st, phase, CW: gl.constexpr
 def _softmax(
     s,
     n0,
-    start,
-    end,
-    last,
     m_i,
     l_acc,
-    qk_scale,
     sc,
+    bounds,
     col_l: gl.constexpr,
     BN: gl.constexpr,
     P_OP: gl.constexpr,
     dtype: gl.constexpr,
     HAS_SCALE: gl.constexpr,
 ):
-    """Online-softmax step of one tile: (P in the PV operand layout, alpha, new max, row-sum
-    accumulator). Rows outside [start, end) or after a query's own position are masked. FP8
+    """Online-softmax step of the tile whose first history row is n0: (P in the PV operand
+    layout, alpha, new max, row-sum accumulator). bounds: (start, end, last, qk_scale) of the
+    split; rows outside [start, end) or after a query's own position (last) are masked. FP8
     caches: sc [BN] scales the score columns and the probabilities (each cache row carries
     one scale for its key and its value), which costs no pass over the tile."""
+    start, end, last, qk_scale = bounds
     pos = n0 + gl.arange(0, BN, layout=col_l)
     inside = (pos >= start) & (pos < end)
     visible = inside[None, :] & (pos[None, :] <= last[:, None])
@@ -383,6 +382,7 @@ def _split_kernel_gluon(
 
     offs_m = pid_m * BM + gl.arange(0, BM, layout=row_l)
     last = length - N_QUERY + offs_m // NUM_HEADS  # query j sees rows 0 .. L - n + j
+    bounds = (start, end, last, qk_scale)  # what every softmax step masks and scales by
     zero_s = gl.zeros([BM, BN], gl.float32, S_L)
     acc = gl.zeros([BM, RANK], gl.float32, O_L)
     m_i = gl.full([BM], -1.0e30, gl.float32, row_l)
@@ -422,7 +422,7 @@ def _split_kernel_gluon(
                 _convert_tile(1, split, ring, conv, PAGE_SIZE, CHUNK, LD)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_acc = _softmax(
-                s, first, start, end, last, m_i, l_acc, qk_scale, sc, col_l, BN, P_OP, dtype, True
+                s, first, m_i, l_acc, sc, bounds, col_l, BN, P_OP, dtype, True
             )
             for t in range(1, n_full):
                 b = t % 3
@@ -443,20 +443,7 @@ def _split_kernel_gluon(
                     _convert_tile(t + 1, split, ring, conv, PAGE_SIZE, CHUNK, LD)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
                 p, alpha, m_i, l_acc = _softmax(
-                    s,
-                    first + t * BN,
-                    start,
-                    end,
-                    last,
-                    m_i,
-                    l_acc,
-                    qk_scale,
-                    sc,
-                    col_l,
-                    BN,
-                    P_OP,
-                    dtype,
-                    True,
+                    s, first + t * BN, m_i, l_acc, sc, bounds, col_l, BN, P_OP, dtype, True
                 )
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
@@ -474,7 +461,7 @@ def _split_kernel_gluon(
             )
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_acc = _softmax(
-                s, first, start, end, last, m_i, l_acc, qk_scale, 1.0, col_l, BN, P_OP, dtype, False
+                s, first, m_i, l_acc, 1.0, bounds, col_l, BN, P_OP, dtype, False
             )
             for t in range(1, n_full):
                 st = t % STAGES
@@ -505,20 +492,7 @@ def _split_kernel_gluon(
                 _issue(t - 1 + STAGES, page, n_full, first, ring, PAGE_SIZE)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 p, alpha, m_i, l_acc = _softmax(
-                    s,
-                    first + t * BN,
-                    start,
-                    end,
-                    last,
-                    m_i,
-                    l_acc,
-                    qk_scale,
-                    1.0,
-                    col_l,
-                    BN,
-                    P_OP,
-                    dtype,
-                    False,
+                    s, first + t * BN, m_i, l_acc, 1.0, bounds, col_l, BN, P_OP, dtype, False
                 )
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             last_st = (n_full - 1) % STAGES
@@ -558,20 +532,7 @@ def _split_kernel_gluon(
         s = warpgroup_mma(q_s, cb.permute((1, 0)), zero_s, use_acc=False)
         s = warpgroup_mma(qr_s, rb.permute((1, 0)), s)
         p, alpha, m_i, l_acc = _softmax(
-            s,
-            n_tail,
-            start,
-            end,
-            last,
-            m_i,
-            l_acc,
-            qk_scale,
-            sc,
-            col_l,
-            BN,
-            P_OP,
-            dtype,
-            HAS_SCALE,
+            s, n_tail, m_i, l_acc, sc, bounds, col_l, BN, P_OP, dtype, HAS_SCALE
         )
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         acc = warpgroup_mma(p, cb, acc)
