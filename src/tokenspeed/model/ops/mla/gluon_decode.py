@@ -185,16 +185,15 @@ def _convert_tile(
 @gluon.jit
 def _tile_scales(
     t,
-    first,
-    table_row,
-    row_scales,
+    where,
     BN: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     SCALE_MODE: gl.constexpr,
     col_l: gl.constexpr,
 ):
     """e4m3 caches: the scales of full tile t's rows, [BN] fp32 (per page: one value);
-    table_row: the request's page-table row."""
+    where: (first row of the split's first tile, the request's page-table row, the scales)."""
+    first, table_row, row_scales = where
     n0 = first + t * BN
     page = gl.load(table_row + n0 // PAGE_SIZE).to(gl.int64)
     if SCALE_MODE == 1:
@@ -404,18 +403,11 @@ def _split_kernel_gluon(
         conv = (cv_c, cv_r)
         if n_full > 0:
             _convert_tile(0, split, ring, conv, PAGE_SIZE, CHUNK, LD)
-            table_row = page_table + row * stride_table
-            sc = _tile_scales(0, first, table_row, row_scales, BN, PAGE_SIZE, SCALE_MODE, col_l)
+            where = (first, page_table + row * stride_table, row_scales)
+            sc = _tile_scales(0, where, BN, PAGE_SIZE, SCALE_MODE, col_l)
             # Scales come one tile ahead, so that their two dependent loads are not waited on.
             sc_next = _tile_scales(
-                gl.minimum(n_full - 1, 1),
-                first,
-                table_row,
-                row_scales,
-                BN,
-                PAGE_SIZE,
-                SCALE_MODE,
-                col_l,
+                gl.minimum(n_full - 1, 1), where, BN, PAGE_SIZE, SCALE_MODE, col_l
             )
             s = _scores(q_s, qr_s, cv_c.index(0), cv_r.index(0), zero_s)
             if n_full > 1:
@@ -430,14 +422,7 @@ def _split_kernel_gluon(
                 acc = warpgroup_mma(p, cv_c.index((t - 1) % 3), acc, is_async=True)
                 sc = sc_next
                 sc_next = _tile_scales(
-                    gl.minimum(n_full - 1, t + 1),
-                    first,
-                    table_row,
-                    row_scales,
-                    BN,
-                    PAGE_SIZE,
-                    SCALE_MODE,
-                    col_l,
+                    gl.minimum(n_full - 1, t + 1), where, BN, PAGE_SIZE, SCALE_MODE, col_l
                 )
                 if t + 1 < n_full:
                     _convert_tile(t + 1, split, ring, conv, PAGE_SIZE, CHUNK, LD)
