@@ -6,7 +6,9 @@ benchmarks/mla_decode.py (36 histories drawn from 2k-200k) for configs
 "kind,bm,bn,warps,stages[,chunk]":
   orig - the Triton split kernel (`decode._split_kernel`) at BLOCK_M bm, BLOCK_N bn
   G    - the Gluon kernel (`gluon_decode`) with BN bn and `stages` shared-memory stages and TMA
-         chunks of `chunk` latent columns (0: the default)
+         chunks of `chunk` latent columns (0: the default), every row block padded to 64
+  GT   - the same, with a 32-row remainder (96 heads) in `gluon_transposed` after it
+  GTS  - GT with the remainder kernel on a side stream (both grids share the SMs)
   W/WT - the library call `mla_decode_paged_split(kernel="gluon" / "triton")` at its defaults
 Each config is first checked on a small ragged case whose splits start mid-tile (granularity
 16), then on the large batch, against the torch reference.
@@ -18,6 +20,7 @@ Each config is first checked on a small ragged case whose splits start mid-tile 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 
@@ -28,6 +31,11 @@ import mla_decode as bench
 from tokenspeed.model.ops.mla import decode as md
 
 LOG2E = md.LOG2E
+
+
+@functools.cache
+def side_stream() -> torch.cuda.Stream:
+    return torch.cuda.Stream()
 
 
 def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
@@ -79,24 +87,30 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
         GRANULE=64,
         SCALE_MODE=0,
     )
-    if kind == "G":
+    if kind in ("G", "GT", "GTS"):
         from tokenspeed.model.ops.mla import gluon_decode as gd
+        from tokenspeed.model.ops.mla import gluon_transposed as gtr
 
         dc, dr = gd.descriptors(pages, d.rank, bn, chunk or None)
-        grid = (triton.cdiv(rows, gd.BLOCK_M), slots)
         # part_lse stands in for the row scales, unused with a bf16 cache
-        gd._split_kernel_gluon[grid](
-            q_lat,
-            q_rope,
-            pages,
-            part_lse,
-            dc,
-            dr,
-            *args,
-            **shape,
-            STAGES=stages,
-            num_warps=8,
-        )
+        operands = (q_lat, q_rope, pages, part_lse, dc, dr, *args)
+        full, rest = divmod(rows, gd.BLOCK_M)
+        transposed = kind != "G" and rest == gtr.BLOCK_ROWS
+        blocks = full if transposed else triton.cdiv(rows, gd.BLOCK_M)
+        if blocks:
+            gd._split_kernel_gluon[(blocks, slots)](*operands, **shape, STAGES=stages, num_warps=8)
+        if transposed:
+            # GTS: on a side stream, so that it shares the SMs with the 64-row programs
+            # instead of starting after their last one.
+            side = side_stream() if kind == "GTS" and blocks else None
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                gtr._split_kernel_transposed[(1, slots)](
+                    *operands, **shape, STAGES=stages, ROW0=full * gd.BLOCK_M, num_warps=4
+                )
+            if side is not None:
+                torch.cuda.current_stream().wait_stream(side)
     else:
         md._split_kernel[(triton.cdiv(rows, bm), slots)](
             q_lat,

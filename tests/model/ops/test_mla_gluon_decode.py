@@ -29,6 +29,7 @@ from .test_mla_decode import (
 )
 
 gluon_decode = pytest.importorskip("tokenspeed.model.ops.mla.gluon_decode")
+gluon_transposed = pytest.importorskip("tokenspeed.model.ops.mla.gluon_transposed")
 from triton.experimental import gluon  # noqa: E402  (importable where gluon_decode is)
 from triton.experimental.gluon import language as gl  # noqa: E402
 
@@ -48,6 +49,14 @@ def test_fits_k3_and_kimi_linear_shapes_only_where_tiles_fit():
     assert not gluon_decode.fits(512, 64, 16, fp8=True)
     assert gluon_decode.block_n_for(torch.float8_e4m3fn) == 32
     assert gluon_decode.block_n_for(torch.bfloat16) == 64
+
+
+def test_transposed_kernel_takes_whole_32_row_bf16_calls_only():
+    assert gluon_transposed.takes_remainder(32, fp8=False)  # Kimi Linear, one query
+    # K3's 96 heads: the remainder stays with the 64-row programs (measured faster)
+    for rows in (96, 288, 64, 128, 192, 384, 16, 48):
+        assert not gluon_transposed.takes_remainder(rows, fp8=False)
+    assert not gluon_transposed.takes_remainder(32, fp8=True)  # e4m3 caches: padded
 
 
 def test_never_applies_on_the_cpu():
@@ -209,3 +218,67 @@ def test_gpu_gluon_uniform_splits_past_the_history_and_a_tight_table(cache):
     ref = reference(inp, dequantize_pages(pages, scales) if scales is not None else None)
     out = run(dict(inp, pages=pages), uniform_splits=264, page_scales=scales, kernel="gluon")
     _assert_close(out, ref, inp["real"], TOL[dtype])
+
+
+class _Spy:
+    """Records the grids a kernel is launched with, and launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    ("heads", "n", "uniform"), [(96, 1, False), (96, 3, False), (32, 1, False), (96, 1, True)]
+)
+def test_gpu_transposed_remainder_matches_reference(heads, n, uniform, monkeypatch):
+    """The last 32 query rows of every split in `gluon_transposed` (any other rows in 64-row
+    programs; the library does this for 32-row calls only, here for every 32-row remainder):
+    splits starting mid-tile (granularity 16), ragged last tiles, padding rows, splits past a
+    short history (uniform mode); and the padded path agrees."""
+    spy = _Spy(gluon_transposed._split_kernel_transposed)
+    monkeypatch.setattr(gluon_transposed, "_split_kernel_transposed", spy)
+    monkeypatch.setattr(gluon_transposed, "takes_remainder", lambda rows, fp8: rows % 64 == 32)
+    lens = [4, 5, 33, 64, 65, 700, 4097, 30000]
+    inp = make_inputs(
+        lens, n, pad_rows=2, dtype=torch.bfloat16, device="cuda", seed=7, **dict(K3, heads=heads)
+    )
+    kw = dict(uniform_splits=7) if uniform else dict(splits=plan(lens, 10, 96, 16, "cuda"))
+    out = run(inp, gate=inp["gate"], kernel="gluon", **kw)
+    slots = 10 * 7 if uniform else kw["splits"].split_len.numel()
+    assert spy.grids == [(1, slots)]
+    ref = reference(inp) * torch.sigmoid(inp["gate"].float().view(-1, heads, 128))
+    _assert_close(out, ref, inp["real"], TOL[torch.bfloat16])
+    if not uniform:  # the planner gives padding rows no splits (uniform mode attends the sink)
+        assert out[inp["real"] :].eq(0).all()
+    monkeypatch.setattr(gluon_transposed, "takes_remainder", lambda rows, fp8: False)
+    padded = run(inp, gate=inp["gate"], kernel="gluon", **kw)
+    assert spy.grids == [(1, slots)]  # not launched again
+    _assert_close(padded, ref, inp["real"], TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_kimi_linear_calls_take_the_transposed_kernel_alone(monkeypatch):
+    """32 heads, one query (32 rows): one transposed program per split, no 64-row program."""
+    spies = {}
+    for module, name in (
+        (gluon_transposed, "_split_kernel_transposed"),
+        (gluon_decode, "_split_kernel_gluon"),
+    ):
+        spies[name] = _Spy(getattr(module, name))
+        monkeypatch.setattr(module, name, spies[name])
+    lens = [4, 65, 700, 4097]
+    inp = make_inputs(
+        lens, 1, pad_rows=1, dtype=torch.bfloat16, device="cuda", seed=9, **dict(K3, heads=32)
+    )
+    splits = plan(lens, 5, 64, 16, "cuda")
+    out = run(inp, splits)
+    assert spies["_split_kernel_transposed"].grids == [(1, splits.split_len.numel())]
+    assert spies["_split_kernel_gluon"].grids == []
+    _assert_close(out, reference(inp), inp["real"], TOL[torch.bfloat16])
