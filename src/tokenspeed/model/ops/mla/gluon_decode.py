@@ -206,6 +206,123 @@ def _tile_scales(
 
 
 @gluon.jit
+def _split_bounds(slot, plan, UNIFORM: gl.constexpr, GRANULE: gl.constexpr, BN: gl.constexpr):
+    """Where split slot `slot` (the grid's second index) reads: (slot as the partials' index,
+    request row, start, end, history length, live, first row of its first tile, full tiles).
+    plan: (context_lens, split_order, split_row, split_start, split_len, uniform_splits)."""
+    context_lens, split_order, split_row, split_start, split_len, uniform_splits = plan
+    if UNIFORM:
+        row = slot // uniform_splits
+        length = gl.load(context_lens + row).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(length, uniform_splits), GRANULE) * GRANULE
+        start = (slot % uniform_splits) * chunk
+        end = gl.minimum(start + chunk, length)
+        live = slot >= 0
+    else:
+        slot = gl.load(split_order + slot)
+        row = gl.load(split_row + slot)
+        start = gl.load(split_start + slot)
+        n_rows = gl.load(split_len + slot)
+        length = gl.load(context_lens + row).to(gl.int32)
+        end = gl.minimum(start + n_rows, length)
+        live = n_rows > 0
+    end = gl.where(live, end, start)
+    # Tiles are aligned to BN in the history (so a full tile never crosses a page); a split
+    # that starts mid-tile masks the rows before its start (earlier rows of the same history).
+    first = start - start % BN
+    n_full = gl.maximum(end - first, 0) // BN
+    return slot, row, start, end, length, live, first, n_full
+
+
+@gluon.jit
+def _start_ring(desc_c, desc_r, where, STAGES: gl.constexpr, RANK: gl.constexpr, PAGE_SIZE):
+    """The ring of STAGES cache-tile stages (and a barrier per chunk of each), its first STAGES
+    tiles issued. where: (n_full, first, row, page_table, stride_table). Returns the ring
+    (desc_c, desc_r, c_bufs, r_bufs, ready)."""
+    n_full, first, row, page_table, stride_table = where
+    cache_t: gl.constexpr = desc_c.block_type.element_ty
+    BN: gl.constexpr = desc_c.block_type.shape[0]
+    NCH: gl.constexpr = RANK // desc_c.block_type.shape[1] + 1
+    ROPE: gl.constexpr = desc_r.block_type.shape[1]
+    c_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, RANK], desc_c.layout)
+    r_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, ROPE], desc_r.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES * NCH):
+        mbarrier.init(ready.index(i), count=1)
+    ring = (desc_c, desc_r, c_bufs, r_bufs, ready)  # what every tile load takes
+    for i in gl.static_range(STAGES):
+        page = _page_of(i, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
+        _issue(i, page, n_full, first, ring, PAGE_SIZE)
+    return ring
+
+
+@gluon.jit
+def _load_queries(
+    q,
+    offs_m,
+    row,
+    ok,
+    N_QUERY: gl.constexpr,
+    NUM_HEADS: gl.constexpr,
+    RANK: gl.constexpr,
+    ROPE: gl.constexpr,
+    LD: gl.constexpr,
+):
+    """Query rows offs_m (query j, head h) of request `row` as [len(offs_m), R] and
+    [len(offs_m), Dr] in layout LD, zeros where not `ok`. q: (q_lat, q_rope, stride_lt,
+    stride_lh, stride_rt, stride_rh)."""
+    q_lat, q_rope, stride_lt, stride_lh, stride_rt, stride_rh = q
+    tok = (row * N_QUERY + offs_m // NUM_HEADS).to(gl.int64)
+    qh = offs_m % NUM_HEADS
+    offs_r = gl.arange(0, RANK, layout=gl.SliceLayout(0, LD))
+    offs_d = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LD))
+    ql = gl.load(
+        q_lat + tok[:, None] * stride_lt + qh[:, None] * stride_lh + offs_r[None, :],
+        mask=ok[:, None],
+        other=0.0,
+    )
+    qr = gl.load(
+        q_rope + tok[:, None] * stride_rt + qh[:, None] * stride_rh + offs_d[None, :],
+        mask=ok[:, None],
+        other=0.0,
+    )
+    return ql, qr
+
+
+@gluon.jit
+def _load_tail(pages, cb, rb, span, table_row, stride_page, PAGE_SIZE: gl.constexpr, LD):
+    """The ragged last tile into buffers cb [BN, R] / rb [BN, Dr] (converted to their type) by
+    masked loads: rows outside span = (n_tail, start, end) are zeros, never stale contents."""
+    n_tail, start, end = span
+    BN: gl.constexpr = cb.shape[0]
+    RANK: gl.constexpr = cb.shape[1]
+    ROPE: gl.constexpr = rb.shape[1]
+    CHUNK: gl.constexpr = 128 if RANK > 128 else RANK
+    pos_l = n_tail + gl.arange(0, BN, layout=gl.SliceLayout(1, LD))
+    k_ok = (pos_l >= start) & (pos_l < end)
+    pg = gl.load(table_row + pos_l // PAGE_SIZE, mask=k_ok, other=0)
+    base = pg.to(gl.int64) * stride_page + (pos_l % PAGE_SIZE) * (RANK + ROPE)
+    for k in gl.static_range(RANK // CHUNK):  # by chunks: a whole tile in registers would spill
+        offs_c = k * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LD))
+        c = gl.load(pages + base[:, None] + offs_c[None, :], mask=k_ok[:, None], other=0.0)
+        cb.slice(k * CHUNK, CHUNK, dim=1).store(_to_mma_type(c, cb.dtype))
+    offs_d = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LD))
+    kr = gl.load(pages + base[:, None] + RANK + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    rb.store(_to_mma_type(kr, rb.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _lse(m_i, l_i):
+    """(log2-sum-exp, the divisor for o) from the row max and row sum; -inf and 1 for a row
+    that saw no cache row."""
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    return gl.where(seen, m_i + gl.log2(l_safe), float("-inf")), l_safe
+
+
+@gluon.jit
 def _scores(q_s, qr_s, c, r, zero_s):
     """S = Q_lat C^T + Q_rope K_rope^T for one resident tile, issued asynchronously."""
     s = warpgroup_mma(q_s, c.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -306,8 +423,6 @@ def _split_kernel_gluon(
     CW: gl.constexpr = desc_c.block_type.shape[1]
     NCH: gl.constexpr = RANK // CW + 1
     ROWS: gl.constexpr = N_QUERY * NUM_HEADS
-    WIDTH: gl.constexpr = RANK + ROPE
-    cache_t: gl.constexpr = desc_c.block_type.element_ty
     dtype: gl.constexpr = q_lat.dtype.element_ty  # the MMAs' operand type
     HAS_SCALE: gl.constexpr = SCALE_MODE != 0
     CHUNK: gl.constexpr = 128 if RANK > 128 else RANK
@@ -323,55 +438,20 @@ def _split_kernel_gluon(
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
 
     pid_m = gl.program_id(0)
-    slot = gl.program_id(1)
-    if UNIFORM:
-        row = slot // uniform_splits
-        length = gl.load(context_lens + row).to(gl.int32)
-        chunk = gl.cdiv(gl.cdiv(length, uniform_splits), GRANULE) * GRANULE
-        start = (slot % uniform_splits) * chunk
-        end = gl.minimum(start + chunk, length)
-        live = slot >= 0
-    else:
-        slot = gl.load(split_order + slot)
-        row = gl.load(split_row + slot)
-        start = gl.load(split_start + slot)
-        n_rows = gl.load(split_len + slot)
-        length = gl.load(context_lens + row).to(gl.int32)
-        end = gl.minimum(start + n_rows, length)
-        live = n_rows > 0
-    end = gl.where(live, end, start)
-    # Tiles are aligned to BN in the history (so a full tile never crosses a page); a split
-    # that starts mid-tile masks the rows before its start (earlier rows of the same history).
-    first = start - start % BN
-    n_full = gl.maximum(end - first, 0) // BN
-
-    c_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, RANK], desc_c.layout)
-    r_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, ROPE], desc_r.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES * NCH):
-        mbarrier.init(ready.index(i), count=1)
-    ring = (desc_c, desc_r, c_bufs, r_bufs, ready)  # what every tile load takes
-    for i in gl.static_range(STAGES):
-        page = _page_of(i, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
-        _issue(i, page, n_full, first, ring, PAGE_SIZE)
+    plan = (context_lens, split_order, split_row, split_start, split_len, uniform_splits)
+    slot, row, start, end, length, live, first, n_full = _split_bounds(
+        gl.program_id(1), plan, UNIFORM, GRANULE, BN
+    )
+    ring = _start_ring(
+        desc_c, desc_r, (n_full, first, row, page_table, stride_table), STAGES, RANK, PAGE_SIZE
+    )
+    _, _, c_bufs, r_bufs, ready = ring
 
     # Queries of this program's rows (query j, head h) = m, into shared memory for the split.
     offs_ml = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LD))
+    q = (q_lat, q_rope, stride_lt, stride_lh, stride_rt, stride_rh)
     ok_l = offs_ml < gl.where(live, ROWS, 0)
-    tok_l = (row * N_QUERY + offs_ml // NUM_HEADS).to(gl.int64)
-    qh_l = offs_ml % NUM_HEADS
-    offs_r = gl.arange(0, RANK, layout=gl.SliceLayout(0, LD))
-    offs_d = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LD))
-    ql = gl.load(
-        q_lat + tok_l[:, None] * stride_lt + qh_l[:, None] * stride_lh + offs_r[None, :],
-        mask=ok_l[:, None],
-        other=0.0,
-    )
-    qr = gl.load(
-        q_rope + tok_l[:, None] * stride_rt + qh_l[:, None] * stride_rh + offs_d[None, :],
-        mask=ok_l[:, None],
-        other=0.0,
-    )
+    ql, qr = _load_queries(q, offs_ml, row, ok_l, N_QUERY, NUM_HEADS, RANK, ROPE, LD)
     q_s = gl.allocate_shared_memory(
         dtype, [BM, RANK], gl.NVMMASharedLayout.get_default_for([BM, RANK], dtype), ql
     )
@@ -489,18 +569,8 @@ def _split_kernel_gluon(
         # The ragged last tile: masked loads into a free buffer, once every warpgroup's MMAs
         # have completed.
         gl.thread_barrier()
-        pos_l = n_tail + gl.arange(0, BN, layout=gl.SliceLayout(1, LD))
-        k_ok = (pos_l >= start) & (pos_l < end)
-        pg = gl.load(page_table + row * stride_table + pos_l // PAGE_SIZE, mask=k_ok, other=0)
-        base = pg.to(gl.int64) * stride_page + (pos_l % PAGE_SIZE) * WIDTH
-        for k in gl.static_range(RANK // CHUNK):  # by chunks, as above
-            offs_c = k * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LD))
-            c = gl.load(pages + base[:, None] + offs_c[None, :], mask=k_ok[:, None], other=0.0)
-            cb.slice(k * CHUNK, CHUNK, dim=1).store(_to_mma_type(c, dtype))
-        kr = gl.load(pages + base[:, None] + RANK + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-        rb.store(_to_mma_type(kr, dtype))
-        fence_async_shared()
-        gl.thread_barrier()
+        table_row = page_table + row * stride_table
+        _load_tail(pages, cb, rb, (n_tail, start, end), table_row, stride_page, PAGE_SIZE, LD)
         sc = 1.0
         if HAS_SCALE:
             pos_s = n_tail + gl.arange(0, BN, layout=col_l)
@@ -525,10 +595,7 @@ def _split_kernel_gluon(
     for i in gl.static_range(STAGES * NCH):
         mbarrier.invalidate(ready.index(i))
 
-    l_i = gl.sum(l_acc, 1)
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, m_i + gl.log2(l_safe), float("-inf"))
+    lse, l_safe = _lse(m_i, gl.sum(l_acc, 1))
     m_ok = offs_m < gl.where(live, ROWS, 0)
     gl.store(part_lse + slot.to(gl.int64) * ROWS + offs_m, lse, mask=m_ok)
     o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_L))[:, None]

@@ -34,7 +34,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_decode import _issue, _page_of
+from .gluon_decode import (
+    _issue,
+    _load_queries,
+    _load_tail,
+    _lse,
+    _page_of,
+    _split_bounds,
+    _start_ring,
+)
 
 BLOCK_ROWS = 32  # query rows per program (the MMA's N)
 
@@ -138,12 +146,8 @@ def _split_kernel_transposed(
     CW: gl.constexpr = desc_c.block_type.shape[1]
     NCH: gl.constexpr = RANK // CW + 1
     ROWS: gl.constexpr = N_QUERY * NUM_HEADS
-    WIDTH: gl.constexpr = RANK + ROPE
     dtype: gl.constexpr = q_lat.dtype.element_ty
     gl.static_assert(desc_c.block_type.element_ty == dtype, "cache and queries of one type")
-    CHUNK: gl.constexpr = 128 if RANK > 128 else RANK
-    # S^T [BN, HB] and O^T [R, HB] share one layout: alpha and the row bounds broadcast along
-    # the query columns of both.
     # S^T [BN, HB] and O^T [R, HB] share one layout: alpha and the row bounds broadcast along
     # the query columns of both.
     L: gl.constexpr = gl.NVMMADistributedLayout(
@@ -152,53 +156,20 @@ def _split_kernel_transposed(
     col_l: gl.constexpr = gl.SliceLayout(0, L)
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    slot = gl.program_id(1)
-    if UNIFORM:
-        row = slot // uniform_splits
-        length = gl.load(context_lens + row).to(gl.int32)
-        chunk = gl.cdiv(gl.cdiv(length, uniform_splits), GRANULE) * GRANULE
-        start = (slot % uniform_splits) * chunk
-        end = gl.minimum(start + chunk, length)
-        live = slot >= 0
-    else:
-        slot = gl.load(split_order + slot)
-        row = gl.load(split_row + slot)
-        start = gl.load(split_start + slot)
-        n_rows = gl.load(split_len + slot)
-        length = gl.load(context_lens + row).to(gl.int32)
-        end = gl.minimum(start + n_rows, length)
-        live = n_rows > 0
-    end = gl.where(live, end, start)
-    first = start - start % BN
-    n_full = gl.maximum(end - first, 0) // BN
-
-    c_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, RANK], desc_c.layout)
-    r_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, ROPE], desc_r.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES * NCH):
-        mbarrier.init(ready.index(i), count=1)
-    ring = (desc_c, desc_r, c_bufs, r_bufs, ready)
-    for i in gl.static_range(STAGES):
-        page = _page_of(i, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
-        _issue(i, page, n_full, first, ring, PAGE_SIZE)
+    plan = (context_lens, split_order, split_row, split_start, split_len, uniform_splits)
+    slot, row, start, end, length, live, first, n_full = _split_bounds(
+        gl.program_id(1), plan, UNIFORM, GRANULE, BN
+    )
+    ring = _start_ring(
+        desc_c, desc_r, (n_full, first, row, page_table, stride_table), STAGES, RANK, PAGE_SIZE
+    )
+    _, _, c_bufs, r_bufs, ready = ring
 
     # This program's query rows, resident in shared memory for the split (the B operand).
     offs_ml = ROW0 + gl.arange(0, HB, layout=gl.SliceLayout(1, LD))
+    q = (q_lat, q_rope, stride_lt, stride_lh, stride_rt, stride_rh)
     ok_l = offs_ml < gl.where(live, ROWS, 0)
-    tok_l = (row * N_QUERY + offs_ml // NUM_HEADS).to(gl.int64)
-    qh_l = offs_ml % NUM_HEADS
-    offs_r = gl.arange(0, RANK, layout=gl.SliceLayout(0, LD))
-    offs_d = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LD))
-    ql = gl.load(
-        q_lat + tok_l[:, None] * stride_lt + qh_l[:, None] * stride_lh + offs_r[None, :],
-        mask=ok_l[:, None],
-        other=0.0,
-    )
-    qr = gl.load(
-        q_rope + tok_l[:, None] * stride_rt + qh_l[:, None] * stride_rh + offs_d[None, :],
-        mask=ok_l[:, None],
-        other=0.0,
-    )
+    ql, qr = _load_queries(q, offs_ml, row, ok_l, N_QUERY, NUM_HEADS, RANK, ROPE, LD)
     q_s = gl.allocate_shared_memory(
         dtype, [HB, RANK], gl.NVMMASharedLayout.get_default_for([HB, RANK], dtype), ql
     )
@@ -263,18 +234,8 @@ def _split_kernel_transposed(
         gl.thread_barrier()
         cb = c_bufs.index(0)
         rb = r_bufs.index(0)
-        pos_l = n_tail + gl.arange(0, BN, layout=gl.SliceLayout(1, LD))
-        k_ok = (pos_l >= start) & (pos_l < end)
-        pg = gl.load(page_table + row * stride_table + pos_l // PAGE_SIZE, mask=k_ok, other=0)
-        base = pg.to(gl.int64) * stride_page + (pos_l % PAGE_SIZE) * WIDTH
-        for k in gl.static_range(RANK // CHUNK):
-            offs_c = k * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LD))
-            c = gl.load(pages + base[:, None] + offs_c[None, :], mask=k_ok[:, None], other=0.0)
-            cb.slice(k * CHUNK, CHUNK, dim=1).store(c)
-        kr = gl.load(pages + base[:, None] + RANK + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-        rb.store(kr)
-        fence_async_shared()
-        gl.thread_barrier()
+        table_row = page_table + row * stride_table
+        _load_tail(pages, cb, rb, (n_tail, start, end), table_row, stride_page, PAGE_SIZE, LD)
         s = _scores_t(q_s, qr_s, cb, rb, zero_s, ready, 0, 0, CW, False)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         p, alpha, m_i, l_acc = _softmax_t(s, n_tail, m_i, l_acc, bounds, BN)
@@ -285,10 +246,7 @@ def _split_kernel_transposed(
     for i in gl.static_range(STAGES * NCH):
         mbarrier.invalidate(ready.index(i))
 
-    l_i = gl.sum(l_acc, 0)
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, m_i + gl.log2(l_safe), float("-inf"))
+    lse, l_safe = _lse(m_i, gl.sum(l_acc, 0))
     h_ok = offs_h < gl.where(live, ROWS, 0)
     part = slot.to(gl.int64) * ROWS + offs_h
     gl.store(part_lse + part, lse, mask=h_ok)
