@@ -264,7 +264,8 @@ def test_gpu_transposed_remainder_matches_reference(heads, n, uniform, monkeypat
 
 @pytest.mark.gpu
 @hopper
-def test_gpu_kimi_linear_calls_take_the_transposed_kernel_alone(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kimi_linear_calls_take_the_transposed_kernel_alone(dtype, monkeypatch):
     """32 heads, one query (32 rows): one transposed program per split, no 64-row program."""
     spies = {}
     for module, name in (
@@ -274,11 +275,9 @@ def test_gpu_kimi_linear_calls_take_the_transposed_kernel_alone(monkeypatch):
         spies[name] = _Spy(getattr(module, name))
         monkeypatch.setattr(module, name, spies[name])
     lens = [4, 65, 700, 4097]
-    inp = make_inputs(
-        lens, 1, pad_rows=1, dtype=torch.bfloat16, device="cuda", seed=9, **dict(K3, heads=32)
-    )
+    inp = make_inputs(lens, 1, pad_rows=1, dtype=dtype, device="cuda", seed=9, **dict(K3, heads=32))
     splits = plan(lens, 5, 64, 16, "cuda")
     out = run(inp, splits)
     assert spies["_split_kernel_transposed"].grids == [(1, splits.split_len.numel())]
     assert spies["_split_kernel_gluon"].grids == []
-    _assert_close(out, reference(inp), inp["real"], TOL[torch.bfloat16])
+    _assert_close(out, reference(inp), inp["real"], TOL[dtype])
