@@ -224,7 +224,13 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="fewer layers (smoke runs); at least 5, since transformers' default layout puts "
+        "its first full-attention (MLA) layer 5th and the engine serves hybrid models",
+    )
     parser.add_argument(
         "--decode-steps",
         default="8",
@@ -233,6 +239,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.layers is not None and args.layers < 5:
+        parser.error(f"--layers {args.layers} leaves no MLA layer (at least 5)")
     decode_steps = [int(x) for x in args.decode_steps.split(",")]
     if not torch.cuda.is_available():
         print("offline needs a CUDA device", file=sys.stderr)

@@ -258,6 +258,13 @@ def test_decode_steps_must_be_positive():
         EngineConfig(decode_steps=0)
 
 
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_a_model_without_both_layer_kinds_is_refused_clearly(tiny, kind):
+    config = tiny.config.evolve(layer_kinds=(kind,) * tiny.config.num_layers)
+    with pytest.raises(EngineConfigError, match=r"hybrid models .* has \d+ MLA and \d+ KDA"):
+        Engine(type(tiny)(config), None, EngineConfig(device="cpu"))
+
+
 def test_a_cache_larger_than_the_free_memory_is_refused_before_allocating(tiny):
     """max_model_len sizes the default cache (2 x max_num_seqs x max_model_len tokens of pages):
     a figure past the machine's free memory is a clear error, not an allocation the kernel

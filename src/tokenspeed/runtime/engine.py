@@ -94,6 +94,13 @@ def resolve_device(device: str) -> torch.device:
 
 def cache_geometry(model: KimiForCausalLM, page_size: int) -> CacheGeometry:
     cfg, dtype = model.config, model.lm_head.weight.dtype
+    if not cfg.mla_layers or not cfg.kda_layers:
+        # The cache keys prefixes by MLA pages and restores KDA state checkpoints: it is built
+        # for hybrid models (e.g. transformers' Kimi Linear layout cut to 4 layers has no MLA).
+        raise EngineConfigError(
+            "the engine serves hybrid models with at least one MLA and one KDA layer; this "
+            f"model has {len(cfg.mla_layers)} MLA and {len(cfg.kda_layers)} KDA layers"
+        )
     return CacheGeometry.from_model_dims(
         num_mla_layers=len(cfg.mla_layers),
         kv_lora_rank=cfg.mla.kv_lora_rank,
