@@ -41,6 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cuda_timing import time_eager
+
 RANK = 512
 BN = 64  # cache rows per tile
 BM = 64  # query-head rows per program (the MMA's M)
@@ -57,6 +59,15 @@ def _smem(src, R: gl.constexpr, C: gl.constexpr, LD: gl.constexpr):
     return gl.allocate_shared_memory(
         gl.bfloat16, [R, C], gl.NVMMASharedLayout.get_default_for([R, C], gl.bfloat16), x
     )
+
+
+@gluon.jit
+def _publish(s, buf):
+    """Scores (scaled down, as probabilities would be) into shared buffer buf as bf16, visible
+    to the next MMA."""
+    buf.store((s * 1.0e-3).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -153,17 +164,13 @@ def _seesaw_mix(q_ptr, c_ptr, out_ptr, iters, R: gl.constexpr):
     zero = gl.zeros([TILE_M, 2 * TILE_N], gl.float32, S_L)
     acc = gl.zeros([TILE_M, R], gl.float32, O_L)
     s = warpgroup_mma(q_s, c_s.permute((1, 0)), zero, use_acc=False)
-    p_s.index(0).store((s * 1.0e-3).to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
+    _publish(s, p_s.index(0))
     for i in range(iters):
         # P V of the previous pair of tiles and Q K^T of the next pair in flight together.
         acc = warpgroup_mma(p_s.index(i % 2), c_s, acc, is_async=True)
         s = warpgroup_mma(q_s, c_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))
-        p_s.index((i + 1) % 2).store((s * 1.0e-3).to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
+        _publish(s, p_s.index((i + 1) % 2))
     gl.store(out_ptr + gl.program_id(0), gl.sum(gl.sum(acc, 1), 0))
 
 
@@ -185,9 +192,7 @@ def _transposed_mix(q_ptr, c_ptr, out_ptr, iters, R: gl.constexpr, HB: gl.conste
     zero = gl.zeros([TILE_N, HB], gl.float32, L)
     acc = gl.zeros([64, HB], gl.float32, L)
     s = warpgroup_mma(c_s, q_s.permute((1, 0)), zero, use_acc=False)
-    p_s.index(0).store((s * 1.0e-3).to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
+    _publish(s, p_s.index(0))
     for i in range(iters):
         # O^T of the previous tile and S^T of the next in flight together.
         p_prev = p_s.index(i % 2)
@@ -196,9 +201,7 @@ def _transposed_mix(q_ptr, c_ptr, out_ptr, iters, R: gl.constexpr, HB: gl.conste
             acc = warpgroup_mma(c_t, p_prev, acc, is_async=True)
         s = warpgroup_mma(c_s, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))
-        p_s.index((i + 1) % 2).store((s * 1.0e-3).to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
+        _publish(s, p_s.index((i + 1) % 2))
     gl.store(out_ptr + gl.program_id(0), gl.sum(gl.sum(acc, 1), 0))
 
 
@@ -301,26 +304,15 @@ def main() -> int:
 
 
 def timed(fn) -> float:
-    """us per launch (median of 5 after a warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return sorted(samples)[2]
+    """us per launch (median of 3, after a warm-up that compiles)."""
+    return time_eager(fn, iters=1)
 
 
 def copy_bandwidth(dev) -> float:
     """GB/s of a 1 GiB device-to-device copy, read + write."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    us = timed(lambda: dst.copy_(src))
-    return 2 * src.numel() / us / 1e3
+    return 2 * src.numel() / timed(lambda: dst.copy_(src)) / 1e3
 
 
 def smoke() -> int:
