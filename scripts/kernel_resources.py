@@ -215,6 +215,8 @@ def _kda() -> list[tuple[str, Callable[[], str]]]:
             "VOFF",
             "STORE_STEPS",
             "USE_PDL",
+            "EVICT_LOAD",
+            "EVICT_STORE",
         ),
     )
     presets = []
@@ -235,6 +237,8 @@ def _kda() -> list[tuple[str, Callable[[], str]]]:
                 VOFF=kd.scratch_width(128),
                 STORE_STEPS=False,
                 USE_PDL=True,
+                EVICT_LOAD=kd.STATE_EVICTION[0],
+                EVICT_STORE=kd.STATE_EVICTION[1],
             )
             presets.append(
                 (

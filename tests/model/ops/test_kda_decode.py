@@ -24,6 +24,8 @@ import torch
 from tokenspeed.model.ops.conv import causal_conv
 from tokenspeed.model.ops.kda import kda_gate, kda_recurrent
 from tokenspeed.model.ops.kda.decode import (
+    PREP_WARPS,
+    STATE_EVICTION,
     VARIANTS,
     decode_scratch,
     default_config,
@@ -427,6 +429,19 @@ CPU_CASES = {
     ),
     "split:v-in-prep-sequential": lambda: case_sequential(batch=2, options={"v_in_prep": True}),
     "split:v-conv-in-recurrence-rollback": lambda: case_rollback(options={"v_in_prep": False}),
+    # Cache eviction hints other than the defaults reach every kernel's loads and stores (the
+    # interpreter ignores the hints themselves; the GPU probes time them).
+    **{
+        f"{variant}:eviction-hints": lambda variant=variant: compare(
+            make_inputs(steps=1, seed=35),
+            "lower_bound",
+            variant=variant,
+            block_v=8,
+            state_eviction=("evict_first", "evict_last"),
+            record_eviction="evict_last",
+        )
+        for variant in VARIANTS
+    },
 }
 
 
@@ -463,10 +478,18 @@ def test_rejects_bad_shapes():
         kda_decode(**inp, variant="chunked")
     with pytest.raises(ValueError, match="scratch"):
         kda_decode(**inp, scratch=torch.empty(3, 3, 2, scratch_width(16)))
+    with pytest.raises(ValueError, match="state_eviction"):
+        kda_decode(**inp, state_eviction=("evict_last",))
+    with pytest.raises(ValueError, match="state_eviction"):
+        kda_decode(**inp, state_eviction=("evict_last", "evict_never"))
+    with pytest.raises(ValueError, match="record_eviction"):
+        kda_decode(**inp, record_eviction="keep")
 
 
 def test_defaults_and_scratch_shape():
     assert default_config(128, 128) == (64, 4)  # split is the default variant
+    # State tiles loaded evict-last, stored plainly: the fastest pair on the H200 (kda.md).
+    assert STATE_EVICTION == ("evict_last", "") and PREP_WARPS == 2
     assert default_config(128, 128, "fused") == (128, 8)
     assert scratch_width(128) % 32 == 0 and scratch_width(128) >= 3 * 128 + 2
     assert decode_scratch(2, 1, 4, 16, "cpu").shape == (2, 1, 4, scratch_width(16))

@@ -30,6 +30,12 @@ written once; everything else is a few percent of that. Three implementations:
      (the same step, rearranged so that both reductions read the old tile and o does not wait
      for the update), and writes the tile back. Many small independent programs (B * H * V / BV)
      keep many state loads in flight per SM, which is what streaming at copy speed needs.
+     The tile is loaded with L2 priority evict-last and stored with no hint (`state_eviction`):
+     on the H200 the recurrence then runs 3-6% faster than with evict-first on both (the form
+     before) and ~1% faster than with no hints (docs/perf/kda.md, "Cache eviction hints"). The
+     plain store is meant to leave the rewritten lines at normal priority, so that stale tiles
+     do not crowd out later kernels' data. At one token the v conv is computed before the wait,
+     since it reads nothing the prep writes.
 "onepass", one launch, one program per (row, head, V block): the recurrence above with the prep
   folded in. Every V block of a head recomputes the head's q/k conv, norms and gate (a few KiB
   from L2 next to its 16 KiB state tile) and the conv of its own v channels; the q/k windows are
@@ -80,7 +86,12 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
 
 VARIANTS = ("split", "onepass", "fused")
-PREP_WARPS = 4
+PREP_WARPS = 2
+EVICTION_POLICIES = ("", "evict_first", "evict_last")  # Triton's eviction_policy values
+# (load, store) eviction policies of the state tiles: evict-last loads, plain stores measured
+# fastest (docs/perf/kda.md, "Cache eviction hints")
+STATE_EVICTION = ("evict_last", "")
+RECORD_EVICTION = ""  # of the split prep's record stores
 
 
 def default_config(k_dim: int, v_dim: int, variant: str = "split") -> tuple[int, int]:
@@ -173,12 +184,20 @@ def _plan(
     prep_warps: int = PREP_WARPS,
     overlap_prep: bool | None = None,
     v_in_prep: bool | None = None,
+    state_eviction: tuple[str, str] = STATE_EVICTION,
+    record_eviction: str = RECORD_EVICTION,
     use_pdl: bool | None = None,
 ) -> tuple[torch.Tensor, list]:
     """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
     check_gate_form(gate)
     if variant not in VARIANTS:
         raise ValueError(f"unknown KDA decode variant {variant!r} ({', '.join(VARIANTS)})")
+    if len(state_eviction) != 2 or not set(state_eviction) <= set(EVICTION_POLICIES):
+        raise ValueError(
+            f"state_eviction {state_eviction!r} is not a (load, store) pair of {EVICTION_POLICIES}"
+        )
+    if record_eviction not in EVICTION_POLICIES:
+        raise ValueError(f"record_eviction {record_eviction!r} is not one of {EVICTION_POLICIES}")
     batch, steps, channels = qkv.shape
     _, heads, k_dim, v_dim = recurrent_state.shape
     width = conv_weight.shape[1]
@@ -269,6 +288,8 @@ def _plan(
         STORE_STEPS=step_states is not None,
         USE_PDL=use_pdl,
     )
+    # the state kernels' only extra constexprs
+    evict = {"EVICT_LOAD": state_eviction[0], "EVICT_STORE": state_eviction[1]}
     # The leading arguments of the prep and the single-launch kernels (the inputs of the step,
     # the weights and the conv pool) and the row / token strides of the first three.
     inputs = (qkv, f, beta, conv_weight, a_log, dt_bias, conv_state)
@@ -303,6 +324,7 @@ def _plan(
                 BV=block_v,
                 num_warps=num_warps,
                 **common,
+                **evict,
                 **launch,
             )
         ]
@@ -322,6 +344,7 @@ def _plan(
             RELEASE=overlap,
             V_IN_PREP=v_in_prep,
             VOFF=_v_offset(k_dim),
+            EVICT_RECORD=record_eviction,
             num_warps=prep_warps,
             **common,
             **launch,
@@ -346,6 +369,7 @@ def _plan(
             VOFF=_v_offset(k_dim),
             num_warps=num_warps,
             **{k: v for k, v in common.items() if k != "LOWER_BOUND"},
+            **evict,
             **launch,
         ),
     ]
@@ -376,6 +400,8 @@ def kda_decode(
     prep_warps: int = PREP_WARPS,
     overlap_prep: bool | None = None,
     v_in_prep: bool | None = None,
+    state_eviction: tuple[str, str] = STATE_EVICTION,
+    record_eviction: str = RECORD_EVICTION,
     use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """One decode / verify step of a KDA layer for B rows of T new tokens each.
@@ -401,6 +427,9 @@ def kda_decode(
     v_in_prep: the split prep kernel also does the v conv (v then comes to the recurrence in
     the record: the scratch is `decode_scratch(..., v_dim=V, v_in_prep=...)`), so that the
     recurrence touches no conv state; None: for verify steps only (`resolve_v_in_prep`).
+    state_eviction: the cache eviction policies (Triton's `eviction_policy`: "" for none,
+    "evict_first" or "evict_last") of the state tiles' loads and of their stores;
+    record_eviction: that of the split prep kernel's record stores.
     Returns o: [B, T, H, V] in qkv's dtype (or `out`). Both pools are updated in place.
 
     Preconditions: the last dim of qkv, f and beta is contiguous (rows may be strided views);
@@ -431,6 +460,8 @@ def kda_decode(
         prep_warps=prep_warps,
         overlap_prep=overlap_prep,
         v_in_prep=v_in_prep,
+        state_eviction=state_eviction,
+        record_eviction=record_eviction,
         use_pdl=use_pdl,
     )
     for run in launches:

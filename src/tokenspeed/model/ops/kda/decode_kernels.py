@@ -207,6 +207,8 @@ def _kda_decode_kernel(
     LOWER_BOUND: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT_LOAD: tl.constexpr,  # cache eviction policy of the state tile's load
+    EVICT_STORE: tl.constexpr,  # ... and of its store
 ):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // H
@@ -237,7 +239,7 @@ def _kda_decode_kernel(
     # The first V block's state tile and v window; each iteration prefetches the next block's
     # before computing its own, so a program always has a tile load in flight.
     s = tl.load(
-        state_head + ok[:, None] * V + tl.arange(0, BV)[None, :], eviction_policy="evict_first"
+        state_head + ok[:, None] * V + tl.arange(0, BV)[None, :], eviction_policy=EVICT_LOAD
     )  # [K, BV] fp32, read once per step
     v_win = _conv_window(
         x_row, stride_qkv_t, conv_row, 2 * H * K + head * V + tl.arange(0, BV), cols, T, W
@@ -249,7 +251,7 @@ def _kda_decode_kernel(
         if BV < V:
             more = ov + BV < V
             s_next = tl.load(
-                state_head + tile + BV, mask=more[None, :], other=0.0, eviction_policy="evict_first"
+                state_head + tile + BV, mask=more[None, :], other=0.0, eviction_policy=EVICT_LOAD
             )
             # past the last block: re-read the last window (cached) rather than run off the end
             v_win_next = _conv_window(
@@ -323,6 +325,7 @@ def _kda_prep_kernel(
     LOWER_BOUND: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT_RECORD: tl.constexpr,  # cache eviction policy of the record stores
 ):
     """Prep of the split variant, one program per (row, head): the head's q/k conv (its conv
     state updated by this program only), norms, gate and beta (V_IN_PREP: also the v conv of
@@ -361,14 +364,14 @@ def _kda_prep_kernel(
             f_row, beta_row, t, stride_f_t, stride_beta_t, a_log, dt_bias, lower_bound, LOWER_BOUND
         )
         rec = scratch_ptr + ((row * T + t) * H + head) * D
-        tl.store(rec + ok, decay * q)
-        tl.store(rec + K + ok, k)
-        tl.store(rec + 2 * K + ok, decay)
-        tl.store(rec + 3 * K, beta)
-        tl.store(rec + 3 * K + 1, tl.sum(q * k, axis=0))
+        tl.store(rec + ok, decay * q, eviction_policy=EVICT_RECORD)
+        tl.store(rec + K + ok, k, eviction_policy=EVICT_RECORD)
+        tl.store(rec + 2 * K + ok, decay, eviction_policy=EVICT_RECORD)
+        tl.store(rec + 3 * K, beta, eviction_policy=EVICT_RECORD)
+        tl.store(rec + 3 * K + 1, tl.sum(q * k, axis=0), eviction_policy=EVICT_RECORD)
         if V_IN_PREP:
             v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
-            tl.store(rec + VOFF + tl.arange(0, V), v)
+            tl.store(rec + VOFF + tl.arange(0, V), v, eviction_policy=EVICT_RECORD)
 
     # The q/k conv state update (and the per-token windows), from [K, WP] windows loaded now.
     q_win, k_win = _qk_windows(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
@@ -422,6 +425,8 @@ def _kda_recurrent_kernel(
     VOFF: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT_LOAD: tl.constexpr,  # cache eviction policy of the state tile's load
+    EVICT_STORE: tl.constexpr,  # ... and of its store
 ):
     """Recurrence of the split variant, one program per (row, head, V block), which also does
     the conv of its own BV v channels. The V blocks of a head are adjacent program ids, so they
@@ -450,7 +455,7 @@ def _kda_recurrent_kernel(
     # previous step's recurrence, a rollback, a prefill, the projections) has completed.
     slot = tl.load(slots_ptr + row).to(tl.int64)
     state_tile = state_ptr + (slot * H + head) * K * V + tile
-    s = tl.load(state_tile, eviction_policy="evict_first")  # [K, BV] fp32, touched once
+    s = tl.load(state_tile, eviction_policy=EVICT_LOAD)  # [K, BV] fp32, touched once
     x_row = qkv_ptr + row * stride_qkv_b
     conv_row = conv_state_ptr + slot * C * (W - 1)
 
@@ -465,6 +470,10 @@ def _kda_recurrent_kernel(
     if OVERLAP:
         if not V_IN_PREP:
             v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
+            if T == 1:
+                # The v conv reads nothing the prep writes: done before the wait, it is off the
+                # path from the ready counter to the math.
+                v_early = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, 0, W)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
         while tl.atomic_add(ready, 0, sem="acquire") == 0:
@@ -483,6 +492,8 @@ def _kda_recurrent_kernel(
         qk = tl.load(rec + 3 * K + 1)
         if V_IN_PREP:
             v = tl.load(rec + VOFF + ov)
+        elif OVERLAP and T == 1:
+            v = v_early
         else:
             v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
         # Both reductions read the old tile: S_new = diag(d) S + k delta^T gives
@@ -496,10 +507,10 @@ def _kda_recurrent_kernel(
         if STORE_STEPS:
             tl.store(step_state_ptr + ((row * T + t) * H + head) * K * V + tile, s)
     if V_IN_PREP:  # the prep kernel has also updated the v channels' conv state
-        tl.store(state_tile, s, eviction_policy="evict_first")
+        tl.store(state_tile, s, eviction_policy=EVICT_STORE)
     else:
         if not OVERLAP:
-            tl.store(state_tile, s, eviction_policy="evict_first")
+            tl.store(state_tile, s, eviction_policy=EVICT_STORE)
             v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
         # The conv state of this block's own v channels (no other program touches them).
         if STORE_STEPS:
@@ -507,7 +518,7 @@ def _kda_recurrent_kernel(
         tl.debug_barrier()  # all lanes have read the old window before any lane overwrites it
         _store_window(conv_row, v_win, v_ch, cols, T, W)
         if OVERLAP:
-            tl.store(state_tile, s, eviction_policy="evict_first")
+            tl.store(state_tile, s, eviction_policy=EVICT_STORE)
 
 
 @triton.jit
@@ -543,6 +554,8 @@ def _kda_onepass_kernel(
     LOWER_BOUND: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT_LOAD: tl.constexpr,  # cache eviction policy of the state tile's load
+    EVICT_STORE: tl.constexpr,  # ... and of its store
 ):
     """The onepass variant, one program per (row, head, V block): the split recurrence with the
     prep done in place (q/k recomputed by each of a head's V blocks, v for the block's own
@@ -570,7 +583,7 @@ def _kda_onepass_kernel(
 
     slot = tl.load(slots_ptr + row).to(tl.int64)
     state_tile = state_ptr + (slot * H + head) * K * V + tile
-    s = tl.load(state_tile, eviction_policy="evict_first")  # [K, BV] fp32, touched once
+    s = tl.load(state_tile, eviction_policy=EVICT_LOAD)  # [K, BV] fp32, touched once
     x_row = qkv_ptr + row * stride_qkv_b
     conv_row = conv_state_ptr + slot * C * (W - 1)
     a_log = tl.load(a_log_ptr + head).to(tl.float32)
@@ -598,7 +611,7 @@ def _kda_onepass_kernel(
         tl.store(out_row + t * H * V, o.to(out_ptr.dtype.element_ty))
         if STORE_STEPS:
             tl.store(step_state_ptr + ((row * T + t) * H + head) * K * V + tile, s)
-    tl.store(state_tile, s, eviction_policy="evict_first")
+    tl.store(state_tile, s, eviction_policy=EVICT_STORE)
 
     # The conv windows, as [N, WP] tiles, are loaded only now, for the stores (they would only
     # hold registers during the recurrence). Every load of the old q/k conv state above has been
