@@ -159,8 +159,9 @@ def retune_fla_conv() -> None:
     fla_conv_tuner().cache.clear()
 
 
-def fla_path(inp, gate, recurrent_only=False):
-    """fla's decode step over the same inputs; conv cache dense [B, C, W] (fla's layout)."""
+def fla_path(inp, gate, recurrent_only=False, state_v_first=False):
+    """fla's decode step over the same inputs; conv cache dense [B, C, W] (fla's layout).
+    state_v_first: the recurrent state pool is [S, H, V, K] (fla's `state_v_first`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from fla.modules.causal_conv1d import causal_conv1d_update
@@ -188,6 +189,7 @@ def fla_path(inp, gate, recurrent_only=False):
             initial_state=inp["recurrent_state"],
             inplace_final_state=True,
             ssm_state_indices=slots,
+            state_v_first=state_v_first,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,

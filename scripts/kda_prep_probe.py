@@ -5,7 +5,8 @@ program convolves its own BV channels: a [BV, W-1] window read and rewritten aft
 or in its prep kernel (`v_in_prep`: the prep writes the conv'd v into the record; the recurrence
 then touches no conv state). Times both (CUDA graph, L2 flushed before each replay, as
 benchmarks/kda_decode.py) at 1, 2 and 4 tokens per row, with the prep at 1-4 warps, against
-fla's step at one token.
+fla's step at one token; also the state tiles' and the records' cache eviction hints
+(`state_eviction`, `record_eviction`).
 
     PYTHONPATH=src:benchmarks python scripts/kda_prep_probe.py [--requests 36,64,128]
 
@@ -31,13 +32,21 @@ from kda_decode import (
 )
 from tokenspeed.model.ops.kda.decode import decode_scratch, kda_decode
 
+FIRST = ("evict_first", "evict_first")  # state_eviction before 2026-12-03 (fifth session)
 OPTIONS = [
     ("default", {}),
+    (
+        "before: state_eviction evict_first both, prep_warps=4",
+        {"state_eviction": FIRST, "prep_warps": 4},
+    ),
     ("v conv in the recurrence", {"v_in_prep": False}),
-    *[
-        (f"v conv in the prep, prep_warps={w}", {"v_in_prep": True, "prep_warps": w})
-        for w in (1, 2, 4)
-    ],
+    ("v conv in the prep", {"v_in_prep": True}),
+    ("prep_warps=1", {"prep_warps": 1}),
+    ("record_eviction evict_last", {"record_eviction": "evict_last"}),
+    (
+        "record_eviction evict_last, v conv in the prep",
+        {"record_eviction": "evict_last", "v_in_prep": True},
+    ),
 ]
 
 
