@@ -276,7 +276,7 @@ def _kda_decode_kernel(
                 tl.store(step + tile, s)
                 step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
                 _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
-        tl.store(state_head + tile, s)
+        tl.store(state_head + tile, s, eviction_policy=EVICT_STORE)
         # All lanes must have read the old window before any lane overwrites it.
         tl.debug_barrier()
         _store_window(conv_row, v_win, v_ch, cols, T, W)
