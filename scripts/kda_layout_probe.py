@@ -36,7 +36,7 @@ import triton.language as tl
 
 from cuda_timing import time_graph
 from kda_decode import H, K, V, copy_bandwidth, fla_path, make_inputs, ours, split_stages
-from tokenspeed.model.ops.kda.decode_kernels import _add_pairs
+from tokenspeed.model.ops.kda.decode_kernels import _add_pairs, _load_record
 
 D = 3 * K + 2  # record: e^g q | k | e^g | beta | q.k
 # (load, store) eviction policies: of the probe's tiles, of kda_decode's state tiles, and those
@@ -99,12 +99,7 @@ def _math(state_ptr, slots_ptr, rec_ptr, v_ptr, out_ptr, H: tl.constexpr, K: tl.
     row, head, ov, offs = _tile(slots_ptr, pid, H, K, V, BV, TRANS)
     s = tl.load(state_ptr + offs, eviction_policy=EVICT_LOAD)
     ok = tl.arange(0, K)
-    rec = rec_ptr + (row * H + head) * D
-    dq = tl.load(rec + ok)
-    k = tl.load(rec + K + ok)
-    decay = tl.load(rec + 2 * K + ok)
-    beta = tl.load(rec + 3 * K)
-    qk = tl.load(rec + 3 * K + 1)
+    dq, k, decay, beta, qk = _load_record(rec_ptr + (row * H + head) * D, ok, K)
     v = tl.load(v_ptr + (row * H + head) * V + ov).to(tl.float32)
     if TRANS:  # s[j, i] = S[i, j]: reductions over K along axis 1
         u, w = tl.reduce((s * (decay * k)[None, :], s * dq[None, :]), 1, _add_pairs)

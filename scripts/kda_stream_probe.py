@@ -56,6 +56,7 @@ from tokenspeed.model.ops.kda.decode_kernels import (
     _add_pairs,
     _conv_silu,
     _conv_window,
+    _load_record,
     _store_window,
 )
 
@@ -144,12 +145,7 @@ def _rec_persistent(
         x_row = qkv_ptr + row * stride_qkv_b
         conv_row = conv_state_ptr + slot * C * (W - 1)
         v_win = _conv_window(x_row, 0, conv_row, v_ch, cols, 1, W)
-        rec = scratch_ptr + (row * H + head) * D
-        dq = tl.load(rec + ok)
-        k = tl.load(rec + K + ok)
-        decay = tl.load(rec + 2 * K + ok)
-        beta = tl.load(rec + 3 * K)
-        qk = tl.load(rec + 3 * K + 1)
+        dq, k, decay, beta, qk = _load_record(scratch_ptr + (row * H + head) * D, ok, K)
         v = _conv_silu(v_win, conv_w_ptr, v_ch, cols, 0, W)
         uu, ww = tl.reduce((s * (decay * k)[:, None], s * dq[:, None]), 0, _add_pairs)
         delta = beta * (v - uu)

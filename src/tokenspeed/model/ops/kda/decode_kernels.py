@@ -140,6 +140,16 @@ def _update_qk_conv_state(
 
 
 @triton.jit
+def _load_record(rec, ok, K: tl.constexpr):
+    """A token's prep record (see `_kda_prep_kernel`): exp(g) q [K], k [K], exp(g) [K], beta,
+    q.k."""
+    dq = tl.load(rec + ok)
+    k = tl.load(rec + K + ok)
+    decay = tl.load(rec + 2 * K + ok)
+    return dq, k, decay, tl.load(rec + 3 * K), tl.load(rec + 3 * K + 1)
+
+
+@triton.jit
 def _step_conv_row(step_conv_ptr, row, t, C: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
     """The conv state after token t of `row` in the step buffer [B, T, C, W-1]."""
     return step_conv_ptr + (row * T + t) * C * (W - 1)
@@ -485,11 +495,7 @@ def _kda_recurrent_kernel(
 
     for t in tl.static_range(T):
         rec = scratch_ptr + ((row * T + t) * H + head) * D
-        dq = tl.load(rec + ok)
-        k = tl.load(rec + K + ok)
-        decay = tl.load(rec + 2 * K + ok)
-        beta = tl.load(rec + 3 * K)
-        qk = tl.load(rec + 3 * K + 1)
+        dq, k, decay, beta, qk = _load_record(rec, ok, K)
         if V_IN_PREP:
             v = tl.load(rec + VOFF + ov)
         elif OVERLAP and T == 1:
