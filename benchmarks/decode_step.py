@@ -59,6 +59,39 @@ def build_model(device):
     return model.eval()
 
 
+def build_engine(device, batches, history: int, page: int = 64):
+    """(model, engine, handles): the slice in an engine with decode graph sizes `batches`, and
+    max(batches) requests holding `history` tokens of random cache each (seed 0), whose next
+    decode step is token `history`."""
+    torch.manual_seed(0)
+    model = build_model(device)
+    max_batch = max(batches)
+    config = EngineConfig(
+        device="cuda",
+        page_size=page,
+        max_num_seqs=max_batch,
+        max_model_len=history + 64,
+        enable_cuda_graph=False,
+        l2="none",
+        decode_batch_sizes=tuple(sorted(set(batches))),
+    )
+    engine = Engine(model, None, config)
+    cache = engine.cache
+    handles = []
+    for i in range(max_batch):
+        chain = KeyChain(page, salt=f"r{i}".encode())
+        chain.append_tokens(list(range(history + 1)))
+        handles.append(cache.allocate(i, chain.keys, history + 1))
+    with torch.no_grad():
+        for layer in range(len(model.config.mla_layers)):
+            cache.mla_layer(layer).normal_(0, 1)
+        for layer in range(len(model.config.kda_layers)):
+            conv, rec = cache.kda_layer(layer)
+            conv.normal_(0, 1)
+            rec.normal_(0, 0.1)
+    return model, engine, handles
+
+
 def copy_bandwidth(device) -> float:
     """Bytes/s of a device-to-device copy (read + write counted), 1 GiB."""
     src = torch.empty(1 << 29, dtype=torch.float16, device=device)
@@ -124,34 +157,8 @@ def main(argv=None) -> int:
         print("decode_step needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = build_model(device)
-    max_batch = max(args.batches)
-    page = 64
-    config = EngineConfig(
-        device="cuda",
-        page_size=page,
-        max_num_seqs=max_batch,
-        max_model_len=args.history + 64,
-        enable_cuda_graph=False,
-        l2="none",
-        decode_batch_sizes=tuple(sorted(set(args.batches))),
-    )
-    engine = Engine(model, None, config)
-    cache, runner = engine.cache, engine.runner
-    # Requests holding `history` tokens of (random) cache each; the step decodes token history.
-    handles = []
-    for i in range(max_batch):
-        chain = KeyChain(page, salt=f"r{i}".encode())
-        chain.append_tokens(list(range(args.history + 1)))
-        handles.append(cache.allocate(i, chain.keys, args.history + 1))
-    with torch.no_grad():
-        for layer in range(len(model.config.mla_layers)):
-            cache.mla_layer(layer).normal_(0, 1)
-        for layer in range(len(model.config.kda_layers)):
-            conv, rec = cache.kda_layer(layer)
-            conv.normal_(0, 1)
-            rec.normal_(0, 0.1)
+    model, engine, handles = build_engine(device, args.batches, args.history)
+    config, runner = engine.config, engine.runner
     t0 = time.perf_counter()
     graphs = DecodeGraphs(runner, config.graph_sizes, config.max_pages_per_request)
     capture_s = time.perf_counter() - t0

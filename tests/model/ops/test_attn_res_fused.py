@@ -47,6 +47,7 @@ def check(
     atol=None,
     block_entries=None,
     stages=None,
+    bank_eviction="evict_first",
 ):
     bank, query, mix_w, norm_w, delta = make_bank(
         entries, tokens, dim, entries, dtype, device, slots
@@ -67,6 +68,7 @@ def check(
         accumulate=accumulate,
         block_entries=block_entries,
         stages=stages,
+        bank_eviction=bank_eviction,
     )
     assert got.dtype == dtype and got.shape == (tokens, dim)
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
@@ -177,6 +179,10 @@ CASES = {
     "fp16-nine-replace-tiles-of-1-stages-2": lambda: check(
         9, True, False, torch.float16, atol=2e-3, block_entries=1, stages=2
     ),
+    # The completed entries' cache hint is a tuning knob: no hint gives the same result.
+    "fp32-five-accumulate-tiles-of-2-no-hint": lambda: check(
+        5, True, True, torch.float32, atol=1e-5, block_entries=2, bank_eviction=""
+    ),
 }
 
 
@@ -203,6 +209,8 @@ def test_rejects_bad_banks():
         attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, block_entries=3)
     with pytest.raises(ValueError, match="stages"):
         attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, block_entries=1, stages=1)
+    with pytest.raises(ValueError, match="bank_eviction"):
+        attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, bank_eviction="evict_normal")
 
 
 def test_default_launch_by_bank_size():
@@ -252,6 +260,25 @@ def test_k3_hidden_bf16_entry_tiles(entries, block_entries):
         device="cuda",
         atol=1.6e-2,
         block_entries=block_entries,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bank_eviction", ["", "evict_last"])
+@pytest.mark.parametrize("block_entries", [0, 2])
+def test_k3_hidden_bf16_bank_eviction(bank_eviction, block_entries):
+    check(
+        5,
+        True,
+        True,
+        torch.bfloat16,
+        tokens=36,
+        dim=7168,
+        slots=10,
+        device="cuda",
+        atol=1.6e-2,
+        block_entries=block_entries,
+        bank_eviction=bank_eviction,
     )
 
 

@@ -29,6 +29,10 @@ from ..moe._launch import is_interpreting
 from ..norm import rms_norm
 from .reference import attn_res_mix
 
+EVICTION_POLICIES = ("", "evict_first", "evict_last")  # Triton's eviction_policy values
+# The completed entries are read once per call and not again until the next layer's call.
+BANK_EVICTION = "evict_first"
+
 
 @triton.jit
 def _add_pair(a0, a1, b0, b1):
@@ -85,6 +89,7 @@ def _mix_norm_kernel(
     BL: tl.constexpr,
     STAGES: tl.constexpr,
     ONE_REDUCE: tl.constexpr,
+    EVICT_BANK: tl.constexpr,
 ):
     """bank: [N, T, D] (last dim contiguous); delta: [T, D]; q, mw, nw: [D]; out: [T, D].
 
@@ -120,7 +125,7 @@ def _mix_norm_kernel(
         if N == 1:
             ahead = partial
         else:
-            ahead = tl.load(row, mask=dmask, other=0.0, eviction_policy="evict_first")
+            ahead = tl.load(row, mask=dmask, other=0.0, eviction_policy=EVICT_BANK)
         if N == 1:
             # A softmax over one entry is 1: the mix is the entry, no score to reduce.
             acc = ahead.to(tl.float32)
@@ -132,7 +137,7 @@ def _mix_norm_kernel(
                     row + (i + 1) * stride_bn.to(tl.int64),
                     mask=dmask,
                     other=0.0,
-                    eviction_policy="evict_first",
+                    eviction_policy=EVICT_BANK,
                 )
             elif i + 2 == N:
                 ahead = partial
@@ -146,7 +151,7 @@ def _mix_norm_kernel(
                 row + e.to(tl.int64)[:, None] * stride_bn,
                 mask=(e < N)[:, None] & dmask[None, :],
                 other=0.0,
-                eviction_policy="evict_first",
+                eviction_policy=EVICT_BANK,
             )
         for first in tl.range(0, N, BL, num_stages=max(STAGES, 1)):
             idx = first + e  # [BL] entry indices of this tile
@@ -157,14 +162,14 @@ def _mix_norm_kernel(
                     row + nxt.to(tl.int64)[:, None] * stride_bn,
                     mask=(nxt < N)[:, None] & dmask[None, :],
                     other=0.0,
-                    eviction_policy="evict_first",
+                    eviction_policy=EVICT_BANK,
                 )
             else:  # Triton's pipeliner keeps STAGES - 1 tiles in flight through shared memory
                 tile = tl.load(
                     row + idx.to(tl.int64)[:, None] * stride_bn,
                     mask=(idx < N)[:, None] & dmask[None, :],
                     other=0.0,
-                    eviction_policy="evict_first",
+                    eviction_policy=EVICT_BANK,
                 )
             if HAS_DELTA:  # noqa: SIM102 (a constexpr and a loop value: Triton needs two ifs)
                 if first + BL >= N:  # this tile holds the partial entry N-1
@@ -237,6 +242,7 @@ def attn_res_mix_norm(
     num_warps: int | None = None,
     block_entries: int | None = None,
     stages: int | None = None,
+    bank_eviction: str = BANK_EVICTION,
 ) -> torch.Tensor:
     """Fused AttnRes mix + RMSNorm (+ in-place update of the partial entry bank[N-1]).
 
@@ -247,6 +253,8 @@ def attn_res_mix_norm(
     many per [block_entries, D] load; None: `default_launch`). num_warps: None for the default.
     stages (the loop form only): 0 prefetches the next tile in registers, >= 2 lets Triton's
     pipeliner keep stages - 1 tiles in flight through shared memory; None for the default.
+    bank_eviction: Triton's `eviction_policy` for the loads of the completed entries ("" for
+    none, "evict_first", "evict_last").
     Tuning knobs; the result is the same.
     """
     n, tokens, dim = bank.shape
@@ -261,6 +269,8 @@ def attn_res_mix_norm(
     num_warps = auto_warps if num_warps is None else num_warps
     if block_entries < 0 or block_entries & (block_entries - 1):
         raise ValueError(f"block_entries must be 0 or a power of two, got {block_entries}")
+    if bank_eviction not in EVICTION_POLICIES:
+        raise ValueError(f"bank_eviction {bank_eviction!r} is not one of {EVICTION_POLICIES}")
     if not 1 <= n <= 16:
         raise ValueError(f"bank holds {n} entries; 1..16 supported")
     if bank.stride(2) != 1:
@@ -294,6 +304,7 @@ def attn_res_mix_norm(
         BL=block_entries,
         STAGES=stages,
         ONE_REDUCE=not is_interpreting(),
+        EVICT_BANK=bank_eviction,
         num_warps=num_warps,
     )
     return out
