@@ -259,7 +259,7 @@ def _attn_res() -> list[tuple[str, Callable[[], str]]]:
         k,
         {name: "*bf16" for name in k.arg_names if name.endswith("_ptr")}
         | {"mix_eps": "fp32", "norm_eps": "fp32"},
-        ("D", "N", "HAS_DELTA", "ACCUMULATE", "BD", "BL", "STAGES", "ONE_REDUCE"),
+        ("D", "N", "HAS_DELTA", "ACCUMULATE", "BD", "BL", "STAGES", "ONE_REDUCE", "EVICT_BANK"),
     )
     presets = []
     for n, bl, warps, stages in (
@@ -281,6 +281,7 @@ def _attn_res() -> list[tuple[str, Callable[[], str]]]:
             BL=bl,
             STAGES=stages,
             ONE_REDUCE=True,
+            EVICT_BANK=fused.BANK_EVICTION,
         )
         presets.append(
             (
