@@ -555,7 +555,12 @@ def mla_decode_paged_split(
         blocks = full if transposed else -(-rows // gluon_decode.BLOCK_M)
         if blocks:
             gluon_decode._split_kernel_gluon[(blocks, num_slots)](
-                *operands, **shape, STAGES=gluon_decode.STAGES, num_warps=8
+                *operands,
+                **shape,
+                STAGES=gluon_decode.STAGES,
+                P_IN_SMEM=gluon_decode.P_IN_SMEM,
+                SPLIT_BARRIERS=gluon_decode.SPLIT_BARRIERS,
+                num_warps=8,
             )
         if transposed:
             gluon_transposed._split_kernel_transposed[(1, num_slots)](
@@ -563,6 +568,7 @@ def mla_decode_paged_split(
                 **shape,
                 STAGES=gluon_decode.STAGES,
                 ROW0=full * gluon_decode.BLOCK_M,
+                SPLIT_BARRIERS=gluon_decode.SPLIT_BARRIERS,
                 num_warps=4,
             )
     else:

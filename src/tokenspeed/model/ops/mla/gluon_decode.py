@@ -53,6 +53,13 @@ STAGES = 2
 # e4m3 caches: 32-row tiles, so that three converted tiles fit beside the queries and the ring
 # (the conversion of one tile then overlaps the MMAs of the previous one).
 BLOCK_N_FP8 = 32
+# bf16 / fp16 caches: P V reads P from shared memory (`_publish`: one block-wide barrier) instead
+# of registers (the layout change goes through a 4 KiB scratch, in two rounds of two barriers).
+# Not yet timed on the H200, so off: scripts/mla_kernel_probe.py kind "GP" measures it.
+P_IN_SMEM = False
+# One shared allocation per TMA chunk's barriers (`_start_ring`): fewer block-wide barriers
+# between the ring's waits and expects. Not yet timed on the H200 either: probe kind "GB".
+SPLIT_BARRIERS = False
 
 
 def block_n_for(dtype: torch.dtype) -> int:
@@ -91,12 +98,13 @@ def _issue(t, page, n_full, first, ring, PAGE_SIZE: gl.constexpr):
     # All expects first, then all copies: interleaved, the compiler puts two block-wide
     # barriers between each expect and its copy.
     for k in gl.static_range(RANK // CW):
-        mbarrier.expect(ready.index(s * NCH + k), desc_c.block_type.nbytes, pred=pred)
-    mbarrier.expect(ready.index(s * NCH + NCH - 1), desc_r.block_type.nbytes, pred=pred)
+        mbarrier.expect(_chunk_bar(ready, s, k, NCH), desc_c.block_type.nbytes, pred=pred)
+    mbarrier.expect(_chunk_bar(ready, s, NCH - 1, NCH), desc_r.block_type.nbytes, pred=pred)
     for k in gl.static_range(RANK // CW):
         dst = c_bufs.index(s).slice(k * CW, CW, dim=1)
-        tma.async_copy_global_to_shared(desc_c, [r0, k * CW], ready.index(s * NCH + k), dst, pred)
-    bar = ready.index(s * NCH + NCH - 1)
+        bar = _chunk_bar(ready, s, k, NCH)
+        tma.async_copy_global_to_shared(desc_c, [r0, k * CW], bar, dst, pred)
+    bar = _chunk_bar(ready, s, NCH - 1, NCH)
     tma.async_copy_global_to_shared(desc_r, [r0, RANK], bar, r_bufs.index(s), pred)
 
 
@@ -104,7 +112,15 @@ def _issue(t, page, n_full, first, ring, PAGE_SIZE: gl.constexpr):
 def _wait_tile(ready, s, phase, NCH: gl.constexpr):
     """Wait for every chunk of ring stage s."""
     for k in gl.static_range(NCH):
-        mbarrier.wait(ready.index(s * NCH + k), phase)
+        mbarrier.wait(_chunk_bar(ready, s, k, NCH), phase)
+
+
+@gluon.jit
+def _chunk_bar(ready, s, k: gl.constexpr, NCH: gl.constexpr):
+    """The barrier of chunk k of ring stage s (k = NCH - 1: the shared key). ready: a 1-tuple
+    of one allocation of STAGES * NCH barriers, or NCH allocations of STAGES barriers, one per
+    chunk (`_start_ring`)."""
+    return ready[0].index(s * NCH + k) if len(ready) == 1 else ready[k].index(s)
 
 
 @gluon.jit
@@ -235,10 +251,23 @@ def _split_bounds(slot, plan, UNIFORM: gl.constexpr, GRANULE: gl.constexpr, BN: 
 
 
 @gluon.jit
-def _start_ring(desc_c, desc_r, where, STAGES: gl.constexpr, RANK: gl.constexpr, PAGE_SIZE):
+def _start_ring(
+    desc_c,
+    desc_r,
+    where,
+    STAGES: gl.constexpr,
+    RANK: gl.constexpr,
+    PAGE_SIZE,
+    SPLIT_BARRIERS: gl.constexpr = False,
+):
     """The ring of STAGES cache-tile stages (and a barrier per chunk of each), its first STAGES
     tiles issued. where: (n_full, first, row, page_table, stride_table). Returns the ring
-    (desc_c, desc_r, c_bufs, r_bufs, ready)."""
+    (desc_c, desc_r, c_bufs, r_bufs, ready); ready: see `_chunk_bar`.
+
+    SPLIT_BARRIERS: one shared allocation per chunk's barriers instead of one for all. The
+    compiler orders the accesses of one allocation with a block-wide barrier between any two,
+    whichever barriers of it they touch; with the chunks apart, the waits on a tile's chunks
+    and the expects of a refill follow each other without one."""
     n_full, first, row, page_table, stride_table = where
     cache_t: gl.constexpr = desc_c.block_type.element_ty
     BN: gl.constexpr = desc_c.block_type.shape[0]
@@ -246,9 +275,16 @@ def _start_ring(desc_c, desc_r, where, STAGES: gl.constexpr, RANK: gl.constexpr,
     ROPE: gl.constexpr = desc_r.block_type.shape[1]
     c_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, RANK], desc_c.layout)
     r_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, ROPE], desc_r.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES * NCH):
-        mbarrier.init(ready.index(i), count=1)
+    if SPLIT_BARRIERS:
+        ready = ()
+        for _ in gl.static_range(NCH):
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            ready = ready + (bars,)  # noqa: RUF005 (the JIT takes no starred tuples)
+    else:
+        ready = (gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout()),)
+    for i in gl.static_range(STAGES):
+        for k in gl.static_range(NCH):
+            mbarrier.init(_chunk_bar(ready, i, k, NCH), count=1)
     ring = (desc_c, desc_r, c_bufs, r_bufs, ready)  # what every tile load takes
     for i in gl.static_range(STAGES):
         page = _page_of(i, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
@@ -337,7 +373,7 @@ def _scores_streamed(q_s, qr_s, c, r, zero_s, ready, st, phase, CW: gl.constexpr
     NCH: gl.constexpr = RANK // CW + 1
     s = zero_s
     for k in gl.static_range(RANK // CW):
-        mbarrier.wait(ready.index(st * NCH + k), phase)
+        mbarrier.wait(_chunk_bar(ready, st, k, NCH), phase)
         s = warpgroup_mma(
             q_s.slice(k * CW, CW, dim=1),
             c.slice(k * CW, CW, dim=1).permute((1, 0)),
@@ -345,7 +381,7 @@ def _scores_streamed(q_s, qr_s, c, r, zero_s, ready, st, phase, CW: gl.constexpr
             use_acc=k > 0,
             is_async=True,
         )
-    mbarrier.wait(ready.index(st * NCH + NCH - 1), phase)
+    mbarrier.wait(_chunk_bar(ready, st, NCH - 1, NCH), phase)
     return warpgroup_mma(qr_s, r.permute((1, 0)), s, is_async=True)
 
 
@@ -359,15 +395,14 @@ def _softmax(
     bounds,
     col_l: gl.constexpr,
     BN: gl.constexpr,
-    P_OP: gl.constexpr,
     dtype: gl.constexpr,
     HAS_SCALE: gl.constexpr,
 ):
-    """Online-softmax step of the tile whose first history row is n0: (P in the PV operand
-    layout, alpha, new max, row-sum accumulator). bounds: (start, end, last, qk_scale) of the
-    split; rows outside [start, end) or after a query's own position (last) are masked. FP8
-    caches: sc [BN] scales the score columns and the probabilities (each cache row carries
-    one scale for its key and its value), which costs no pass over the tile."""
+    """Online-softmax step of the tile whose first history row is n0: (P in the MMA type and
+    the scores' layout, alpha, new max, row-sum accumulator). bounds: (start, end, last,
+    qk_scale) of the split; rows outside [start, end) or after a query's own position (last)
+    are masked. FP8 caches: sc [BN] scales the score columns and the probabilities (each cache
+    row carries one scale for its key and its value), which costs no pass over the tile."""
     start, end, last, qk_scale = bounds
     pos = n0 + gl.arange(0, BN, layout=col_l)
     inside = (pos >= start) & (pos < end)
@@ -381,7 +416,28 @@ def _softmax(
     l_acc = l_acc * alpha[:, None] + p
     if HAS_SCALE:
         p = p * sc[None, :]
-    return gl.convert_layout(p.to(dtype), P_OP), alpha, m_new, l_acc
+    return p.to(dtype), alpha, m_new, l_acc
+
+
+@gluon.jit
+def _pv_operand(p, p_s, P_OP: gl.constexpr, IN_SMEM: gl.constexpr):
+    """P of a tile as the A operand of its P V: published to p_s (IN_SMEM), else in registers
+    (`P_OP`, the layout change going through the compiler's scratch buffer)."""
+    if IN_SMEM:
+        _publish(p, p_s)
+        pv = p_s
+    else:
+        pv = gl.convert_layout(p, P_OP)
+    return pv
+
+
+@gluon.jit
+def _publish(p, p_s):
+    """P into its shared buffer for the next MMA, visible to the async proxy (one block-wide
+    barrier; each warpgroup wrote its part of the columns)."""
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -417,6 +473,8 @@ def _split_kernel_gluon(
     GRANULE: gl.constexpr,
     STAGES: gl.constexpr,
     SCALE_MODE: gl.constexpr,  # 0 none (bf16 / fp16 cache), 1 per page, 2 per row (e4m3)
+    P_IN_SMEM: gl.constexpr = False,  # bf16 / fp16 caches: `P_IN_SMEM`
+    SPLIT_BARRIERS: gl.constexpr = False,  # `SPLIT_BARRIERS`
 ):
     BM: gl.constexpr = 64
     BN: gl.constexpr = desc_c.block_type.shape[0]
@@ -442,9 +500,8 @@ def _split_kernel_gluon(
     slot, row, start, end, length, live, first, n_full = _split_bounds(
         gl.program_id(1), plan, UNIFORM, GRANULE, BN
     )
-    ring = _start_ring(
-        desc_c, desc_r, (n_full, first, row, page_table, stride_table), STAGES, RANK, PAGE_SIZE
-    )
+    ring_at = (n_full, first, row, page_table, stride_table)
+    ring = _start_ring(desc_c, desc_r, ring_at, STAGES, RANK, PAGE_SIZE, SPLIT_BARRIERS)
     _, _, c_bufs, r_bufs, ready = ring
 
     # Queries of this program's rows (query j, head h) = m, into shared memory for the split.
@@ -494,8 +551,9 @@ def _split_kernel_gluon(
                 _convert_tile(1, split, ring, conv, PAGE_SIZE, CHUNK, LD)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_acc = _softmax(
-                s, first, m_i, l_acc, sc, bounds, col_l, BN, P_OP, dtype, True
+                s, first, m_i, l_acc, sc, bounds, col_l, BN, dtype, True
             )
+            p = gl.convert_layout(p, P_OP)
             for t in range(1, n_full):
                 b = t % 3
                 s = _scores(q_s, qr_s, cv_c.index(b), cv_r.index(b), zero_s)
@@ -508,8 +566,9 @@ def _split_kernel_gluon(
                     _convert_tile(t + 1, split, ring, conv, PAGE_SIZE, CHUNK, LD)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
                 p, alpha, m_i, l_acc = _softmax(
-                    s, first + t * BN, m_i, l_acc, sc, bounds, col_l, BN, P_OP, dtype, True
+                    s, first + t * BN, m_i, l_acc, sc, bounds, col_l, BN, dtype, True
                 )
+                p = gl.convert_layout(p, P_OP)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             acc = warpgroup_mma(p, cv_c.index((n_full - 1) % 3), acc, is_async=True)
@@ -520,14 +579,21 @@ def _split_kernel_gluon(
     else:
         cb = c_bufs.index(0)
         rb = r_bufs.index(0)
+        if P_IN_SMEM:
+            p_s = gl.allocate_shared_memory(
+                dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+            )
+        else:
+            p_s = q_s  # unused
         if n_full > 0:
             s = _scores_streamed(
                 q_s, qr_s, c_bufs.index(0), r_bufs.index(0), zero_s, ready, 0, 0, CW
             )
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_acc = _softmax(
-                s, first, m_i, l_acc, 1.0, bounds, col_l, BN, P_OP, dtype, False
+                s, first, m_i, l_acc, 1.0, bounds, col_l, BN, dtype, False
             )
+            pv = _pv_operand(p, p_s, P_OP, P_IN_SMEM)
             for t in range(1, n_full):
                 st = t % STAGES
                 prev = (t - 1) % STAGES
@@ -540,7 +606,7 @@ def _split_kernel_gluon(
                 # refilled as soon as that P V is done, while Q K^T still runs, which gives
                 # the refill the softmax and the next P V to land in. The softmax itself
                 # runs with the tensor cores idle.
-                acc = warpgroup_mma(p, c_bufs.index(prev), acc, is_async=True)
+                acc = warpgroup_mma(pv, c_bufs.index(prev), acc, is_async=True)
                 s = _scores_streamed(
                     q_s,
                     qr_s,
@@ -557,11 +623,14 @@ def _split_kernel_gluon(
                 _issue(t - 1 + STAGES, page, n_full, first, ring, PAGE_SIZE)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 p, alpha, m_i, l_acc = _softmax(
-                    s, first + t * BN, m_i, l_acc, 1.0, bounds, col_l, BN, P_OP, dtype, False
+                    s, first + t * BN, m_i, l_acc, 1.0, bounds, col_l, BN, dtype, False
                 )
+                # P V of tile t-1 is done on every warpgroup (the refill barrier above), so
+                # P of tile t may take its buffer.
+                pv = _pv_operand(p, p_s, P_OP, P_IN_SMEM)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             last_st = (n_full - 1) % STAGES
-            acc = warpgroup_mma(p, c_bufs.index(last_st), acc, is_async=True)
+            acc = warpgroup_mma(pv, c_bufs.index(last_st), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     n_tail = first + n_full * BN
@@ -587,13 +656,15 @@ def _split_kernel_gluon(
         s = warpgroup_mma(q_s, cb.permute((1, 0)), zero_s, use_acc=False)
         s = warpgroup_mma(qr_s, rb.permute((1, 0)), s)
         p, alpha, m_i, l_acc = _softmax(
-            s, n_tail, m_i, l_acc, sc, bounds, col_l, BN, P_OP, dtype, HAS_SCALE
+            s, n_tail, m_i, l_acc, sc, bounds, col_l, BN, dtype, HAS_SCALE
         )
+        p = gl.convert_layout(p, P_OP)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         acc = warpgroup_mma(p, cb, acc)
 
-    for i in gl.static_range(STAGES * NCH):
-        mbarrier.invalidate(ready.index(i))
+    for i in gl.static_range(STAGES):
+        for k in gl.static_range(NCH):
+            mbarrier.invalidate(_chunk_bar(ready, i, k, NCH))
 
     lse, l_safe = _lse(m_i, gl.sum(l_acc, 1))
     m_ok = offs_m < gl.where(live, ROWS, 0)
@@ -634,13 +705,16 @@ def descriptors(
 def fits(rank: int, rope: int, page_size: int, fp8: bool = False) -> bool:
     """Shapes the kernel tiles: R and Dr powers of two (64 <= R <= 512: each warpgroup's MMA is
     R/2 wide; 16 <= Dr <= 256), whole tiles inside a page, and the shared memory it takes
-    (queries, the ring of cache tiles and, for e4m3 caches, three converted tiles)."""
+    (queries, the ring of cache tiles and, for e4m3 caches, three converted tiles; with
+    `P_IN_SMEM`, P's buffer)."""
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
     width = rank + rope
     block_n = BLOCK_N_FP8 if fp8 else BLOCK_N
     smem = 2 * BLOCK_M * width + STAGES * block_n * width * (1 if fp8 else 2)
     if fp8:
         smem += 3 * block_n * width * 2
+    elif P_IN_SMEM:
+        smem += 2 * BLOCK_M * block_n
     return (
         pow2(rank)
         and 64 <= rank <= 512

@@ -35,11 +35,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_decode import (
+    _chunk_bar,
     _issue,
     _load_queries,
     _load_tail,
     _lse,
     _page_of,
+    _publish,
     _split_bounds,
     _start_ring,
 )
@@ -66,7 +68,7 @@ def _scores_t(q_s, qr_s, c, r, zero_s, ready, st, phase, CW: gl.constexpr, PRED:
     s = zero_s
     for k in gl.static_range(RANK // CW):
         if PRED:
-            mbarrier.wait(ready.index(st * NCH + k), phase)
+            mbarrier.wait(_chunk_bar(ready, st, k, NCH), phase)
         s = warpgroup_mma(
             c.slice(k * CW, CW, dim=1),
             q_s.slice(k * CW, CW, dim=1).permute((1, 0)),
@@ -75,7 +77,7 @@ def _scores_t(q_s, qr_s, c, r, zero_s, ready, st, phase, CW: gl.constexpr, PRED:
             is_async=True,
         )
     if PRED:
-        mbarrier.wait(ready.index(st * NCH + NCH - 1), phase)
+        mbarrier.wait(_chunk_bar(ready, st, NCH - 1, NCH), phase)
     return warpgroup_mma(r, qr_s.permute((1, 0)), s, is_async=True)
 
 
@@ -95,14 +97,6 @@ def _softmax_t(s, n0, m_i, l_acc, bounds, BN: gl.constexpr):
     p = gl.exp2(s - m_new[None, :])
     l_acc = l_acc * alpha[None, :] + p
     return p, alpha, m_new, l_acc
-
-
-@gluon.jit
-def _publish(p, p_s):
-    """P^T into its shared buffer for the next MMA, visible to the async proxy."""
-    p_s.store(p.to(p_s.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
 
 
 @gluon.jit
@@ -139,6 +133,7 @@ def _split_kernel_transposed(
     STAGES: gl.constexpr,
     SCALE_MODE: gl.constexpr,
     ROW0: gl.constexpr,  # first of this program's BLOCK_ROWS query rows (query j, head h)
+    SPLIT_BARRIERS: gl.constexpr = False,  # `gluon_decode.SPLIT_BARRIERS`
 ):
     gl.static_assert(SCALE_MODE == 0, "bf16 / fp16 caches only")
     HB: gl.constexpr = 32
@@ -160,9 +155,8 @@ def _split_kernel_transposed(
     slot, row, start, end, length, live, first, n_full = _split_bounds(
         gl.program_id(1), plan, UNIFORM, GRANULE, BN
     )
-    ring = _start_ring(
-        desc_c, desc_r, (n_full, first, row, page_table, stride_table), STAGES, RANK, PAGE_SIZE
-    )
+    ring_at = (n_full, first, row, page_table, stride_table)
+    ring = _start_ring(desc_c, desc_r, ring_at, STAGES, RANK, PAGE_SIZE, SPLIT_BARRIERS)
     _, _, c_bufs, r_bufs, ready = ring
 
     # This program's query rows, resident in shared memory for the split (the B operand).
@@ -243,8 +237,9 @@ def _split_kernel_transposed(
         _publish(p, p_s)
         acc = warpgroup_mma(cb.permute((1, 0)), p_s, acc)
 
-    for i in gl.static_range(STAGES * NCH):
-        mbarrier.invalidate(ready.index(i))
+    for i in gl.static_range(STAGES):
+        for k in gl.static_range(NCH):
+            mbarrier.invalidate(_chunk_bar(ready, i, k, NCH))
 
     lse, l_safe = _lse(m_i, gl.sum(l_acc, 0))
     h_ok = offs_h < gl.where(live, ROWS, 0)
