@@ -3,6 +3,8 @@
 # $OUT (default ./out). Usage: bash scripts/gpu-suite.sh STAGE... with stages:
 #   tests-kda tests-mla tests-moe tests-runtime tests-engine-gpu tests-cache tests-all
 #   bench-kda bench-mla bench-moe bench-attnres decode-step offline parity
+#   probe-mla-forms (the Gluon MLA kernel's untimed forms against the default, one process)
+#   decode-step-ab (op knobs inside the decode step: KDA state and AttnRes bank cache hints)
 # STAGE_TIMEOUT=SECONDS bounds each stage: the stage's own process is killed at the limit (a
 # `timeout` around this whole script would kill only the shell and leave the stage's python
 # running on the GPU beside whatever runs next).
@@ -10,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="src:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="src:benchmarks:scripts:${PYTHONPATH:-}"
 status=0
 run() {  # run NAME CMD...: log to $out/NAME.log, remember failures, keep going
     local name=$1
@@ -52,6 +54,13 @@ for stage in "$@"; do
         offline) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
             run offline python3 benchmarks/offline.py --out "$out/offline.md" ;;
         parity) run parity python3 benchmarks/kimi_linear_parity.py --out "$out/parity.md" ;;
+        probe-mla-forms)
+            run probe-mla-forms python3 scripts/mla_kernel_probe.py --verify 4 --configs \
+                "G,64,64,8,2 GP,64,64,8,2 GB,64,64,8,2 GPB,64,64,8,2 GPB,64,64,8,2,128 GPB,64,64,8,2,64"
+            run probe-mla-forms-32 python3 scripts/mla_kernel_probe.py --heads 32 --configs \
+                "GT,64,64,8,2 GTB,64,64,8,2" ;;
+        decode-step-ab) run decode-step-ab python3 scripts/decode_step_ab.py \
+            --out "$out/decode_step_ab.md" ;;
         *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
