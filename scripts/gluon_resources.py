@@ -6,7 +6,7 @@ TMA calls), so put that release first on the path:
 
     pip download triton==3.6.0 --no-deps -d /tmp/t36 && unzip -q -d /tmp/t36/site /tmp/t36/*.whl
     chmod +x /tmp/t36/site/triton/backends/nvidia/bin/*
-    PYTHONPATH=/tmp/t36/site:src python scripts/gluon_resources.py [--chunks 512 128 64]
+    PYTHONPATH=/tmp/t36/site:src:scripts python scripts/gluon_resources.py [--chunks 512 128 64]
 
 For each kernel, form (`gluon_decode.P_IN_SMEM`, `SPLIT_BARRIERS`) and TMA chunk width it prints
 ptxas's registers and spill stores, the shared memory, the `bar.sync` count of the whole kernel
@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import triton
+from kernel_resources import MLA_SPLIT_POINTERS
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -32,20 +33,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from tokenspeed.model.ops.mla import gluon_decode, gluon_transposed
 
 K3 = dict(RANK=512, ROPE=64, PAGE_SIZE=64, UNIFORM=False, GRANULE=64, STAGES=2)
-POINTERS = {
-    "q_lat": "*bf16",
-    "q_rope": "*bf16",
-    "row_scales": "*fp32",
-    "page_table": "*i32",
-    "context_lens": "*i32",
-    "split_order": "*i32",
-    "split_row": "*i32",
-    "split_start": "*i32",
-    "split_len": "*i32",
-    "part_o": "*fp32",
-    "part_lse": "*fp32",
-    "qk_scale": "fp32",
-}
 STRIDES = ("stride_lt", "stride_lh", "stride_rt", "stride_rh", "stride_page", "stride_table")
 EVENTS = (
     ("bar.sync", "BAR"),
@@ -68,7 +55,11 @@ def compile_kernel(kernel, consts: dict, fp8: bool, chunk: int, num_warps: int):
         return f"tensordesc<{cache}[{block_n}, {cols}],{layout!r}>"
 
     sig = {name: "i32" for name in kernel.arg_names}
-    sig |= POINTERS | {"pages": f"*{cache}", "desc_c": desc(chunk), "desc_r": desc(K3["ROPE"])}
+    sig |= MLA_SPLIT_POINTERS | {
+        "pages": f"*{cache}",
+        "desc_c": desc(chunk),
+        "desc_r": desc(K3["ROPE"]),
+    }
     for name in consts:
         sig[name] = "constexpr"
     attrs = {

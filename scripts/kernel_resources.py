@@ -65,6 +65,24 @@ def usage(
     )
 
 
+# The MLA split kernels' pointer and float arguments but the page pool's (bf16 queries); the
+# Gluon kernels' resources (scripts/gluon_resources.py) take the same.
+MLA_SPLIT_POINTERS = {
+    "q_lat": "*bf16",
+    "q_rope": "*bf16",
+    "row_scales": "*fp32",
+    "page_table": "*i32",
+    "context_lens": "*i32",
+    "split_order": "*i32",
+    "split_row": "*i32",
+    "split_start": "*i32",
+    "split_len": "*i32",
+    "part_o": "*fp32",
+    "part_lse": "*fp32",
+    "qk_scale": "fp32",
+}
+
+
 def _signature(fn, pointers: dict[str, str], constexprs: tuple[str, ...]) -> dict[str, str]:
     sig = {name: "i32" for name in fn.arg_names}
     sig.update(pointers)
@@ -300,21 +318,7 @@ def _mla() -> list[tuple[str, Callable[[], str]]]:
     k = md._split_kernel
     sig = _signature(
         k,
-        {
-            "q_lat": "*bf16",
-            "q_rope": "*bf16",
-            "pages": "*bf16",
-            "row_scales": "*fp32",
-            "page_table": "*i32",
-            "context_lens": "*i32",
-            "split_order": "*i32",
-            "split_row": "*i32",
-            "split_start": "*i32",
-            "split_len": "*i32",
-            "part_o": "*fp32",
-            "part_lse": "*fp32",
-            "qk_scale": "fp32",
-        },
+        MLA_SPLIT_POINTERS | {"pages": "*bf16"},
         (
             "NUM_HEADS",
             "N_QUERY",
