@@ -25,11 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe._launch import is_interpreting
+from ..moe._launch import EVICTION_POLICIES, is_interpreting
 from ..norm import rms_norm
 from .reference import attn_res_mix
 
-EVICTION_POLICIES = ("", "evict_first", "evict_last")  # Triton's eviction_policy values
 # The completed entries are read once per call and not again until the next layer's call.
 BANK_EVICTION = "evict_first"
 

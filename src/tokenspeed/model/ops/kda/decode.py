@@ -62,6 +62,7 @@ import os
 import torch
 import triton
 
+from ..moe._launch import EVICTION_POLICIES
 from .decode_kernels import (
     _kda_decode_kernel,
     _kda_onepass_kernel,
@@ -87,7 +88,6 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
 VARIANTS = ("split", "onepass", "fused")
 PREP_WARPS = 2
-EVICTION_POLICIES = ("", "evict_first", "evict_last")  # Triton's eviction_policy values
 # (load, store) eviction policies of the state tiles: evict-last loads, plain stores measured
 # fastest (docs/perf/kda.md, "Cache eviction hints")
 STATE_EVICTION = ("evict_last", "")

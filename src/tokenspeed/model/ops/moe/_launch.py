@@ -1,10 +1,13 @@
-"""Launch helpers shared by the MoE and AttnRes Triton wrappers."""
+"""Launch helpers shared by the MoE, AttnRes and KDA Triton wrappers."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+# Triton's `eviction_policy` values, for the ops' cache-hint knobs ("" is none).
+EVICTION_POLICIES = ("", "evict_first", "evict_last")
 
 
 def is_interpreting() -> bool:
