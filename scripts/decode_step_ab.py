@@ -84,15 +84,25 @@ def main(argv=None) -> int:
     for batch in args.batches:
         tokens = torch.randint(0, model.config.vocab_size, (batch,)).tolist()
         inputs[batch] = (tokens, [args.history] * batch, handles[:batch])
-    # Each variant's logits against the base's (or the first variant's): a tuning knob must not
-    # change what the step computes beyond rounding order.
+    # Each variant's logits against the base's (or the first variant's): a cache hint must not
+    # change what the step computes. A step advances the KDA states in place, so each compared
+    # step starts from the same snapshot of them; the first variant twice is the control.
+    states = [t for i in range(len(model.config.kda_layers)) for t in engine.cache.kda_layer(i)]
+    snapshot = [t.clone() for t in states]
+
+    def step_from_snapshot(name, tokens, prefix, hs):
+        for t, saved in zip(states, snapshot, strict=True):
+            t.copy_(saved)
+        return graphs[name].run(tokens, prefix, hs).float()
+
     first = args.variants[0]
     for batch, (tokens, prefix, hs) in inputs.items():
-        want = graphs[first].run(tokens, prefix, hs).float()
-        for name in args.variants[1:]:
-            got = graphs[name].run(tokens, prefix, hs).float()
+        want = step_from_snapshot(first, tokens, prefix, hs)
+        for name in args.variants:
+            got = step_from_snapshot(name, tokens, prefix, hs)
             diff = (got - want).abs().max().item()
             print(f"batch {batch}: {name} logits vs {first}: max diff {diff:.3g}", flush=True)
+    snapshot.clear()  # the memory goes back before the timed rounds
     for _ in range(args.rounds):
         for batch, (tokens, prefix, hs) in inputs.items():
             for name in args.variants:

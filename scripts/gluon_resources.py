@@ -8,7 +8,7 @@ TMA calls), so put that release first on the path:
     chmod +x /tmp/t36/site/triton/backends/nvidia/bin/*
     PYTHONPATH=/tmp/t36/site:src:scripts python scripts/gluon_resources.py [--chunks 512 128 64]
 
-For each kernel, form (`gluon_decode.P_IN_SMEM`, `SPLIT_BARRIERS`) and TMA chunk width it prints
+For each kernel and TMA chunk width it prints
 ptxas's registers and spill stores, the shared memory, the `bar.sync` count of the whole kernel
 and of its longest loop (the bf16 tile loop), and that loop's event sequence: TMA waits and
 copies, barrier expects, MMAs, block-wide barriers. Counts, not times: a barrier costs little
@@ -130,25 +130,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90a, {args.heads} heads, one query")
     print(
-        "| kernel | cache | P_IN_SMEM | SPLIT_BARRIERS | chunk | regs | spill B | smem B "
-        "| bar.sync | bar.sync in the loop |"
+        "| kernel | cache | chunk | e4m3 cols per pass | regs | spill B | smem B | bar.sync "
+        "| bar.sync in the loop |"
     )
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     workdir = Path(tempfile.mkdtemp())
     shape = dict(K3, NUM_HEADS=args.heads, N_QUERY=1)
-    cases = []
-    for chunk in args.chunks:
-        for p_in_smem in (False, True):
-            for split in (False, True):
-                cases.append(("split", "bf16", p_in_smem, split, chunk))
-    cases += [("split", "e4m3", False, split, 512) for split in (False, True)]
-    cases += [("transposed", "bf16", False, split, 512) for split in (False, True)]
-    for kind, cache, p_in_smem, split, chunk in cases:
+    cases = [("split", "bf16", chunk, "") for chunk in args.chunks]
+    cases += [("split", "e4m3", 512, cols) for cols in (128, 512)]
+    cases += [("transposed", "bf16", 512, "")]
+    for kind, cache, chunk, cols in cases:
         fp8 = cache == "e4m3"
-        consts = dict(shape, SCALE_MODE=2 if fp8 else 0, SPLIT_BARRIERS=split)
+        consts = dict(shape, SCALE_MODE=2 if fp8 else 0)
+        if cols:
+            consts["CONVERT_COLS"] = cols
         if kind == "split":
             kernel, warps = gluon_decode._split_kernel_gluon, 8
-            consts["P_IN_SMEM"] = p_in_smem
         else:
             kernel, warps = gluon_transposed._split_kernel_transposed, 4
             consts["ROW0"] = 0
@@ -158,7 +155,7 @@ def main(argv=None) -> int:
         loop = longest_loop(ptx)
         in_loop = sum("bar.sync" in line for line in loop)
         print(
-            f"| {kind} | {cache} | {p_in_smem} | {split} | {chunk} | {regs} | {spill} | {smem} "
+            f"| {kind} | {cache} | {chunk} | {cols} | {regs} | {spill} | {smem} "
             f"| {ptx.count('bar.sync')} | {in_loop} |",
             flush=True,
         )

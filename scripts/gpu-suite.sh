@@ -3,7 +3,8 @@
 # $OUT (default ./out). Usage: bash scripts/gpu-suite.sh STAGE... with stages:
 #   tests-kda tests-mla tests-moe tests-runtime tests-engine-gpu tests-cache tests-all
 #   bench-kda bench-mla bench-moe bench-attnres decode-step offline parity
-#   probe-mla-forms (the Gluon MLA kernel's untimed forms against the default, one process)
+#   probe-mla-forms (96 heads: the padded 64-row Gluon programs alone or beside the transposed
+#     32-row one; e4m3: 128- against 512-column conversion passes)
 #   decode-step-ab (op knobs inside the decode step: KDA state and AttnRes bank cache hints)
 # STAGE_TIMEOUT=SECONDS bounds each stage: the stage's own process is killed at the limit (a
 # `timeout` around this whole script would kill only the shell and leave the stage's python
@@ -56,9 +57,10 @@ for stage in "$@"; do
         parity) run parity python3 benchmarks/kimi_linear_parity.py --out "$out/parity.md" ;;
         probe-mla-forms)
             run probe-mla-forms python3 scripts/mla_kernel_probe.py --verify 4 --configs \
-                "G,64,64,8,2 GP,64,64,8,2 GB,64,64,8,2 GPB,64,64,8,2 GPB,64,64,8,2,128 GPB,64,64,8,2,64"
-            run probe-mla-forms-32 python3 scripts/mla_kernel_probe.py --heads 32 --configs \
-                "GT,64,64,8,2 GTB,64,64,8,2" ;;
+                "G,64,64,8,2 GT,64,64,8,2 GTS,64,64,8,2"
+            run probe-mla-fp8 python3 scripts/mla_kernel_probe.py --fp8 --configs "W,64,32,8,2"
+            run probe-mla-fp8-512 python3 scripts/mla_kernel_probe.py --fp8 --convert-cols 512 \
+                --configs "W,64,32,8,2" ;;
         decode-step-ab) run decode-step-ab python3 scripts/decode_step_ab.py \
             --out "$out/decode_step_ab.md" ;;
         *) echo "unknown stage $stage"; status=1 ;;

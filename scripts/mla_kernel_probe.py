@@ -9,9 +9,6 @@ benchmarks/mla_decode.py (36 histories drawn from 2k-200k) for configs
          chunks of `chunk` latent columns (0: the default), every row block padded to 64
   GT   - the same, with a 32-row remainder (96 heads) in `gluon_transposed` after it
   GTS  - GT with the remainder kernel on a side stream (both grids share the SMs)
-  a G kind followed by P and / or B (GP, GB, GPB, GTB, ...): the untimed forms of the Gluon
-         kernels, `gluon_decode.P_IN_SMEM` (P V reads P from shared memory) and
-         `gluon_decode.SPLIT_BARRIERS` (one shared allocation per TMA chunk's barriers)
   W/WT - the library call `mla_decode_paged_split(kernel="gluon" / "triton")` at its defaults
 Each config is first checked on a small ragged case whose splits start mid-tile (granularity
 16), then on the large batch, against the torch reference.
@@ -94,9 +91,6 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
         from tokenspeed.model.ops.mla import gluon_decode as gd
         from tokenspeed.model.ops.mla import gluon_transposed as gtr
 
-        forms = {"P_IN_SMEM": "P" in kind, "SPLIT_BARRIERS": "B" in kind}
-        kind = kind.replace("P", "").replace("B", "")
-
         dc, dr = gd.descriptors(pages, d.rank, bn, chunk or None)
         # part_lse stands in for the row scales, unused with a bf16 cache
         operands = (q_lat, q_rope, pages, part_lse, dc, dr, *args)
@@ -104,9 +98,7 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
         transposed = kind != "G" and rest == gtr.BLOCK_ROWS
         blocks = full if transposed else triton.cdiv(rows, gd.BLOCK_M)
         if blocks:
-            gd._split_kernel_gluon[(blocks, slots)](
-                *operands, **shape, **forms, STAGES=stages, num_warps=8
-            )
+            gd._split_kernel_gluon[(blocks, slots)](*operands, **shape, STAGES=stages, num_warps=8)
         if transposed:
             # GTS: on a side stream, so that it shares the SMs with the 64-row programs
             # instead of starting after their last one.
@@ -119,7 +111,6 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
                     **shape,
                     STAGES=stages,
                     ROW0=full * gd.BLOCK_M,
-                    SPLIT_BARRIERS=forms["SPLIT_BARRIERS"],
                     num_warps=4,
                 )
             if side is not None:
@@ -178,7 +169,17 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=0)
     ap.add_argument("--verify", type=int, nargs="*", default=[])
     ap.add_argument("--fp8", action="store_true", help="e4m3 cache with per-row scales (W/WT)")
+    ap.add_argument(
+        "--convert-cols",
+        type=int,
+        default=0,
+        help="with --fp8: `gluon_decode.FP8_CONVERT_COLS` for the library call (0: its default)",
+    )
     args = ap.parse_args()
+    if args.convert_cols:
+        from tokenspeed.model.ops.mla import gluon_decode
+
+        gluon_decode.FP8_CONVERT_COLS = args.convert_cols
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     dims = (

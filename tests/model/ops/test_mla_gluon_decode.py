@@ -231,68 +231,6 @@ class _Spy:
         return self.kernel[grid]
 
 
-class _FlagSpy(_Spy):
-    """Also records the P_IN_SMEM / SPLIT_BARRIERS flags of each launch."""
-
-    def __init__(self, kernel):
-        super().__init__(kernel)
-        self.flags = []
-
-    def __getitem__(self, grid):
-        launch = super().__getitem__(grid)
-
-        def record(*args, **kwargs):
-            self.flags.append((kwargs.get("P_IN_SMEM"), kwargs.get("SPLIT_BARRIERS")))
-            return launch(*args, **kwargs)
-
-        return record
-
-
-@pytest.mark.gpu
-@hopper
-# The two untimed forms (`gluon_decode.P_IN_SMEM`, `SPLIT_BARRIERS`; off by default): both on
-# for 96 heads with 1 and 4 queries, 32 heads (the transposed kernel) and e4m3 pages (split
-# barriers only: the e4m3 path keeps P in registers); each alone for 96 heads, one query.
-@pytest.mark.parametrize(
-    ("p_in_smem", "split", "heads", "n", "cache"),
-    [
-        (True, True, 96, 1, "bf16"),
-        (True, True, 96, 4, "bf16"),
-        (True, True, 32, 1, "bf16"),
-        (True, True, 96, 2, "e4m3"),
-        (True, False, 96, 1, "bf16"),
-        (False, True, 96, 1, "bf16"),
-    ],
-)
-def test_gpu_gluon_untimed_forms_match_reference(p_in_smem, split, heads, n, cache, monkeypatch):
-    monkeypatch.setattr(gluon_decode, "P_IN_SMEM", p_in_smem)
-    monkeypatch.setattr(gluon_decode, "SPLIT_BARRIERS", split)
-    spies = {
-        "main": _FlagSpy(gluon_decode._split_kernel_gluon),
-        "rest": _FlagSpy(gluon_transposed._split_kernel_transposed),
-    }
-    monkeypatch.setattr(gluon_decode, "_split_kernel_gluon", spies["main"])
-    monkeypatch.setattr(gluon_transposed, "_split_kernel_transposed", spies["rest"])
-    lens = [4, 5, 33, 64, 65, 700, 4097, 30000]
-    inp = make_inputs(
-        lens, n, pad_rows=2, dtype=torch.bfloat16, device="cuda", seed=8, **dict(K3, heads=heads)
-    )
-    splits = plan(lens, len(lens) + 2, 96, 16, device="cuda")
-    if cache == "e4m3":
-        inp["pages"][0] = 0.0  # the sink page must quantize
-        pages, scales = quantize_fp8_rows(inp["pages"])
-        ref = reference(inp, dequantize_pages(pages, scales))
-        out = run(dict(inp, pages=pages), splits, page_scales=scales, kernel="gluon")
-    else:
-        ref = reference(inp) * torch.sigmoid(inp["gate"].float().view(-1, heads, 128))
-        out = run(inp, splits, gate=inp["gate"], kernel="gluon")
-    _assert_close(out, ref, inp["real"], TOL[torch.bfloat16])
-    if heads == 32:  # Kimi Linear's 32 rows: the transposed kernel alone
-        assert spies["main"].flags == [] and spies["rest"].flags == [(None, split)]
-    else:
-        assert spies["main"].flags == [(p_in_smem, split)] and spies["rest"].flags == []
-
-
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize(

@@ -558,8 +558,7 @@ def mla_decode_paged_split(
                 *operands,
                 **shape,
                 STAGES=gluon_decode.STAGES,
-                P_IN_SMEM=gluon_decode.P_IN_SMEM,
-                SPLIT_BARRIERS=gluon_decode.SPLIT_BARRIERS,
+                CONVERT_COLS=gluon_decode.FP8_CONVERT_COLS,
                 num_warps=8,
             )
         if transposed:
@@ -568,7 +567,6 @@ def mla_decode_paged_split(
                 **shape,
                 STAGES=gluon_decode.STAGES,
                 ROW0=full * gluon_decode.BLOCK_M,
-                SPLIT_BARRIERS=gluon_decode.SPLIT_BARRIERS,
                 num_warps=4,
             )
     else:

@@ -53,13 +53,12 @@ STAGES = 2
 # e4m3 caches: 32-row tiles, so that three converted tiles fit beside the queries and the ring
 # (the conversion of one tile then overlaps the MMAs of the previous one).
 BLOCK_N_FP8 = 32
-# bf16 / fp16 caches: P V reads P from shared memory (`_publish`: one block-wide barrier) instead
-# of registers (the layout change goes through a 4 KiB scratch, in two rounds of two barriers).
-# Not yet timed on the H200, so off: scripts/mla_kernel_probe.py kind "GP" measures it.
-P_IN_SMEM = False
-# One shared allocation per TMA chunk's barriers (`_start_ring`): fewer block-wide barriers
-# between the ring's waits and expects. Not yet timed on the H200 either: probe kind "GB".
-SPLIT_BARRIERS = False
+# e4m3 caches: latent columns converted per pass of `_convert_tile`. Each pass's store into the
+# converted buffer is another access to one shared allocation, so another block-wide barrier:
+# one 512-column pass takes a tile from 11 barriers to 8 at 255 registers, no spills, and ran
+# 1.07x faster than four 128-column ones on the H200 (4.20 against 4.49 ms, mixed 36-request
+# batch; scripts/mla_kernel_probe.py --fp8 --convert-cols, docs/perf/mla.md).
+FP8_CONVERT_COLS = 512
 
 
 def block_n_for(dtype: torch.dtype) -> int:
@@ -117,10 +116,9 @@ def _wait_tile(ready, s, phase, NCH: gl.constexpr):
 
 @gluon.jit
 def _chunk_bar(ready, s, k: gl.constexpr, NCH: gl.constexpr):
-    """The barrier of chunk k of ring stage s (k = NCH - 1: the shared key). ready: a 1-tuple
-    of one allocation of STAGES * NCH barriers, or NCH allocations of STAGES barriers, one per
-    chunk (`_start_ring`)."""
-    return ready[0].index(s * NCH + k) if len(ready) == 1 else ready[k].index(s)
+    """The barrier of chunk k of ring stage s (k = NCH - 1: the shared key). ready: NCH
+    allocations of STAGES barriers, one per chunk (`_start_ring`)."""
+    return ready[k].index(s)
 
 
 @gluon.jit
@@ -174,7 +172,7 @@ def _convert_tile(
     LD: gl.constexpr,
 ):
     """e4m3 caches: wait for full tile t's raw rows, convert them exactly into converted buffer
-    t % 3 (by CHUNK-column slices: a whole tile in registers would spill), then refill the
+    t % 3 (by CHUNK-column slices, `FP8_CONVERT_COLS`), then refill the
     tile's ring stage with tile t + STAGES. split: (n_full, first, row, page_table,
     stride_table); ring: (desc_c, desc_r, c_bufs, r_bufs, ready); conv: (cv_c, cv_r)."""
     n_full, first, row, page_table, stride_table = split
@@ -258,16 +256,16 @@ def _start_ring(
     STAGES: gl.constexpr,
     RANK: gl.constexpr,
     PAGE_SIZE,
-    SPLIT_BARRIERS: gl.constexpr = False,
 ):
     """The ring of STAGES cache-tile stages (and a barrier per chunk of each), its first STAGES
     tiles issued. where: (n_full, first, row, page_table, stride_table). Returns the ring
     (desc_c, desc_r, c_bufs, r_bufs, ready); ready: see `_chunk_bar`.
 
-    SPLIT_BARRIERS: one shared allocation per chunk's barriers instead of one for all. The
-    compiler orders the accesses of one allocation with a block-wide barrier between any two,
-    whichever barriers of it they touch; with the chunks apart, the waits on a tile's chunks
-    and the expects of a refill follow each other without one."""
+    One shared allocation per chunk's barriers rather than one for all: Triton 3.6 orders any
+    two accesses to one allocation with a block-wide barrier, whichever barriers of it they
+    touch. With the chunks apart, the waits on a tile's chunks and the expects of a refill
+    follow each other without one (11 -> 8 barriers per tile; 1.04x on the H200 with P in
+    registers, docs/perf/mla.md)."""
     n_full, first, row, page_table, stride_table = where
     cache_t: gl.constexpr = desc_c.block_type.element_ty
     BN: gl.constexpr = desc_c.block_type.shape[0]
@@ -275,13 +273,10 @@ def _start_ring(
     ROPE: gl.constexpr = desc_r.block_type.shape[1]
     c_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, RANK], desc_c.layout)
     r_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, ROPE], desc_r.layout)
-    if SPLIT_BARRIERS:
-        ready = ()
-        for _ in gl.static_range(NCH):
-            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            ready = ready + (bars,)  # noqa: RUF005 (the JIT takes no starred tuples)
-    else:
-        ready = (gl.allocate_shared_memory(gl.int64, [STAGES * NCH, 1], mbarrier.MBarrierLayout()),)
+    ready = ()
+    for _ in gl.static_range(NCH):
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = ready + (bars,)  # noqa: RUF005 (the JIT takes no starred tuples)
     for i in gl.static_range(STAGES):
         for k in gl.static_range(NCH):
             mbarrier.init(_chunk_bar(ready, i, k, NCH), count=1)
@@ -420,18 +415,6 @@ def _softmax(
 
 
 @gluon.jit
-def _pv_operand(p, p_s, P_OP: gl.constexpr, IN_SMEM: gl.constexpr):
-    """P of a tile as the A operand of its P V: published to p_s (IN_SMEM), else in registers
-    (`P_OP`, the layout change going through the compiler's scratch buffer)."""
-    if IN_SMEM:
-        _publish(p, p_s)
-        pv = p_s
-    else:
-        pv = gl.convert_layout(p, P_OP)
-    return pv
-
-
-@gluon.jit
 def _publish(p, p_s):
     """P into its shared buffer for the next MMA, visible to the async proxy (one block-wide
     barrier; each warpgroup wrote its part of the columns)."""
@@ -473,8 +456,7 @@ def _split_kernel_gluon(
     GRANULE: gl.constexpr,
     STAGES: gl.constexpr,
     SCALE_MODE: gl.constexpr,  # 0 none (bf16 / fp16 cache), 1 per page, 2 per row (e4m3)
-    P_IN_SMEM: gl.constexpr = False,  # bf16 / fp16 caches: `P_IN_SMEM`
-    SPLIT_BARRIERS: gl.constexpr = False,  # `SPLIT_BARRIERS`
+    CONVERT_COLS: gl.constexpr = 512,  # e4m3: `FP8_CONVERT_COLS`
 ):
     BM: gl.constexpr = 64
     BN: gl.constexpr = desc_c.block_type.shape[0]
@@ -483,7 +465,7 @@ def _split_kernel_gluon(
     ROWS: gl.constexpr = N_QUERY * NUM_HEADS
     dtype: gl.constexpr = q_lat.dtype.element_ty  # the MMAs' operand type
     HAS_SCALE: gl.constexpr = SCALE_MODE != 0
-    CHUNK: gl.constexpr = 128 if RANK > 128 else RANK
+    CHUNK: gl.constexpr = CONVERT_COLS if RANK > CONVERT_COLS else RANK
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
     )
@@ -501,7 +483,7 @@ def _split_kernel_gluon(
         gl.program_id(1), plan, UNIFORM, GRANULE, BN
     )
     ring_at = (n_full, first, row, page_table, stride_table)
-    ring = _start_ring(desc_c, desc_r, ring_at, STAGES, RANK, PAGE_SIZE, SPLIT_BARRIERS)
+    ring = _start_ring(desc_c, desc_r, ring_at, STAGES, RANK, PAGE_SIZE)
     _, _, c_bufs, r_bufs, ready = ring
 
     # Queries of this program's rows (query j, head h) = m, into shared memory for the split.
@@ -579,12 +561,12 @@ def _split_kernel_gluon(
     else:
         cb = c_bufs.index(0)
         rb = r_bufs.index(0)
-        if P_IN_SMEM:
-            p_s = gl.allocate_shared_memory(
-                dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
-            )
-        else:
-            p_s = q_s  # unused
+        # P V reads P from shared memory (`_publish`: one block-wide barrier), not registers:
+        # there the layout change goes through the compiler's 4 KiB scratch in two rounds of two
+        # barriers each. 18 fewer registers; with split barriers 1.08x on the H200.
+        p_s = gl.allocate_shared_memory(
+            dtype, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+        )
         if n_full > 0:
             s = _scores_streamed(
                 q_s, qr_s, c_bufs.index(0), r_bufs.index(0), zero_s, ready, 0, 0, CW
@@ -593,7 +575,7 @@ def _split_kernel_gluon(
             p, alpha, m_i, l_acc = _softmax(
                 s, first, m_i, l_acc, 1.0, bounds, col_l, BN, dtype, False
             )
-            pv = _pv_operand(p, p_s, P_OP, P_IN_SMEM)
+            _publish(p, p_s)
             for t in range(1, n_full):
                 st = t % STAGES
                 prev = (t - 1) % STAGES
@@ -606,7 +588,7 @@ def _split_kernel_gluon(
                 # refilled as soon as that P V is done, while Q K^T still runs, which gives
                 # the refill the softmax and the next P V to land in. The softmax itself
                 # runs with the tensor cores idle.
-                acc = warpgroup_mma(pv, c_bufs.index(prev), acc, is_async=True)
+                acc = warpgroup_mma(p_s, c_bufs.index(prev), acc, is_async=True)
                 s = _scores_streamed(
                     q_s,
                     qr_s,
@@ -627,10 +609,10 @@ def _split_kernel_gluon(
                 )
                 # P V of tile t-1 is done on every warpgroup (the refill barrier above), so
                 # P of tile t may take its buffer.
-                pv = _pv_operand(p, p_s, P_OP, P_IN_SMEM)
+                _publish(p, p_s)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             last_st = (n_full - 1) % STAGES
-            acc = warpgroup_mma(pv, c_bufs.index(last_st), acc, is_async=True)
+            acc = warpgroup_mma(p_s, c_bufs.index(last_st), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     n_tail = first + n_full * BN
@@ -705,15 +687,15 @@ def descriptors(
 def fits(rank: int, rope: int, page_size: int, fp8: bool = False) -> bool:
     """Shapes the kernel tiles: R and Dr powers of two (64 <= R <= 512: each warpgroup's MMA is
     R/2 wide; 16 <= Dr <= 256), whole tiles inside a page, and the shared memory it takes
-    (queries, the ring of cache tiles and, for e4m3 caches, three converted tiles; with
-    `P_IN_SMEM`, P's buffer)."""
+    (queries, the ring of cache tiles and, for e4m3 caches, three converted tiles, else P's
+    buffer)."""
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
     width = rank + rope
     block_n = BLOCK_N_FP8 if fp8 else BLOCK_N
     smem = 2 * BLOCK_M * width + STAGES * block_n * width * (1 if fp8 else 2)
     if fp8:
         smem += 3 * block_n * width * 2
-    elif P_IN_SMEM:
+    else:
         smem += 2 * BLOCK_M * block_n
     return (
         pow2(rank)

@@ -133,7 +133,6 @@ def _split_kernel_transposed(
     STAGES: gl.constexpr,
     SCALE_MODE: gl.constexpr,
     ROW0: gl.constexpr,  # first of this program's BLOCK_ROWS query rows (query j, head h)
-    SPLIT_BARRIERS: gl.constexpr = False,  # `gluon_decode.SPLIT_BARRIERS`
 ):
     gl.static_assert(SCALE_MODE == 0, "bf16 / fp16 caches only")
     HB: gl.constexpr = 32
@@ -156,7 +155,7 @@ def _split_kernel_transposed(
         gl.program_id(1), plan, UNIFORM, GRANULE, BN
     )
     ring_at = (n_full, first, row, page_table, stride_table)
-    ring = _start_ring(desc_c, desc_r, ring_at, STAGES, RANK, PAGE_SIZE, SPLIT_BARRIERS)
+    ring = _start_ring(desc_c, desc_r, ring_at, STAGES, RANK, PAGE_SIZE)
     _, _, c_bufs, r_bufs, ready = ring
 
     # This program's query rows, resident in shared memory for the split (the B operand).
