@@ -33,7 +33,7 @@ for stage in "$@"; do
         tests-kda) run tests-kda python3 -m pytest -q -m gpu tests/model/ops/test_kda_decode.py \
             tests/model/ops/test_kda_prefill.py tests/model/ops/test_kda_tail.py ;;
         tests-mla) run tests-mla python3 -m pytest -q -m gpu tests/model/ops/test_mla_decode.py \
-            tests/model/ops/test_mla_gluon_decode.py \
+            tests/model/ops/test_mla_gluon_decode.py tests/model/ops/test_mla_gluon_convert.py \
             tests/model/ops/test_mla_prefill.py ;;
         tests-moe) run tests-moe python3 -m pytest -q -m gpu tests/model/ops/test_moe_router.py \
             tests/model/ops/test_moe_grouped.py tests/model/ops/test_mxfp4.py \

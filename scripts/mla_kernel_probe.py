@@ -89,9 +89,10 @@ def run(kind, batch, env, bufs, order, bm, bn, warps, stages, chunk=0):
     )
     if kind.startswith("G"):
         from tokenspeed.model.ops.mla import gluon_decode as gd
+        from tokenspeed.model.ops.mla import gluon_ring
         from tokenspeed.model.ops.mla import gluon_transposed as gtr
 
-        dc, dr = gd.descriptors(pages, d.rank, bn, chunk or None)
+        dc, dr = gluon_ring.descriptors(pages, d.rank, bn, chunk or None)
         # part_lse stands in for the row scales, unused with a bf16 cache
         operands = (q_lat, q_rope, pages, part_lse, dc, dr, *args)
         full, rest = divmod(rows, gd.BLOCK_M)

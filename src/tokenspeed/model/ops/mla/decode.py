@@ -544,9 +544,10 @@ def mla_decode_paged_split(
         "GRANULE": UNIFORM_GRANULE,
     }
     if use_gluon:
-        from . import gluon_decode, gluon_transposed
+        from . import gluon_decode, gluon_ring, gluon_transposed
 
-        desc_c, desc_r = gluon_decode.descriptors(pages, rank)
+        block_n = gluon_decode.block_n_for(pages.dtype)
+        desc_c, desc_r = gluon_ring.descriptors(pages, rank, block_n)
         operands = (q_lat, q_rope, pages, scales_arg, desc_c, desc_r, *tail_args)
         # The last 32 query rows may go to a program that puts cache rows on the MMA's M side
         # instead of padding a 64-row one (`takes_remainder` says when).

@@ -6,11 +6,12 @@ normalised partial o [R] and log2-sum-exp per row into part_o / part_lse):
 - Two warpgroups side by side along the output: for S = Q K^T each owns half of the tile's
   cache rows, for O += P V half of the 512 latent columns (acc [64, 256] fp32 each, 128
   registers a thread). The row max of S is exchanged between them through shared memory; the
-  row sums are kept elementwise and reduced once at the end.
-- Full tiles come by TMA into a ring of STAGES shared-memory stages (a tile lies inside one
-  page: tiles are aligned to BLOCK_N in the history and BLOCK_N divides the page size); the
-  queries stay in shared memory for the whole split. The ragged last tile of a split is read
-  with masked loads, so rows past the history are zeros, never stale page contents.
+  row sums are kept elementwise and reduced once at the end. P goes to shared memory for P V
+  (`_publish`).
+- Full tiles come by TMA into a ring of STAGES shared-memory stages (`gluon_ring`: a tile lies
+  inside one page); the queries stay in shared memory for the whole split. The ragged last
+  tile of a split is read with masked loads, so rows past the history are zeros, never stale
+  page contents.
 - Step order (bf16 / fp16): tile t-1's P V is issued, then tile t's Q K^T; as soon as that
   P V is done, its stage is refilled with tile t+1 while Q K^T still runs, then the softmax of
   tile t. With the queries resident only two 64-row stages fit, and a stage holds its tile
@@ -21,12 +22,13 @@ normalised partial o [R] and log2-sum-exp per row into part_o / part_lse):
   cores idle.
 - e4m3 caches (SCALE_MODE 1 per page, 2 per row): 32-row tiles; tile t+1 is converted exactly
   to the queries' type into one of three shared buffers while tile t's MMAs run, and the
-  scales multiply score columns and probabilities, as in the Triton kernel. The conversion
-  to bf16 goes by bit moves (`_to_mma_type`); 1.5x the Triton kernel on the H200, though
-  still 2.1x the bf16 path's time (32-row tiles, a conversion between the MMAs).
+  scales multiply score columns and probabilities, as in the Triton kernel (`gluon_convert`:
+  the conversion to bf16 goes by bit moves). 1.7x the Triton kernel on the H200, though still
+  2.0x the bf16 path's time (32-row tiles, a conversion between the MMAs).
 
 Shared memory at the default shapes (K3: R 512, Dr 64): bf16 queries 72 KiB + 2 x 72 KiB of
-64-row cache tiles; e4m3: 72 KiB + 2 x 18 KiB of raw 32-row tiles + 3 x 36 KiB converted.
+64-row cache tiles + 8 KiB of P; e4m3: 72 KiB + 2 x 18 KiB of raw 32-row tiles + 3 x 36 KiB
+converted.
 The split kernel launches without programmatic dependent launch (the merge tail still uses it).
 """
 
@@ -38,11 +40,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_convert import _convert_tile, _tile_scales, _to_mma_type
+from .gluon_ring import _chunk_bar, _issue, _page_of, _split_bounds, _start_ring
 
 BLOCK_M = 64
 # 64-row tiles with two stages measured faster than 32 x 4 and 16 x 6 on the H200 (fewer
@@ -53,238 +56,17 @@ STAGES = 2
 # e4m3 caches: 32-row tiles, so that three converted tiles fit beside the queries and the ring
 # (the conversion of one tile then overlaps the MMAs of the previous one).
 BLOCK_N_FP8 = 32
-# e4m3 caches: latent columns converted per pass of `_convert_tile`. Each pass's store into the
-# converted buffer is another access to one shared allocation, so another block-wide barrier:
-# one 512-column pass takes a tile from 11 barriers to 8 at 255 registers, no spills, and ran
-# 1.07x faster than four 128-column ones on the H200 (4.20 against 4.49 ms, mixed 36-request
-# batch; scripts/mla_kernel_probe.py --fp8 --convert-cols, docs/perf/mla.md).
+# e4m3 caches: latent columns converted per pass of `gluon_convert._convert_tile`. Each pass's
+# store into the converted buffer is another access to one shared allocation, so another
+# block-wide barrier: one 512-column pass takes a tile from 11 barriers to 8 at 255 registers,
+# no spills, and ran 1.07x faster than four 128-column ones on the H200 (4.20 against 4.49 ms,
+# mixed 36-request batch; scripts/mla_kernel_probe.py --fp8 --convert-cols, docs/perf/mla.md).
 FP8_CONVERT_COLS = 512
 
 
 def block_n_for(dtype: torch.dtype) -> int:
     """Rows per tile of the kernel for a cache of this dtype."""
     return BLOCK_N_FP8 if dtype == torch.float8_e4m3fn else BLOCK_N
-
-
-@gluon.jit
-def _page_of(
-    t, n_full, first, row, page_table, stride_table, BN: gl.constexpr, PAGE_SIZE: gl.constexpr
-):
-    """Page of full tile t (clamped to the last full tile), as int32; 0 without full tiles
-    (a uniform split past the end of its history: its column may lie past the table's end)."""
-    n0 = first + gl.minimum(t, gl.maximum(n_full - 1, 0)) * BN
-    ptr = page_table + row * stride_table + n0 // PAGE_SIZE
-    return gl.load(ptr, mask=n_full > 0, other=0).to(gl.int32)
-
-
-@gluon.jit
-def _issue(t, page, n_full, first, ring, PAGE_SIZE: gl.constexpr):
-    """TMA loads of full tile t of the split (on `page`) into stage t % STAGES, predicated
-    off past the last full tile: one load and one barrier per CW-column chunk of the latent
-    part (CW: desc_c's box width) and one for the shared key, so that Q K^T can start on the
-    first chunks while the later ones are still in flight. ring: (desc_c, desc_r, c_bufs,
-    r_bufs, ready)."""
-    desc_c, desc_r, c_bufs, r_bufs, ready = ring
-    STAGES: gl.constexpr = c_bufs.shape[0]
-    RANK: gl.constexpr = c_bufs.shape[2]
-    BN: gl.constexpr = desc_c.block_type.shape[0]
-    CW: gl.constexpr = desc_c.block_type.shape[1]
-    NCH: gl.constexpr = RANK // CW + 1
-    s = t % STAGES
-    pred = t < n_full
-    n0 = first + gl.minimum(t, gl.maximum(n_full - 1, 0)) * BN
-    r0 = page * PAGE_SIZE + n0 % PAGE_SIZE  # TMA coordinates are 32-bit
-    # All expects first, then all copies: interleaved, the compiler puts two block-wide
-    # barriers between each expect and its copy.
-    for k in gl.static_range(RANK // CW):
-        mbarrier.expect(_chunk_bar(ready, s, k, NCH), desc_c.block_type.nbytes, pred=pred)
-    mbarrier.expect(_chunk_bar(ready, s, NCH - 1, NCH), desc_r.block_type.nbytes, pred=pred)
-    for k in gl.static_range(RANK // CW):
-        dst = c_bufs.index(s).slice(k * CW, CW, dim=1)
-        bar = _chunk_bar(ready, s, k, NCH)
-        tma.async_copy_global_to_shared(desc_c, [r0, k * CW], bar, dst, pred)
-    bar = _chunk_bar(ready, s, NCH - 1, NCH)
-    tma.async_copy_global_to_shared(desc_r, [r0, RANK], bar, r_bufs.index(s), pred)
-
-
-@gluon.jit
-def _wait_tile(ready, s, phase, NCH: gl.constexpr):
-    """Wait for every chunk of ring stage s."""
-    for k in gl.static_range(NCH):
-        mbarrier.wait(_chunk_bar(ready, s, k, NCH), phase)
-
-
-@gluon.jit
-def _chunk_bar(ready, s, k: gl.constexpr, NCH: gl.constexpr):
-    """The barrier of chunk k of ring stage s (k = NCH - 1: the shared key). ready: NCH
-    allocations of STAGES barriers, one per chunk (`_start_ring`)."""
-    return ready[k].index(s)
-
-
-@gluon.jit
-def _to_mma_type(x, dtype: gl.constexpr):
-    """Cache values to the MMA type, exactly (`x.to(dtype)` but for e4m3 -> bf16). e4m3 -> fp16:
-    the hardware's packed convert. e4m3 -> bf16: by bit
-    moves, four values per 32-bit word (sign to bit 15, exponent and mantissa into bf16's
-    fields), then a packed multiply by 2^120 moves the exponent bias from 7 to 127 (e4m3
-    subnormals land on bf16 subnormals and come out exact too). Triton's own e4m3 -> bf16 is
-    e4m3 -> f16 -> bf16, whose second step is one slow `cvt` per value; that made the tile
-    conversion the e4m3 path's bottleneck. e4m3fn's NaN (0x7f) is not kept: quantized caches
-    hold none (values are clamped to +-448)."""
-    if x.dtype != gl.float8e4nv or dtype != gl.bfloat16:
-        y = x.to(dtype)
-    else:
-        y = gl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo, hi, slo, shi, k, z;
-            prmt.b32 lo, $2, 0, 0x1404;
-            prmt.b32 hi, $2, 0, 0x3424;
-            shr.b32 slo, lo, 4;
-            shr.b32 shi, hi, 4;
-            and.b32 slo, slo, 0x07f007f0;
-            and.b32 shi, shi, 0x07f007f0;
-            and.b32 lo, lo, 0x80008000;
-            and.b32 hi, hi, 0x80008000;
-            or.b32 lo, lo, slo;
-            or.b32 hi, hi, shi;
-            mov.b32 k, 0x7b807b80;
-            mov.b32 z, 0x80008000;
-            fma.rn.bf16x2 $0, lo, k, z;
-            fma.rn.bf16x2 $1, hi, k, z;
-            }""",
-            constraints="=r,=r,r",
-            args=[x.to(gl.uint8, bitcast=True)],
-            dtype=gl.bfloat16,
-            is_pure=True,
-            pack=4,
-        )
-    return y
-
-
-@gluon.jit
-def _convert_tile(
-    t,
-    split,
-    ring,
-    conv,
-    PAGE_SIZE: gl.constexpr,
-    CHUNK: gl.constexpr,
-    LD: gl.constexpr,
-):
-    """e4m3 caches: wait for full tile t's raw rows, convert them exactly into converted buffer
-    t % 3 (by CHUNK-column slices, `FP8_CONVERT_COLS`), then refill the
-    tile's ring stage with tile t + STAGES. split: (n_full, first, row, page_table,
-    stride_table); ring: (desc_c, desc_r, c_bufs, r_bufs, ready); conv: (cv_c, cv_r)."""
-    n_full, first, row, page_table, stride_table = split
-    desc_c, _, c_bufs, r_bufs, ready = ring
-    cv_c, cv_r = conv
-    STAGES: gl.constexpr = c_bufs.shape[0]
-    RANK: gl.constexpr = c_bufs.shape[2]
-    BN: gl.constexpr = desc_c.block_type.shape[0]
-    st = t % STAGES
-    page = _page_of(t + STAGES, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
-    # Buffer t % 3 last held tile t - 3, whose MMAs every warpgroup has waited for by now.
-    gl.thread_barrier()
-    _wait_tile(ready, st, (t // STAGES) & 1, RANK // desc_c.block_type.shape[1] + 1)
-    dst = cv_c.index(t % 3)
-    for k in gl.static_range(RANK // CHUNK):
-        part = c_bufs.index(st).slice(k * CHUNK, CHUNK, dim=1).load(LD)
-        dst.slice(k * CHUNK, CHUNK, dim=1).store(_to_mma_type(part, dst.dtype))
-    cv_r.index(t % 3).store(_to_mma_type(r_bufs.index(st).load(LD), dst.dtype))
-    fence_async_shared()
-    gl.thread_barrier()  # stage st is read (refill it) and the buffer written (MMAs may read it)
-    _issue(t + STAGES, page, n_full, first, ring, PAGE_SIZE)
-
-
-@gluon.jit
-def _tile_scales(
-    t,
-    where,
-    BN: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    SCALE_MODE: gl.constexpr,
-    col_l: gl.constexpr,
-):
-    """e4m3 caches: the scales of full tile t's rows, [BN] fp32 (per page: one value);
-    where: (first row of the split's first tile, the request's page-table row, the scales)."""
-    first, table_row, row_scales = where
-    n0 = first + t * BN
-    page = gl.load(table_row + n0 // PAGE_SIZE).to(gl.int64)
-    if SCALE_MODE == 1:
-        sc = gl.zeros([BN], gl.float32, col_l) + gl.load(row_scales + page)
-    else:
-        sc = gl.load(
-            row_scales + page * PAGE_SIZE + n0 % PAGE_SIZE + gl.arange(0, BN, layout=col_l)
-        )
-    return sc
-
-
-@gluon.jit
-def _split_bounds(slot, plan, UNIFORM: gl.constexpr, GRANULE: gl.constexpr, BN: gl.constexpr):
-    """Where split slot `slot` (the grid's second index) reads: (slot as the partials' index,
-    request row, start, end, history length, live, first row of its first tile, full tiles).
-    plan: (context_lens, split_order, split_row, split_start, split_len, uniform_splits)."""
-    context_lens, split_order, split_row, split_start, split_len, uniform_splits = plan
-    if UNIFORM:
-        row = slot // uniform_splits
-        length = gl.load(context_lens + row).to(gl.int32)
-        chunk = gl.cdiv(gl.cdiv(length, uniform_splits), GRANULE) * GRANULE
-        start = (slot % uniform_splits) * chunk
-        end = gl.minimum(start + chunk, length)
-        live = slot >= 0
-    else:
-        slot = gl.load(split_order + slot)
-        row = gl.load(split_row + slot)
-        start = gl.load(split_start + slot)
-        n_rows = gl.load(split_len + slot)
-        length = gl.load(context_lens + row).to(gl.int32)
-        end = gl.minimum(start + n_rows, length)
-        live = n_rows > 0
-    end = gl.where(live, end, start)
-    # Tiles are aligned to BN in the history (so a full tile never crosses a page); a split
-    # that starts mid-tile masks the rows before its start (earlier rows of the same history).
-    first = start - start % BN
-    n_full = gl.maximum(end - first, 0) // BN
-    return slot, row, start, end, length, live, first, n_full
-
-
-@gluon.jit
-def _start_ring(
-    desc_c,
-    desc_r,
-    where,
-    STAGES: gl.constexpr,
-    RANK: gl.constexpr,
-    PAGE_SIZE,
-):
-    """The ring of STAGES cache-tile stages (and a barrier per chunk of each), its first STAGES
-    tiles issued. where: (n_full, first, row, page_table, stride_table). Returns the ring
-    (desc_c, desc_r, c_bufs, r_bufs, ready); ready: see `_chunk_bar`.
-
-    One shared allocation per chunk's barriers rather than one for all: Triton 3.6 orders any
-    two accesses to one allocation with a block-wide barrier, whichever barriers of it they
-    touch. With the chunks apart, the waits on a tile's chunks and the expects of a refill
-    follow each other without one (11 -> 8 barriers per tile; 1.04x on the H200 with P in
-    registers, docs/perf/mla.md)."""
-    n_full, first, row, page_table, stride_table = where
-    cache_t: gl.constexpr = desc_c.block_type.element_ty
-    BN: gl.constexpr = desc_c.block_type.shape[0]
-    NCH: gl.constexpr = RANK // desc_c.block_type.shape[1] + 1
-    ROPE: gl.constexpr = desc_r.block_type.shape[1]
-    c_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, RANK], desc_c.layout)
-    r_bufs = gl.allocate_shared_memory(cache_t, [STAGES, BN, ROPE], desc_r.layout)
-    ready = ()
-    for _ in gl.static_range(NCH):
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready = ready + (bars,)  # noqa: RUF005 (the JIT takes no starred tuples)
-    for i in gl.static_range(STAGES):
-        for k in gl.static_range(NCH):
-            mbarrier.init(_chunk_bar(ready, i, k, NCH), count=1)
-    ring = (desc_c, desc_r, c_bufs, r_bufs, ready)  # what every tile load takes
-    for i in gl.static_range(STAGES):
-        page = _page_of(i, n_full, first, row, page_table, stride_table, BN, PAGE_SIZE)
-        _issue(i, page, n_full, first, ring, PAGE_SIZE)
-    return ring
 
 
 @gluon.jit
@@ -660,28 +442,6 @@ def _split_kernel_gluon(
         o,
         mask=(offs_mo < gl.where(live, ROWS, 0))[:, None],
     )
-
-
-def descriptors(
-    pages: torch.Tensor, rank: int, block_n: int | None = None, chunk: int | None = None
-) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors over the page pool [NP, P, R + Dr] (bf16, fp16 or e4m3) as rows:
-    [block_n, chunk] boxes of the latent part (the kernel loads a tile chunk by chunk, one
-    barrier each) and [block_n, Dr] shared-key boxes. block_n: `block_n_for`; chunk: all R
-    columns by default. Chunks of 64 or 128 columns measured slower on the H200 (2.43 / 2.30
-    against 2.08 ms on the mixed 36-request batch, docs/perf/mla.md): the compiler puts a
-    block-wide barrier around every barrier expect and TMA copy, which costs more than
-    starting Q K^T on the first chunks gains."""
-    block_n = block_n or block_n_for(pages.dtype)
-    chunk = chunk or rank
-    flat = pages.view(-1, pages.shape[-1])
-    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(pages.dtype, gl.float8e4nv)
-    out = []
-    for cols in (chunk, flat.shape[1] - rank):
-        block = [block_n, cols]
-        layout = gl.NVMMASharedLayout.get_default_for(block, elem)
-        out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), block, layout))
-    return out[0], out[1]
 
 
 def fits(rank: int, rope: int, page_size: int, fp8: bool = False) -> bool:

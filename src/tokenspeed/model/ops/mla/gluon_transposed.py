@@ -34,17 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_decode import (
-    _chunk_bar,
-    _issue,
-    _load_queries,
-    _load_tail,
-    _lse,
-    _page_of,
-    _publish,
-    _split_bounds,
-    _start_ring,
-)
+from .gluon_decode import _load_queries, _load_tail, _lse, _publish
+from .gluon_ring import _chunk_bar, _issue, _page_of, _split_bounds, _start_ring
 
 BLOCK_ROWS = 32  # query rows per program (the MMA's N)
 
