@@ -30,7 +30,7 @@ pass over the partials and no extra pass over anything.
 
 On Hopper, bf16 / fp16 caches take `gluon_decode._split_kernel_gluon` for step 2 instead (same
 inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 2.0-2.7x faster than
-`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.5x); `kernel="triton"` or
+`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.7x); `kernel="triton"` or
 explicit `tiles` keep the Triton kernel, which also serves other GPUs and the interpreter.
 Calls of exactly 32 query rows per request (Kimi Linear's 32 heads, one query) take
 `gluon_transposed` instead, which puts cache rows on the MMA's M side rather than padding the
