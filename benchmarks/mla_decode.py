@@ -7,7 +7,8 @@ Claims (issue 7), all measured in one run, same process, same inputs:
       than 5% slower;
   (b) achieved bandwidth (latent bytes read / time) >= 75% of a measured device copy bandwidth
       on large mixed batches (the table also gives TFLOP/s: at 96 heads the absorbed decode
-      does ~181 flop per cache byte, at the H200's ridge point, so compute may cap it);
+      does ~181 flop per cache byte, past the H200's ridge point, so compute caps it: the run
+      also times a bf16 matmul and prints what (b) asks of the tensor cores beside its rate);
   (c) against plain torch (absorbed form: per-request matmul + softmax + matmul) on the same
       inputs: the ratio.
 Uniform baseline: S splits for every request, S = ceil(budget / B) at the same split budget as
@@ -136,6 +137,26 @@ def copy_bandwidth(env: Env) -> float:
     dst = torch.empty_like(src)
     ms = _replay_ms(lambda: dst.copy_(src), 100.0)
     return 2 * src.numel() * 2 / ms / 1e6
+
+
+def matmul_tflops(env: Env, size: int = 8192) -> float:
+    """A square bf16 matmul (size^3, cuBLAS through torch): the tensor cores' practical rate,
+    in TFLOP/s, to set (b)'s compute demand against."""
+    if not env.graphs:
+        return float("nan")
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=env.device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=env.device)
+    c = torch.empty_like(a)
+    ms = _replay_ms(lambda: torch.matmul(a, b, out=c), 200.0)
+    return 2.0 * size**3 / ms / 1e9
+
+
+def tflops_for_copy_fraction(dims: Dims, copy_gbs: float, fraction: float, rows: int) -> float:
+    """TFLOP/s the absorbed decode must run at to stream the bf16 cache at `fraction` of copy
+    bandwidth with `rows` query rows per cache row (one query: the heads, or the 64-row MMA
+    programs' padded rows)."""
+    cache_rows_per_s = fraction * copy_gbs * 1e9 / (dims.width * 2)
+    return cache_rows_per_s * 2.0 * rows * (2 * dims.rank + dims.rope) / 1e12
 
 
 @attrs.define
@@ -483,6 +504,8 @@ def main() -> int:
 
     copy_gbs = copy_bandwidth(env)
     print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+    mm_tflops = matmul_tflops(env)
+    print(f"bf16 matmul 8192^3: {mm_tflops:.0f} TFLOP/s")
 
     # Tile sweep on the large mixed batch (per-request splits), each config checked first.
     sweep_lines = []
@@ -631,6 +654,16 @@ def main() -> int:
         f"{', '.join(f'{100 * x:.0f}%' for x in fractions)} of copy (target >= 75%: "
         f"{'met' if fractions and min(fractions) >= 0.75 else 'not met'})",
     ]
+    # At 96 heads the decode is compute-bound: what (b) asks of the tensor cores, next to a
+    # plain matmul's rate on the same device in the same run.
+    padded = -(-dims.heads // 64) * 64
+    need = [tflops_for_copy_fraction(dims, copy_gbs, 0.75, r) for r in (dims.heads, padded)]
+    out.append(
+        f"- (b)'s demand: 75% of copy at {dims.heads} heads is {need[0]:.0f} TFLOP/s on "
+        f"{dims.heads} query rows ({100 * need[0] / mm_tflops:.0f}% of this run's bf16 matmul "
+        f"8192^3, {mm_tflops:.0f} TFLOP/s), {need[1]:.0f} on the {padded} rows of 64-row MMA "
+        f"programs ({100 * need[1] / mm_tflops:.0f}%)"
+    )
     text = "\n".join(out)
     print(text)
     if args.out:

@@ -4,7 +4,7 @@
 #   tests-kda tests-mla tests-moe tests-runtime tests-engine-gpu tests-cache tests-all
 #   bench-kda bench-mla bench-moe bench-attnres decode-step offline parity
 #   probe-mla-forms (96 heads: the padded 64-row Gluon programs alone or beside the transposed
-#     32-row one; e4m3: P from registers against P from shared memory)
+#     32-row one; the e4m3 path)
 #   decode-step-ab (op knobs inside the decode step: KDA state and AttnRes bank cache hints)
 # STAGE_TIMEOUT=SECONDS bounds each stage: the stage's own process is killed at the limit (a
 # `timeout` around this whole script would kill only the shell and leave the stage's python
@@ -58,9 +58,7 @@ for stage in "$@"; do
         probe-mla-forms)
             run probe-mla-forms python3 scripts/mla_kernel_probe.py --verify 4 --configs \
                 "G,64,64,8,2 GT,64,64,8,2 GTS,64,64,8,2"
-            run probe-mla-fp8 python3 scripts/mla_kernel_probe.py --fp8 --configs "W,64,32,8,2"
-            run probe-mla-fp8-p-smem python3 scripts/mla_kernel_probe.py --fp8 --fp8-p-smem \
-                --configs "W,64,32,8,2" ;;
+            run probe-mla-fp8 python3 scripts/mla_kernel_probe.py --fp8 --configs "W,64,32,8,2" ;;
         decode-step-ab) run decode-step-ab python3 scripts/decode_step_ab.py \
             --out "$out/decode_step_ab.md" ;;
         *) echo "unknown stage $stage"; status=1 ;;

@@ -176,18 +176,11 @@ def main() -> int:
         default=0,
         help="with --fp8: `gluon_decode.FP8_CONVERT_COLS` for the library call (0: its default)",
     )
-    ap.add_argument(
-        "--fp8-p-smem",
-        action="store_true",
-        help="with --fp8: P V takes P from shared memory (`gluon_decode.FP8_P_IN_SMEM` on)",
-    )
     args = ap.parse_args()
     from tokenspeed.model.ops.mla import gluon_decode
 
     if args.convert_cols:
         gluon_decode.FP8_CONVERT_COLS = args.convert_cols
-    if args.fp8_p_smem:
-        gluon_decode.FP8_P_IN_SMEM = True
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
     dims = (

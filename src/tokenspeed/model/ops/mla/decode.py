@@ -560,7 +560,6 @@ def mla_decode_paged_split(
                 **shape,
                 STAGES=gluon_decode.STAGES,
                 CONVERT_COLS=gluon_decode.FP8_CONVERT_COLS,
-                FP8_P_SMEM=gluon_decode.FP8_P_IN_SMEM,
                 num_warps=8,
             )
         if transposed:

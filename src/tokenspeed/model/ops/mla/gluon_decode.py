@@ -58,16 +58,11 @@ STAGES = 2
 BLOCK_N_FP8 = 32
 # e4m3 caches: latent columns converted per pass of `gluon_convert._convert_tile`. Each pass's
 # store into the converted buffer is another access to one shared allocation, so another
-# block-wide barrier: one 512-column pass takes a tile from 11 barriers to 8 at 255 registers,
-# no spills, and ran 1.07x faster than four 128-column ones on the H200 (4.20 against 4.49 ms,
-# mixed 36-request batch; scripts/mla_kernel_probe.py --fp8 --convert-cols, docs/perf/mla.md).
+# block-wide barrier: one 512-column pass ran 1.07x faster than four 128-column ones on the
+# H200 (4.20 against 4.49 ms, mixed 36-request batch; scripts/mla_kernel_probe.py --fp8
+# --convert-cols, docs/perf/mla.md). With P in shared memory too, a tile has 6 barriers at
+# 245 registers, no spills (scripts/gluon_resources.py).
 FP8_CONVERT_COLS = 512
-# e4m3 caches: P double-buffered in shared memory for P V (`_publish`, one block-wide barrier)
-# instead of registers (the layout change goes through the compiler's scratch: four). Offline
-# (Triton 3.6): 8 -> 6 barriers per tile, 255 -> 245 registers, 229,920 B of shared memory.
-# Not yet run on the H200, so off: scripts/mla_kernel_probe.py --fp8 [--fp8-p-smem] times it,
-# test_gpu_gluon_fp8_p_in_smem_matches_reference checks it.
-FP8_P_IN_SMEM = False
 
 
 def block_n_for(dtype: torch.dtype) -> int:
@@ -245,7 +240,6 @@ def _split_kernel_gluon(
     STAGES: gl.constexpr,
     SCALE_MODE: gl.constexpr,  # 0 none (bf16 / fp16 cache), 1 per page, 2 per row (e4m3)
     CONVERT_COLS: gl.constexpr = 512,  # e4m3: `FP8_CONVERT_COLS`
-    FP8_P_SMEM: gl.constexpr = False,  # e4m3: `FP8_P_IN_SMEM`
 ):
     BM: gl.constexpr = 64
     BN: gl.constexpr = desc_c.block_type.shape[0]
@@ -312,7 +306,9 @@ def _split_kernel_gluon(
         # P of tile t into buffer t % 2 while P V of tile t-1 reads the other. Buffer t % 2 was
         # last read by P V of tile t-2, which every warpgroup waited for at the end of step
         # t-1, before the block-wide barriers of step t (the conversion's, and the softmax's
-        # row max, which crosses the warpgroups through shared memory).
+        # row max, which crosses the warpgroups through shared memory). Against P in registers
+        # (the layout change through the compiler's scratch): 8 -> 6 barriers a tile, 1.04x
+        # on the H200 (4.23 -> 4.06 ms, mixed 36-request batch, docs/perf/mla.md).
         p_s = gl.allocate_shared_memory(
             dtype, [2, BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
         )
@@ -331,18 +327,12 @@ def _split_kernel_gluon(
             p, alpha, m_i, l_acc = _softmax(
                 s, first, m_i, l_acc, sc, bounds, col_l, BN, dtype, True
             )
-            if FP8_P_SMEM:
-                _publish(p, p_s.index(0))
-            else:
-                p = gl.convert_layout(p, P_OP)
+            _publish(p, p_s.index(0))
             for t in range(1, n_full):
                 b = t % 3
                 s = _scores(q_s, qr_s, cv_c.index(b), cv_r.index(b), zero_s)
-                if FP8_P_SMEM:
-                    pv = p_s.index((t - 1) % 2)
-                    acc = warpgroup_mma(pv, cv_c.index((t - 1) % 3), acc, is_async=True)
-                else:
-                    acc = warpgroup_mma(p, cv_c.index((t - 1) % 3), acc, is_async=True)
+                pv = p_s.index((t - 1) % 2)
+                acc = warpgroup_mma(pv, cv_c.index((t - 1) % 3), acc, is_async=True)
                 sc = sc_next
                 sc_next = _tile_scales(
                     gl.minimum(n_full - 1, t + 1), where, BN, PAGE_SIZE, SCALE_MODE, col_l
@@ -353,17 +343,11 @@ def _split_kernel_gluon(
                 p, alpha, m_i, l_acc = _softmax(
                     s, first + t * BN, m_i, l_acc, sc, bounds, col_l, BN, dtype, True
                 )
-                if FP8_P_SMEM:
-                    _publish(p, p_s.index(t % 2))
-                else:
-                    p = gl.convert_layout(p, P_OP)
+                _publish(p, p_s.index(t % 2))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            if FP8_P_SMEM:
-                pv = p_s.index((n_full - 1) % 2)
-                acc = warpgroup_mma(pv, cv_c.index((n_full - 1) % 3), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(p, cv_c.index((n_full - 1) % 3), acc, is_async=True)
+            pv = p_s.index((n_full - 1) % 2)
+            acc = warpgroup_mma(pv, cv_c.index((n_full - 1) % 3), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # The ragged tail goes into the buffer no MMA reads any more.
         cb = cv_c.index(n_full % 3)
