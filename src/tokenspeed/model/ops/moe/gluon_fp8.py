@@ -193,6 +193,8 @@ def _down_kernel_fp8_gluon(
             # The previous step's MMA is done (the one just issued may still run): refill its
             # stage and promote its partial while the tensor cores work.
             pd = warpgroup_mma_wait(num_outstanding=1, deps=(p,))
+            # Both warpgroups read the stage's h tile: the refill waits for the other's MMA too.
+            gl.thread_barrier()
             _issue_loads(prod, my_steps, KSTEPS, j, cur, nxt, ring)
             prod += 1
             acc = _promote(acc, pd, c0, first_block)
@@ -202,6 +204,7 @@ def _down_kernel_fp8_gluon(
             c2 = c3
             cons += 1
         pd = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+        gl.thread_barrier()  # as above
         _issue_loads(prod, my_steps, KSTEPS, j, cur, nxt, ring)
         prod += 1
         c3 = _load_scales(q0 + KSTEPS + 2, my_steps, KSTEPS, j, cur, nxt, scales)
