@@ -44,7 +44,7 @@ from tokenspeed.model.ops.mla.decode import (
     uniform_split_count,
 )
 from tokenspeed.model.ops.mla.reference import mla_decode_paged
-from tokenspeed.sched.split_planner import (
+from tokenspeed.model.ops.mla.split_plan import (
     SplitPlanBuffers,
     launch_order,
     min_split_capacity,

@@ -38,18 +38,18 @@ import triton
 import triton.testing
 
 from tokenspeed.model.ops.activation import situ_glu
-from tokenspeed.model.ops.moe.fp8 import quantize_fp8_blocks
-from tokenspeed.model.ops.moe.grouped import (
+from tokenspeed.model.ops.moe.experts import (
     ExpertWeights,
     GemmTile,
     MoeKernelConfig,
     default_config,
     fused_experts,
 )
+from tokenspeed.model.ops.moe.fp8 import quantize_fp8_blocks
+from tokenspeed.model.ops.moe.gate import route_fused, router_weight_for_kernel
 from tokenspeed.model.ops.moe.mxfp4 import decode_mxfp4
 from tokenspeed.model.ops.moe.overlap import SideStream
 from tokenspeed.model.ops.moe.reference import route
-from tokenspeed.model.ops.moe.router import route_fused, router_weight_for_kernel
 from tokenspeed.model.ops.norm import rms_norm
 
 HIDDEN, LATENT, INTER, EXPERTS, TOP_K, LOCAL, SHARED = 7168, 3584, 3072, 896, 16, 56, 2

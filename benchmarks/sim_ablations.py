@@ -28,7 +28,7 @@ from tokenspeed.sim.plots import (  # noqa: E402
     plot_throughput_vs_interactivity,
 )
 from tokenspeed.sim.report import results_table  # noqa: E402
-from tokenspeed.sim.workload import AgentXWorkload  # noqa: E402
+from tokenspeed.workload import AgentXWorkload  # noqa: E402
 
 VARIANTS = {
     "baseline": {},

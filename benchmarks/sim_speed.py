@@ -22,7 +22,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 from tokenspeed.cache import CheckpointPolicy  # noqa: E402
 from tokenspeed.sched import SchedulerConfig  # noqa: E402
 from tokenspeed.sim.cluster import ClusterConfig, k3_geometry, simulate  # noqa: E402
-from tokenspeed.sim.workload import AgentXWorkload  # noqa: E402
+from tokenspeed.workload import AgentXWorkload  # noqa: E402
 
 
 def main() -> None:

@@ -35,8 +35,8 @@ for stage in "$@"; do
         tests-mla) run tests-mla python3 -m pytest -q -m gpu tests/model/ops/test_mla_decode.py \
             tests/model/ops/test_mla_gluon_decode.py tests/model/ops/test_mla_gluon_convert.py \
             tests/model/ops/test_mla_prefill.py ;;
-        tests-moe) run tests-moe python3 -m pytest -q -m gpu tests/model/ops/test_moe_router.py \
-            tests/model/ops/test_moe_grouped.py tests/model/ops/test_mxfp4.py \
+        tests-moe) run tests-moe python3 -m pytest -q -m gpu tests/model/ops/test_moe_gate.py \
+            tests/model/ops/test_moe_experts.py tests/model/ops/test_mxfp4.py \
             tests/model/ops/test_moe_gluon_fp8.py \
             tests/model/ops/test_attn_res_fused.py ;;
         tests-runtime) run tests-runtime python3 -m pytest -q tests/runtime ;;

@@ -22,7 +22,7 @@ import attrs  # noqa: E402
 from tokenspeed.cache import CheckpointPolicy  # noqa: E402
 from tokenspeed.sched import SchedulerConfig  # noqa: E402
 from tokenspeed.sim.cluster import ClusterConfig, k3_geometry, simulate  # noqa: E402
-from tokenspeed.sim.workload import AgentXWorkload  # noqa: E402
+from tokenspeed.workload import AgentXWorkload  # noqa: E402
 
 _TIMINGS = ("wall_s", "cpu_s")
 

@@ -138,28 +138,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_cuda_graph=not args.eager,
+        cpu_threads=args.threads,
         **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
     )
-
-
-# Below this many parameters a model runs fastest single-threaded on the CPU: torch's intra-op
-# threads cost more than they save on its small matrices, and they stall whenever another
-# process holds a core (benchmarks/cpu_threads.py: the tiny preset, 1.03x idle and 6.6x with
-# the other core busy on the 2-core dev machine; docs/perf/runtime.md).
-_SINGLE_THREAD_PARAMS = 100_000_000
-
-
-def _set_cpu_threads(args: argparse.Namespace, model, device) -> None:
-    """torch's CPU threads for this run: --threads, else one thread for a small model on the
-    CPU unless OMP_NUM_THREADS says otherwise (the process is this command's to configure)."""
-    import torch
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-        return
-    small = sum(p.numel() for p in model.parameters()) < _SINGLE_THREAD_PARAMS
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and small:
-        torch.set_num_threads(1)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -167,7 +148,6 @@ def generate(args: argparse.Namespace) -> int:
     from tokenspeed.model import PRESETS
 
     llm = LLM(model=args.model, **_engine_options(args))
-    _set_cpu_threads(args, llm.engine.model, llm.engine.device)
     if args.prompt_ids:
         prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
     else:
@@ -219,15 +199,15 @@ def bench_agentx(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_cuda_graph=options["enable_cuda_graph"],
+        cpu_threads=options["cpu_threads"],
         page_size=args.page_size,
         seed=args.seed,
         decode_steps=args.decode_steps or 1,
     )
-    from tokenspeed.runtime.engine import resolve_device
+    from tokenspeed.runtime.device import resolve_device
 
     model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
     engine = Engine(model, tokenizer, config)
-    _set_cpu_threads(args, engine.model, engine.device)
     result = replay(engine, sessions, args.concurrency, block)
     engine.check_integrity()
     print(

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tokenspeed.model import ForwardBatch, KimiForCausalLM, get_preset
-from tokenspeed.model.checkpoint import save_checkpoint
 from tokenspeed.model.config import ConfigError
+from tokenspeed.model.hf_writer import save_checkpoint
 from tokenspeed.model.init import init_random_weights
 from tokenspeed.model.layers.moe import MoE, Mxfp4Experts
 from tokenspeed.model.loader import INDEX_FILE, CheckpointError, load_checkpoint

@@ -9,7 +9,7 @@ from typing import NamedTuple
 from tokenspeed.cache import CacheConfig, LocalHostCache
 from tokenspeed.runtime import Engine, EngineConfig, SamplingParams, StepError
 from tokenspeed.runtime.async_engine import AsyncEngine
-from tokenspeed.runtime.engine import cache_geometry
+from tokenspeed.runtime.cache_sizing import cache_geometry
 
 from .conftest import reference, tokens
 

@@ -78,7 +78,7 @@ def test_turns_without_block_ids_still_add_their_new_tokens(tiny):
     """A trace turn whose tokens have no (or too few) block ids: the un-hashed tokens are unique
     content, not nothing; a first turn without ids used to be an empty prompt, which the engine
     refuses, ending the whole replay."""
-    from tokenspeed.sim.workload.model import Session, Turn
+    from tokenspeed.workload.model import Session, Turn
 
     turns = (
         Turn(new_tokens=5, output_tokens=3),  # no block ids at all
@@ -96,7 +96,7 @@ def test_turns_without_block_ids_still_add_their_new_tokens(tiny):
 def test_turns_use_the_room_up_to_max_model_len_and_stop_past_it(tiny):
     """The engine serves a prompt of max_model_len - 1 tokens with one output token, and caps
     an output to the room left; the turn after one that filled the context is skipped."""
-    from tokenspeed.sim.workload.model import Session, Turn
+    from tokenspeed.workload.model import Session, Turn
 
     limit = 32
     sessions = [
@@ -123,7 +123,7 @@ def test_skipped_turns_count_every_turn_never_sent(tiny):
     """A turn that no longer fits ends its session: its later turns, and the subagent sessions
     those turns would have launched, are never sent either. They used to go uncounted (one skip
     per ended session), so requests + skipped_turns fell short of the workload's turns."""
-    from tokenspeed.sim.workload.model import Session, Turn
+    from tokenspeed.workload.model import Session, Turn
 
     def sub(sid):
         return Session(sid=sid, turns=(Turn(new_tokens=1, output_tokens=1),) * 2, kind="subagent")

@@ -8,8 +8,8 @@ import torch
 
 from tokenspeed.cache import CacheConfig
 from tokenspeed.runtime import Engine, EngineConfig, RequestError, SamplingParams, StepError
+from tokenspeed.runtime.cache_sizing import cache_geometry
 from tokenspeed.runtime.config import EngineConfigError
-from tokenspeed.runtime.engine import cache_geometry
 
 from .conftest import reference, tokens
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.cache.l2.chaos import ChaosL2
 from tokenspeed.cache import LocalHostCache
-from tokenspeed.runtime.engine import cache_geometry
+from tokenspeed.runtime.cache_sizing import cache_geometry
 
 from .scenarios import PAGE, Scenario, make_engine, play, play_async, play_shared_l2
 

@@ -21,7 +21,7 @@ from tokenspeed.sched import SchedulerConfig
 from tokenspeed.sim import cli
 from tokenspeed.sim.cluster import ClusterConfig, k3_geometry
 from tokenspeed.sim.cluster.config import MAX_PAGES_PER_RANK
-from tokenspeed.sim.workload import AgentXWorkload
+from tokenspeed.workload import AgentXWorkload
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 GiB = 1 << 30

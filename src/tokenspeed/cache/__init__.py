@@ -24,7 +24,7 @@ from .events import CompletionEvent
 from .handles import PrefixMatch, RequestCache
 from .keys import KeyChain, page_keys_for_blocks, page_keys_for_tokens
 from .l2 import HostCache, L2Stats, LocalHostCache, MooncakeConfig, MooncakeHostCache, ObjectKind
-from .load import LoadHandle
+from .load_handle import LoadHandle
 from .manager import CacheManager
 from .stats import CacheCounters, CacheStats, Occupancy
 

@@ -123,6 +123,27 @@ class CacheGeometry:
             layer_kinds=layer_kinds,
         )
 
+    @classmethod
+    def from_model_config(
+        cls, config, *, page_size: int = 64, dtype: torch.dtype = torch.bfloat16
+    ) -> CacheGeometry:
+        """The geometry of a model described by a `tokenspeed.model.ModelConfig` (read by its
+        attributes: the cache does not import the model), with MLA rows and conv windows in
+        `dtype` and the layers in the model's order."""
+        return cls.from_model_dims(
+            num_mla_layers=len(config.mla_layers),
+            kv_lora_rank=config.mla.kv_lora_rank,
+            qk_rope_head_dim=config.mla.qk_rope_head_dim,
+            num_kda_layers=len(config.kda_layers),
+            kda_num_heads=config.kda.num_heads,
+            kda_head_dim=config.kda.head_dim,
+            kda_conv_kernel=config.kda.conv_kernel,
+            page_size=page_size,
+            mla_dtype=dtype,
+            kda_conv_dtype=dtype,
+            layer_kinds=config.layer_kinds,
+        )
+
     @property
     def mla_row_bytes(self) -> int:
         """Bytes of one token's row in one MLA layer."""

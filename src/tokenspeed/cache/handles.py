@@ -13,7 +13,7 @@ import numpy as np
 from ..types import PageKey, RequestId, SlotId
 from .checkpoints import CheckpointEntry
 from .keys import KeyBuffer, PageKeys
-from .load import LoadHandle
+from .load_handle import LoadHandle
 
 
 @attrs.frozen(eq=False)

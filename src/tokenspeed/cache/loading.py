@@ -17,7 +17,7 @@ from ..types import PageId, PageKey, SlotId
 from .checkpoints import CheckpointEntry
 from .config import CacheGeometry
 from .copy_engine import CopyEngine
-from .load import LoadHandle
+from .load_handle import LoadHandle
 from .stats import CacheCounters
 from .storage import DeviceStorage
 from .tiering import HitPlan

@@ -50,7 +50,7 @@ from .host_copy import to_device
 from .kda_slots import SINK_SLOT, LiveSlotManager
 from .keys import KeyBuffer, PageKeys, as_page_keys, key_at
 from .l2.base import HostCache
-from .load import LoadHandle
+from .load_handle import LoadHandle
 from .loading import Loader
 from .mla_pages import SINK_PAGE, MlaPageManager
 from .paths import CheckpointPaths

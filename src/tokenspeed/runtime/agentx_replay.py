@@ -1,6 +1,6 @@
 """Replay an AgentX-style workload through the real engine (`tokenspeed bench agentx`).
 
-Sessions come from `tokenspeed.sim.workload.AgentXWorkload`, scaled down so that the `tiny`
+Sessions come from `tokenspeed.workload.AgentXWorkload`, scaled down so that the `tiny`
 preset replays them on a CPU in seconds. A trace block id becomes `block_size` token ids drawn
 from a generator seeded by the id, so equal block ids are equal text (the shared prefixes hit);
 each turn's prompt is the session's history: earlier prompts, the outputs the engine actually
@@ -18,7 +18,7 @@ from collections import deque
 import attrs
 import numpy as np
 
-from tokenspeed.sim.workload import AgentXConfig, AgentXWorkload, Session
+from tokenspeed.workload import AgentXConfig, AgentXWorkload, Session
 
 from .engine import Engine
 from .sampling_params import SamplingParams

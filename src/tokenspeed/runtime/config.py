@@ -91,6 +91,9 @@ class EngineConfig:
         A row that crosses a page boundary inside a run keeps a copy of its KDA state until the
         run ends (at most one per row while decode_steps <= page_size). 1 (the default)
         returns after every token.
+    cpu_threads: torch's CPU threads for an engine on the CPU (process-wide). None: one thread
+        for a model under 100M parameters unless OMP_NUM_THREADS is set (small models lose to
+        thread overhead, and stall badly when another process holds a core), else torch's own.
     """
 
     device: str = "auto"
@@ -108,6 +111,7 @@ class EngineConfig:
     max_preemptions: int = field(default=8, validator=_non_negative)
     seed: int = field(default=0, validator=_integer)
     decode_steps: int = field(default=1, validator=_positive)
+    cpu_threads: int | None = field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.l2 not in ("local", "none"):

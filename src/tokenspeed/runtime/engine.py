@@ -24,11 +24,8 @@ import attrs
 import torch
 
 from tokenspeed.cache import (
-    CacheConfig,
-    CacheGeometry,
     CacheManager,
     CheckpointKind,
-    CheckpointPolicy,
     HostCache,
     KeyChain,
     LocalHostCache,
@@ -37,7 +34,9 @@ from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import AggregatedScheduler, Request, SchedulerConfig
 from tokenspeed.sched.cache_adapter import CacheManagerPort
 
-from .config import EngineConfig, EngineConfigError
+from .cache_sizing import plan_cache
+from .config import EngineConfig
+from .device import apply_cpu_threads, resolve_device
 from .metrics import EngineMetrics
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .runner import ModelRunner
@@ -86,71 +85,6 @@ class _Record:
         return self.prompt_ids + self.output_ids
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def cache_geometry(model: KimiForCausalLM, page_size: int) -> CacheGeometry:
-    cfg, dtype = model.config, model.lm_head.weight.dtype
-    if not cfg.mla_layers or not cfg.kda_layers:
-        # The cache keys prefixes by MLA pages and restores KDA state checkpoints: it is built
-        # for hybrid models (e.g. transformers' Kimi Linear layout cut to 4 layers has no MLA).
-        raise EngineConfigError(
-            "the engine serves hybrid models with at least one MLA and one KDA layer; this "
-            f"model has {len(cfg.mla_layers)} MLA and {len(cfg.kda_layers)} KDA layers"
-        )
-    return CacheGeometry.from_model_dims(
-        num_mla_layers=len(cfg.mla_layers),
-        kv_lora_rank=cfg.mla.kv_lora_rank,
-        qk_rope_head_dim=cfg.mla.qk_rope_head_dim,
-        num_kda_layers=len(cfg.kda_layers),
-        kda_num_heads=cfg.kda.num_heads,
-        kda_head_dim=cfg.kda.head_dim,
-        kda_conv_kernel=cfg.kda.conv_kernel,
-        page_size=page_size,
-        mla_dtype=dtype,
-        kda_conv_dtype=dtype,
-        layer_kinds=cfg.layer_kinds,
-    )
-
-
-def _free_memory_bytes(device: torch.device) -> int | None:
-    """Memory an allocation could take now on `device`, where it can be read: the GPU's free
-    memory, or Linux's MemAvailable (free plus reclaimable page cache) for the host."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as meminfo:
-                for line in meminfo:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
-    return None
-
-
-def _check_budget_fits(budget: int, device: torch.device, *, explicit: bool) -> None:
-    """Refuse a cache the device cannot hold before allocating it: past the free memory the
-    allocation fails deep in torch, or on a host the kernel kills the process for it."""
-    free = _free_memory_bytes(device)
-    if free is None or budget <= free:
-        return
-    gib = 1 << 30
-    fix = (
-        "lower cache_budget_bytes"
-        if explicit
-        else "lower max_model_len or max_num_seqs (the default cache holds 2 x max_num_seqs x "
-        "max_model_len tokens), or set cache_budget_bytes"
-    )
-    raise EngineConfigError(
-        f"the cache needs {budget / gib:.1f} GiB but the {device.type} device has "
-        f"{free / gib:.1f} GiB free: {fix}"
-    )
-
-
 class Engine:
     """One rank serving requests step by step: scheduler, two-tier cache, runner and sampler.
 
@@ -169,27 +103,11 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.model = model.to(self.device).eval()
+        apply_cpu_threads(config, self.model, self.device)
         if self.device.type == "cuda":
             self.model.overlap_shared_experts()
         self.tokenizer = tokenizer
-        geometry = cache_geometry(self.model, config.page_size)
-        checkpoints = config.checkpoint_slots
-        if config.cache_budget_bytes is None:
-            checkpoints = checkpoints or 4 * config.max_num_seqs
-        budget = config.cache_budget_bytes or CacheConfig.budget_for(
-            geometry,
-            pages=2 * config.max_num_seqs * config.max_pages_per_request,
-            live_requests=config.max_num_seqs,
-            checkpoints=checkpoints,
-        )
-        _check_budget_fits(budget, self.device, explicit=config.cache_budget_bytes is not None)
-        cache_config = CacheConfig(
-            device_budget_bytes=budget,
-            max_live_requests=config.max_num_seqs,
-            num_checkpoint_slots=checkpoints,
-            checkpoint_policy=CheckpointPolicy(interval_pages=config.checkpoint_interval_pages),
-            device=str(self.device),
-        )
+        cache_config, geometry = plan_cache(self.model, config, self.device)
         self._owns_l2 = l2 is None and config.l2 == "local"
         if self._owns_l2:
             l2 = LocalHostCache(capacity_bytes=config.l2_capacity_bytes)

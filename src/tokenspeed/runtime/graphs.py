@@ -52,7 +52,7 @@ class DecodeGraphs:
         if not config.mla_layers:
             return {}
         from tokenspeed.model.ops.mla.decode import decode_parallelism
-        from tokenspeed.sched.split_planner import SplitPlanBuffers, min_split_capacity
+        from tokenspeed.model.ops.mla.split_plan import SplitPlanBuffers, min_split_capacity
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.parallelism = decode_parallelism(sms, config.mla.num_heads, 1)
@@ -136,7 +136,7 @@ class DecodeGraphs:
         )
         plan = self.plans.get(size)
         if plan is not None:
-            from tokenspeed.sched.split_planner import plan_decode_splits
+            from tokenspeed.model.ops.mla.split_plan import plan_decode_splits
 
             lens = [p + 1 for p in prefix_lens] + [1] * (size - n)
             plan_decode_splits(

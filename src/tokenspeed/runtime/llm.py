@@ -20,7 +20,8 @@ from tokenspeed.model.init import init_random_weights
 from tokenspeed.model.loader import load_checkpoint
 
 from .config import EngineConfig
-from .engine import Engine, RequestError, resolve_device
+from .device import resolve_device
+from .engine import Engine, RequestError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer

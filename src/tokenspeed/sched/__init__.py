@@ -1,14 +1,9 @@
 """Scheduling: request lifecycle, prefill/decode batch formation, routing, P/D admission.
 
-Pure logic over integers (the split planner alone emits torch tensors, for CUDA graphs). The
-schedulers reach the cache only through `CachePort`; see docs/sched.md for how an engine drives
-them.
-
-The split planner's names (`plan_decode_splits`, `SplitPlan`, `SplitPlanBuffers`) load lazily from
-`tokenspeed.sched.split_planner`, so that importing the schedulers does not import torch.
+Pure logic over integers. The schedulers reach the cache only through `CachePort`; see
+docs/sched.md for how an engine drives them. (The MLA decode split planner, a kernel launch plan,
+lives with the MLA op: `tokenspeed.model.ops.mla.split_plan`.)
 """
-
-from typing import Any
 
 from tokenspeed.sched.aggregated import AggregatedScheduler
 from tokenspeed.sched.batch import (
@@ -45,22 +40,9 @@ __all__ = [
     "RouterConfig",
     "RoutingPolicy",
     "SchedulerConfig",
-    "SplitPlan",
-    "SplitPlanBuffers",
     "StepPlan",
     "TransferGate",
     "checkpoint_positions",
     "chunk_end",
     "pad_batch_size",
-    "plan_decode_splits",
 ]
-
-_LAZY = {"SplitPlan", "SplitPlanBuffers", "plan_decode_splits"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from tokenspeed.sched import split_planner
-
-        return getattr(split_planner, name)
-    raise AttributeError(f"module 'tokenspeed.sched' has no attribute {name!r}")

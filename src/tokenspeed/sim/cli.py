@@ -27,7 +27,7 @@ from tokenspeed.sim.cluster.config import (
 from tokenspeed.sim.cost import LinearCostModel, TableCostModel
 from tokenspeed.sim.plots import plot_hit_rate_over_time, plot_throughput_vs_interactivity
 from tokenspeed.sim.report import results_table, scenario_line
-from tokenspeed.sim.workload import (
+from tokenspeed.workload import (
     AgentXConfig,
     AgentXWorkload,
     Workload,

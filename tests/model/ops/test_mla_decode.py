@@ -27,7 +27,7 @@ from tokenspeed.model.ops.mla.decode import (
     quantize_fp8_rows,
 )
 from tokenspeed.model.ops.mla.reference import mla_decode_paged
-from tokenspeed.sched.split_planner import (
+from tokenspeed.model.ops.mla.split_plan import (
     SplitPlanBuffers,
     min_split_capacity,
     plan_decode_splits,

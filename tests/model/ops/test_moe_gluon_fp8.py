@@ -4,7 +4,7 @@ Gluon has no CPU interpreter, so the kernel tests need an sm_90 GPU; the shape c
 dispatch rule run everywhere. The Gluon kernel runs the same MMA shapes per 128-K step and the
 same promotion formula as the Triton kernel, so it is held to the Triton path within 1e-3
 relative RMS, and to the quantise-dequantise emulation within the FP8 tolerance of
-test_moe_grouped.
+test_moe_experts.
 """
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenspeed.model.ops.moe import grouped
+from tokenspeed.model.ops.moe import experts as moe_experts
 from tokenspeed.model.ops.moe.align import PairLayout
+from tokenspeed.model.ops.moe.experts import ExpertWeights, fused_experts
 from tokenspeed.model.ops.moe.fp8 import quantize_fp8_blocks
-from tokenspeed.model.ops.moe.grouped import ExpertWeights, fused_experts
 from tokenspeed.model.ops.norm import rms_norm
 
-from .test_moe_grouped import K3, fp8_reference, k3_problem, local_reference, make_glu, rel_rms
+from .test_moe_experts import K3, fp8_reference, k3_problem, local_reference, make_glu, rel_rms
 
 gluon_fp8 = pytest.importorskip("tokenspeed.model.ops.moe.gluon_fp8")
 hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
     reason="the Gluon kernel targets sm_90 (Hopper) only",
 )
-LARGE = grouped.default_config("fp8", 1e9)  # the large-batch entry: Gluon down GEMM on
+LARGE = moe_experts.default_config("fp8", 1e9)  # the large-batch entry: Gluon down GEMM on
 
 
 def _fp8(w1, w2, w3):
@@ -41,12 +41,12 @@ def _layout(block_m):
 def test_gluon_is_on_exactly_for_the_fp8_entries_with_block_m_64():
     for fmt in ("dense", "fp8", "mxfp4"):
         for rows in (1, 16, 64, 96, 1e9):
-            config = grouped.default_config(fmt, rows)
+            config = moe_experts.default_config(fmt, rows)
             assert config.gluon == (fmt == "fp8" and config.block_m == gluon_fp8.BM)
     assert LARGE.gluon
     # CPU tensors never take the Gluon kernel, whatever the config says.
     experts = _fp8(torch.randn(2, 256, 512), torch.randn(2, 512, 256), torch.randn(2, 256, 512))
-    assert not grouped._gluon_down(torch.zeros(1, 512), experts, LARGE, torch.bfloat16)
+    assert not moe_experts._gluon_down(torch.zeros(1, 512), experts, LARGE, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_gluon_matches_triton_fp8_and_emulation(activation):
     x, w1, w2, w3, ids, weights = k3_problem(4096, seed=11)
     experts = _fp8(w1, w2, w3)
     kw = dict(activation=activation, linear_beta=25.0 if activation == "situ" else None)
-    assert grouped._gluon_down(x, experts, LARGE, torch.bfloat16)
+    assert moe_experts._gluon_down(x, experts, LARGE, torch.bfloat16)
     got = fused_experts(x, weights, ids, experts, config=LARGE, **kw)
     triton_path = fused_experts(x, weights, ids, experts, config=LARGE._replace(gluon=False), **kw)
     assert rel_rms(got, triton_path) <= 1e-3

@@ -30,7 +30,7 @@ import tokenspeed
 ROOT = Path(__file__).resolve().parents[3]
 MODULES = tuple(
     f"tests.model.ops.{name}"
-    for name in ("test_moe_router", "test_moe_grouped", "test_mxfp4", "test_attn_res_fused")
+    for name in ("test_moe_gate", "test_moe_experts", "test_mxfp4", "test_attn_res_fused")
 )
 _MARK = "@@interpreter-results@@"
 

@@ -7,7 +7,7 @@ from tokenspeed.cache import CacheGeometry, CheckpointPolicy
 from tokenspeed.sched import SchedulerConfig
 from tokenspeed.sim.cluster import ClusterConfig
 from tokenspeed.sim.cost import LinearCostModel
-from tokenspeed.sim.workload import AgentXConfig, AgentXWorkload, LogNormal
+from tokenspeed.workload import AgentXConfig, AgentXWorkload, LogNormal
 
 PAGE = 16
 TOY = CacheGeometry(

@@ -23,7 +23,7 @@ from tokenspeed.cache import CheckpointPolicy
 from tokenspeed.sched import SchedulerConfig
 from tokenspeed.sim.cluster import L2Mode, Mode, build_simulator, ranks, simulate
 from tokenspeed.sim.cluster.pd_sim import PDSimulator
-from tokenspeed.sim.workload import AgentXWorkload
+from tokenspeed.workload import AgentXWorkload
 
 
 def random_scenario(seed: int):

@@ -3,7 +3,7 @@ import itertools
 from tokenspeed.cache import KeyChain
 from tokenspeed.cache.keys import keys_to_ints
 from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
-from tokenspeed.sim.workload import AgentXWorkload, Session, Turn
+from tokenspeed.workload import AgentXWorkload, Session, Turn
 
 
 def _fresh_keys(session: Session, turns: int, page: int = 64) -> list[list[int]]:

@@ -22,7 +22,7 @@ from tokenspeed.cache import CacheManager
 from tokenspeed.sched import AggregatedScheduler, DecodeScheduler, PrefillScheduler
 from tokenspeed.sim.cluster import ClusterConfig, LostRequestError, build_simulator, simulate
 from tokenspeed.sim.cluster.records import RequestRecord
-from tokenspeed.sim.workload import LogNormal, Session, Turn, Workload, load_mooncake_trace
+from tokenspeed.workload import LogNormal, Session, Turn, Workload, load_mooncake_trace
 
 
 def test_pd_run_finishes_every_request_with_real_caches():

@@ -55,8 +55,8 @@ class Experts(nn.Module):
         return self.w1, self.w2, self.w3
 
     def kernel_weights(self):
-        """`ops.moe.grouped.ExpertWeights` over these tensors (views, no copies)."""
-        from ..ops.moe.grouped import ExpertWeights
+        """`ops.moe.experts.ExpertWeights` over these tensors (views, no copies)."""
+        from ..ops.moe.experts import ExpertWeights
 
         return ExpertWeights(format="dense", w1=self.w1, w2=self.w2, w3=self.w3)
 
@@ -120,7 +120,7 @@ class Mxfp4Experts(nn.Module):
         )
 
     def kernel_weights(self):
-        from ..ops.moe.grouped import ExpertWeights
+        from ..ops.moe.experts import ExpertWeights
 
         return ExpertWeights(
             format="mxfp4",
@@ -197,7 +197,7 @@ class MoE(nn.Module):
     def _kernel_weights(self):
         """(router weight in its cheapest exact dtype, ExpertWeights) for the Triton path, made
         once per weight version (on the first eager step, before any graph capture)."""
-        from ..ops.moe.router import router_weight_for_kernel
+        from ..ops.moe.gate import router_weight_for_kernel
 
         e = self.experts
         tensors = (self.gate.weight, *e.kernel_tensors())

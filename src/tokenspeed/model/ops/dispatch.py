@@ -178,12 +178,12 @@ def fused_moe(x: torch.Tensor) -> bool:
 
 
 def route_fused(*args, **kwargs):
-    from .moe.router import route_fused as kernel
+    from .moe.gate import route_fused as kernel
 
     return kernel(*args, **kwargs)
 
 
 def fused_experts(*args, **kwargs):
-    from .moe.grouped import fused_experts as kernel
+    from .moe.experts import fused_experts as kernel
 
     return kernel(*args, **kwargs)

@@ -2,7 +2,7 @@
 `tokenspeed.sched` schedulers over real metadata-only `tokenspeed.cache` caches."""
 
 from tokenspeed.sim.cluster.config import ClusterConfig, L2Mode, Mode, k3_geometry
-from tokenspeed.sim.cluster.engine import LostRequestError, check_load
+from tokenspeed.sim.cluster.event_loop import LostRequestError, check_load
 from tokenspeed.sim.cluster.records import RequestRecord, Summary
 from tokenspeed.sim.cluster.simulate import SimResult, build_simulator, simulate
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from tokenspeed.sched import Request, RequestState, Router, RouterConfig
 from tokenspeed.sim.cluster.config import ClusterConfig
-from tokenspeed.sim.cluster.engine import EventLoop
+from tokenspeed.sim.cluster.event_loop import EventLoop
 from tokenspeed.sim.cluster.ranks import AggregatedRank, build_cache
 from tokenspeed.sim.cost import CostModel
-from tokenspeed.sim.workload import SessionSource
+from tokenspeed.workload import SessionSource
 
 
 class AggregatedSimulator(EventLoop):

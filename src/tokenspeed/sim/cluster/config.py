@@ -14,6 +14,7 @@ from tokenspeed.cache import (
     CheckpointPolicy,
     PoolSizes,
 )
+from tokenspeed.model.presets import get_preset
 from tokenspeed.sched import AdmissionPolicy, RoutingPolicy, SchedulerConfig
 
 GiB = 1 << 30
@@ -30,18 +31,10 @@ SESSION_BOOKKEEPING_BYTES = 64 << 10  # a session in flight: key chain, request 
 
 
 def k3_geometry(page_size: int = 64) -> CacheGeometry:
-    """Cache geometry of Kimi K3 (DESIGN.md section 2): 24 MLA layers with a 576-wide latent row,
-    69 KDA layers of 96 heads x 128 with a kernel-4 conv (about 449 MB of state per request)."""
-    return CacheGeometry.from_model_dims(
-        num_mla_layers=24,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        num_kda_layers=69,
-        kda_num_heads=96,
-        kda_head_dim=128,
-        kda_conv_kernel=4,
-        page_size=page_size,
-    )
+    """Cache geometry of Kimi K3 (the `kimi-k3` model preset), bf16 rows: 24 MLA layers with a
+    576-wide latent row, 69 KDA layers of 96 heads x 128 with a kernel-4 conv (about 449 MB of
+    state per request)."""
+    return CacheGeometry.from_model_config(get_preset("kimi-k3"), page_size=page_size)
 
 
 class Mode(enum.Enum):

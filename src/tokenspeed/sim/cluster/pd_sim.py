@@ -24,10 +24,10 @@ from tokenspeed.sched import (
     TransferGate,
 )
 from tokenspeed.sim.cluster.config import ClusterConfig
-from tokenspeed.sim.cluster.engine import EventLoop
+from tokenspeed.sim.cluster.event_loop import EventLoop
 from tokenspeed.sim.cluster.ranks import DecodeRank, PrefillRank, build_cache
 from tokenspeed.sim.cost import CostModel
-from tokenspeed.sim.workload import SessionSource
+from tokenspeed.workload import SessionSource
 
 
 class PDSimulator(EventLoop):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from tokenspeed.cache import KeyChain
 from tokenspeed.sched import Request
-from tokenspeed.sim.workload import Session, Turn
+from tokenspeed.workload import Session, Turn
 
 _STRIDE = 8  # remember chains every this many blocks
 

@@ -9,7 +9,7 @@ import attrs
 from tokenspeed.cache import CacheStats, L2Stats
 from tokenspeed.sim.cluster.agg_sim import AggregatedSimulator
 from tokenspeed.sim.cluster.config import ClusterConfig, Mode
-from tokenspeed.sim.cluster.engine import EventLoop, LostRequestError
+from tokenspeed.sim.cluster.event_loop import EventLoop, LostRequestError
 from tokenspeed.sim.cluster.pd_sim import PDSimulator
 from tokenspeed.sim.cluster.records import (
     RequestRecord,
@@ -18,7 +18,7 @@ from tokenspeed.sim.cluster.records import (
     summarize,
 )
 from tokenspeed.sim.cost import CostModel, LinearCostModel
-from tokenspeed.sim.workload import SessionSource
+from tokenspeed.workload import SessionSource
 
 
 @attrs.frozen(kw_only=True)

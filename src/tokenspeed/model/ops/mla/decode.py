@@ -37,7 +37,7 @@ Calls of exactly 32 query rows per request (Kimi Linear's 32 heads, one query) t
 rows to 64 (1.17x on the H200).
 
 Split plans: `splits` carries the planner's fixed-capacity metadata (`SplitPlanBuffers` of
-`tokenspeed.sched.split_planner`, passed in by the caller): per-request split counts derived
+`tokenspeed.model.ops.mla.split_plan`, passed in by the caller): per-request split counts derived
 from the batch's history lengths, so chunks are nearly equal. `uniform_splits=S` instead gives
 every request S splits computed in-kernel from context_lens (the classic fixed-split decode,
 kept as the baseline). FP8 (e4m3) caches carry a per-page [NP] or per-row [NP, P] fp32 scale;

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from tokenspeed.sim.workload import LogNormal
+from tokenspeed.workload import LogNormal
 
 
 def test_sample_int_never_goes_below_ceil_low():

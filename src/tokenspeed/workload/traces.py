@@ -33,7 +33,7 @@ from typing import Literal
 
 import attrs
 
-from tokenspeed.sim.workload.model import (
+from tokenspeed.workload.model import (
     Session,
     TraceIssue,
     Turn,

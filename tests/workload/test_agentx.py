@@ -2,7 +2,7 @@ import statistics
 
 import pytest
 
-from tokenspeed.sim.workload import AgentXConfig, AgentXWorkload, LogNormal
+from tokenspeed.workload import AgentXConfig, AgentXWorkload, LogNormal
 
 _GROUP_BASE = 1 << 32
 

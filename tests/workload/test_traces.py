@@ -6,7 +6,7 @@ import pytest
 
 from tokenspeed.cache.keys import key_at, keys_equal
 from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
-from tokenspeed.sim.workload import (
+from tokenspeed.workload import (
     AgentXConfig,
     AgentXWorkload,
     Session,
@@ -17,7 +17,7 @@ from tokenspeed.sim.workload import (
     load_mooncake_trace,
     write_aiperf_dataset,
 )
-from tokenspeed.sim.workload.traces import MAX_TOKENS
+from tokenspeed.workload.traces import MAX_TOKENS
 
 # The layout `aiperf synthesize agentic-code` writes (DESIGN.md section 7): a session's first row
 # has timestamp and group_id and the whole initial context; later rows have delay (ms after the

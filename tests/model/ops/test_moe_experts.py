@@ -17,17 +17,17 @@ import torch
 
 from tokenspeed.model.ops.activation import silu_glu, situ_glu
 from tokenspeed.model.ops.moe.align import align_pairs, count_pairs
+from tokenspeed.model.ops.moe.experts import (
+    ExpertWeights,
+    GemmTile,
+    MoeKernelConfig,
+    fused_experts,
+)
 from tokenspeed.model.ops.moe.fp8 import (
     dequantize_fp8_blocks,
     dequantize_fp8_rows,
     quantize_fp8_blocks,
     quantize_fp8_rows_reference,
-)
-from tokenspeed.model.ops.moe.grouped import (
-    ExpertWeights,
-    GemmTile,
-    MoeKernelConfig,
-    fused_experts,
 )
 from tokenspeed.model.ops.moe.mxfp4 import decode_mxfp4, quantize_mxfp4
 from tokenspeed.model.ops.moe.overlap import SideStream
@@ -125,7 +125,7 @@ def _case_fused_gate_up_views():
 
 def _case_router_pipeline():
     # route_fused's counts/ranks feed fused_experts directly (no count launch).
-    from tokenspeed.model.ops.moe.router import route_fused
+    from tokenspeed.model.ops.moe.gate import route_fused
 
     gen = torch.Generator().manual_seed(4)
     hidden = torch.randn(10, 16, generator=gen)

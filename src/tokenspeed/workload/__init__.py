@@ -1,9 +1,9 @@
 """Workloads for the simulator: an AgentX-style generator, aiperf / Mooncake trace loaders."""
 
-from tokenspeed.sim.workload.agentx import AgentXConfig, AgentXWorkload
-from tokenspeed.sim.workload.distributions import LogNormal
-from tokenspeed.sim.workload.model import Session, SessionSource, TraceIssue, Turn, Workload
-from tokenspeed.sim.workload.traces import (
+from tokenspeed.workload.agentx import AgentXConfig, AgentXWorkload
+from tokenspeed.workload.distributions import LogNormal
+from tokenspeed.workload.model import Session, SessionSource, TraceIssue, Turn, Workload
+from tokenspeed.workload.traces import (
     MAX_TOKENS,
     TraceError,
     load_aiperf_dataset,

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import attrs
 import numpy as np
 
-from tokenspeed.sim.workload.distributions import LogNormal
-from tokenspeed.sim.workload.model import Session, Turn, Workload
+from tokenspeed.workload.distributions import LogNormal
+from tokenspeed.workload.model import Session, Turn, Workload
 
 # Block-id namespaces (ids are 64-bit ints; equal ids mean equal content).
 _GROUP_BASE = 1 << 32

@@ -3,7 +3,7 @@
 aiperf is heavy (about 1.2 GB with its dependencies) and stays out of the default install: the test
 is marked slow and skips unless an `aiperf` executable is on PATH or named by $TOKENSPEED_AIPERF,
 e.g. `python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf==0.13.0` then
-`TOKENSPEED_AIPERF=/tmp/aiperf-venv/bin/aiperf pytest -m slow tests/sim/workload/`.
+`TOKENSPEED_AIPERF=/tmp/aiperf-venv/bin/aiperf pytest -m slow tests/workload/`.
 """
 
 import os
@@ -14,7 +14,7 @@ import pytest
 
 from tests.sim.cluster.helpers import assert_nothing_lost
 from tokenspeed.sim.cluster import ClusterConfig, simulate
-from tokenspeed.sim.workload import load_aiperf_dataset
+from tokenspeed.workload import load_aiperf_dataset
 
 
 def _aiperf() -> str | None:

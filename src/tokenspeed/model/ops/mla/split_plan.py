@@ -1,4 +1,4 @@
-"""MLA decode split planner (DESIGN.md section 4): a pure function from history lengths to a plan.
+"""MLA decode split planner: a pure function from history lengths to a kernel launch plan.
 
 Decode attention over long histories is split along the sequence ("split-KV"), each split computing
 a partial output with its log-sum-exp, merged afterwards. A fixed split count per request wastes
@@ -21,7 +21,14 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
-from tokenspeed.cache.host_copy import copy_into
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for a host `src`; on CUDA staged through pinned memory and issued without
+    waiting for the stream (a host preparing the next decode step must not stall on this one)."""
+    if dst.is_cuda and not src.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 @attrs.frozen
@@ -169,8 +176,8 @@ def plan_decode_splits(
     fields = (num_splits, indptr, rows, starts, lens, launch_order(lens))
     block = out.block()
     if block is not None:  # one copy (one pinned staging buffer) for the whole plan
-        copy_into(block, _int32(itertools.chain(*fields)))
+        _copy_into(block, _int32(itertools.chain(*fields)))
     else:
         for tensor, values in zip(attrs.astuple(out, recurse=False), fields, strict=True):
-            copy_into(tensor, _int32(values))
+            _copy_into(tensor, _int32(values))
     return SplitPlan(target_len=target, total_splits=slot, buffers=out)

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from tokenspeed.sim.workload import Turn
+from tokenspeed.workload import Turn
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from tokenspeed.sim.cluster.ranks import AggregatedRank, PrefillRank, build_host
 from tokenspeed.sim.cluster.records import RequestRecord
 from tokenspeed.sim.cluster.sessions import Conversation, PrefixChains
 from tokenspeed.sim.cost import CostModel, decode_run_ends
-from tokenspeed.sim.workload import Session, SessionSource
+from tokenspeed.workload import Session, SessionSource
 
 
 class LostRequestError(AssertionError):

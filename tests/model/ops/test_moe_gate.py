@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenspeed.model.ops.moe.gate import route_fused, router_weight_for_kernel
 from tokenspeed.model.ops.moe.reference import route
-from tokenspeed.model.ops.moe.router import route_fused, router_weight_for_kernel
 
 from .triton_interpreter import results_for
 

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenspeed.sched.split_planner import (
+from tokenspeed.model.ops.mla.split_plan import (
     SplitPlanBuffers,
     launch_order,
     min_split_capacity,
