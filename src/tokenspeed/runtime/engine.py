@@ -139,7 +139,9 @@ class Engine:
                 config.max_pages_per_request,
                 capture=config.enable_cuda_graph,
             )
-        self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.sampler = Sampler(
+            seed=config.seed, device=self.device, eos_token_ids=model.config.eos_token_ids
+        )
         self.metrics = EngineMetrics()
         self._records: dict[Hashable, _Record] = {}
         # KDA states at positions inside a step (prefill cuts, decode page crossings) that the
@@ -210,7 +212,7 @@ class Engine:
             metrics=RequestMetrics(arrival_time=now),
         )
         # Nothing is kept of a request that cannot be queued.
-        self.sampler.register(request_id, params)
+        self.sampler.register(request_id, params, ids)
         try:
             self.scheduler.add(sched)
         except BaseException:

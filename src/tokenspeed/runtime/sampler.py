@@ -47,12 +47,20 @@ class Sampler:
     is batched with; other requests share the sampler's generator.
     """
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        eos_token_ids: Sequence[int] = (),
+    ):
         self.device = torch.device(device)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._request_generators: dict[object, torch.Generator] = {}
 
-    def register(self, request_id: object, params: SamplingParams) -> None:
+    def register(
+        self, request_id: object, params: SamplingParams, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
             self._request_generators[request_id] = gen
