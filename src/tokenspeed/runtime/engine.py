@@ -34,7 +34,7 @@ from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import AggregatedScheduler, Request, SchedulerConfig
 from tokenspeed.sched.cache_adapter import CacheManagerPort
 
-from .cache_sizing import plan_cache
+from .cache_sizing import fit_config, plan_cache
 from .config import EngineConfig
 from .device import apply_cpu_threads, resolve_device
 from .metrics import EngineMetrics
@@ -100,7 +100,7 @@ class Engine:
         config: EngineConfig | None = None,
         l2: HostCache | None = None,
     ):
-        self.config = config = config or EngineConfig()
+        self.config = config = fit_config(config or EngineConfig(), model)
         self.device = resolve_device(config.device)
         self.model = model.to(self.device).eval()
         apply_cpu_threads(config, self.model, self.device)
