@@ -154,9 +154,9 @@ def test_a_match_is_reused_only_while_neither_tier_changed():
     keys = KeyChain(P).append_tokens(token_stream(3, 33))
     _turn(a, "w", keys[:4], 17, checkpoints=[16])
     m = b.match(keys, 33)
-    assert m.num_tokens == 16 and b._usable_match(m, keys, 33) is m
+    assert m.num_tokens == 16 and b._index.usable(m, keys, 33) is m
     _turn(a, "x", keys, 33, checkpoints=[32])  # another rank publishes a deeper prefix
-    assert b._usable_match(m, keys, 33).num_tokens == 32
+    assert b._index.usable(m, keys, 33).num_tokens == 32
 
 
 def test_a_history_published_turn_by_turn_from_two_ranks_is_stored_once():

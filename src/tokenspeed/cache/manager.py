@@ -15,7 +15,7 @@ Under the facade: one manager per state type (`MlaPageManager`, `LiveSlotManager
 `CheckpointManager`) over `SlotPool`s, the device tensors (`DeviceStorage`, absent in
 metadata-only mode), and an optional host tier (`HostCache`) that may be shared by several
 managers. The hybrid rule (a prefix is reusable only up to a KDA checkpoint that MLA pages fully
-cover) lives in `match`; fetching the L2 part of a hit lives in `tiering.py`.
+cover) lives in `prefix_index.py`; fetching the L2 part of a hit lives in `tiering.py`.
 """
 
 from __future__ import annotations
@@ -48,21 +48,18 @@ from .errors import (
 from .handles import PrefixMatch, RequestCache
 from .host_copy import to_device
 from .kda_slots import SINK_SLOT, LiveSlotManager
-from .keys import KeyBuffer, PageKeys, as_page_keys, key_at
+from .keys import KeyBuffer, PageKeys, as_page_keys
 from .l2.base import HostCache
 from .load_handle import LoadHandle
 from .loading import Loader
 from .mla_pages import SINK_PAGE, MlaPageManager
 from .paths import CheckpointPaths
+from .prefix_index import NO_SOURCES, PrefixIndex
 from .stats import CacheCounters, CacheStats, Occupancy
 from .storage import DeviceStorage
 from .tiering import Tiering
 
 logger = logging.getLogger("tokenspeed.cache")
-
-
-_NO_SOURCES = np.zeros(0, dtype=np.int64)
-_NO_SOURCES.flags.writeable = False
 
 
 def _is_count(value: object) -> bool:
@@ -133,6 +130,15 @@ class CacheManager:
         )
         self._requests: dict[RequestId, RequestCache] = {}
         self._token = object()  # identifies this manager's handles and matches
+        self._index = PrefixIndex(
+            self._pages,
+            self._ckpts,
+            self._tiering,
+            page_size=self.page_size,
+            enabled=config.prefix_caching,
+            has_l2=l2 is not None,
+            owner=self._token,
+        )
 
     # ------------------------------------------------------------------------------ queries
     @property
@@ -166,14 +172,6 @@ class CacheManager:
     def get(self, request_id: RequestId) -> RequestCache | None:
         return self._requests.get(request_id)
 
-    def _epoch(self) -> tuple[int, int, int | None] | None:
-        """What a match depends on: the L1 page and checkpoint indexes and the host tier's
-        presence. None when the host tier cannot tell whether it changed (never reused)."""
-        l2 = self._tiering.l2_version()
-        if l2 is None and self._l2 is not None:
-            return None
-        return (self._pages.version, self._ckpts.version, l2)
-
     def match(
         self, page_keys: PageKeys | KeyBuffer | Sequence[PageKey], prompt_tokens: int
     ) -> PrefixMatch:
@@ -183,42 +181,7 @@ class CacheManager:
         prompt_tokens: the prompt length; the hit is at most the last page boundary before it,
             so at least one token is left to compute.
         """
-        if not _is_count(prompt_tokens) or prompt_tokens < 1:
-            raise InvalidRequestError(f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
-        P = self.page_size
-        page_keys = as_page_keys(page_keys)
-        limit = min(len(page_keys), (prompt_tokens - 1) // P)
-        keys = page_keys[:limit]
-        scope = (limit, key_at(keys, limit - 1) if limit else None)
-        if limit <= 0 or not self.config.prefix_caching:
-            return PrefixMatch(
-                num_tokens=0,
-                l1_tokens=0,
-                l2_tokens=0,
-                checkpoint_tier=None,
-                mla_covered_tokens=0,
-                epoch=self._epoch(),
-                owner=self._token,
-                scope=scope,
-                sources=_NO_SOURCES,
-            )
-        pids = self._pages.lookup_ids(keys)
-        covered = self._tiering.coverage(keys, pids)
-        best, tier = self._tiering.deepest_checkpoint(keys, covered)
-        hit = best + 1
-        sources = pids[:hit]
-        from_l2 = int(np.count_nonzero(sources < 0))
-        return PrefixMatch(
-            num_tokens=hit * P,
-            l1_tokens=(hit - from_l2) * P,
-            l2_tokens=from_l2 * P,
-            checkpoint_tier=tier,
-            mla_covered_tokens=covered * P,
-            epoch=self._epoch(),
-            owner=self._token,
-            scope=scope,
-            sources=sources,
-        )
+        return self._index.match(page_keys, prompt_tokens)
 
     def can_allocate(
         self,
@@ -230,27 +193,13 @@ class CacheManager:
     ) -> bool:
         """Whether `allocate` with these arguments would find room now (L2 reads may still
         shrink the hit, which only needs more pages if the hit exceeded the reservation)."""
-        m = self._usable_match(match, as_page_keys(page_keys), prompt_tokens)
+        m = self._index.usable(match, as_page_keys(page_keys), prompt_tokens)
         reserve = prompt_tokens if reserve_tokens is None else reserve_tokens
         total = max(_ceil_div(reserve, self.page_size), m.num_tokens // self.page_size)
         if total > self._pages.capacity or self._live.num_free == 0:
             return False
         l1 = _l1_pages(m.sources)
         return total - len(l1) <= self._pages.room_besides(l1)
-
-    def _usable_match(
-        self, match: PrefixMatch | None, page_keys: PageKeys, prompt_tokens: int
-    ) -> PrefixMatch:
-        if (
-            match is not None
-            and match.owner is self._token
-            and match.epoch is not None
-            and match.epoch == self._epoch()
-        ):
-            limit = min(len(page_keys), (prompt_tokens - 1) // self.page_size)
-            if match.scope == (limit, key_at(page_keys, limit - 1) if limit > 0 else None):
-                return match
-        return self.match(page_keys, prompt_tokens)
 
     # ---------------------------------------------------------------------------- lifecycle
     def allocate(
@@ -296,7 +245,7 @@ class CacheManager:
             raise CacheFullError(f"no live KDA slot free for request {request_id!r}")
         keys = KeyBuffer.over(as_page_keys(page_keys))  # the handle's; copied if it grows
         arr = keys.array
-        m = self._usable_match(match, arr, prompt_tokens)
+        m = self._index.usable(match, arr, prompt_tokens)
         plan = self._tiering.fetch(arr, m)  # L2 reads happen here; nothing changed yet
         hit = plan.hit_pages
         total = max(_ceil_div(reserve, P), hit)
@@ -321,7 +270,7 @@ class CacheManager:
             if source_ckpt is not None:
                 self._ckpts.unpin(source_ckpt)
             raise
-        slot, l2_pids, promoted = None, _NO_SOURCES, None
+        slot, l2_pids, promoted = None, NO_SOURCES, None
         try:
             slot = self._live.acquire(request_id)
 
