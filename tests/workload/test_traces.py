@@ -19,7 +19,7 @@ from tokenspeed.workload import (
 )
 from tokenspeed.workload.traces import MAX_TOKENS
 
-# The layout `aiperf synthesize agentic-code` writes (DESIGN.md section 7): a session's first row
+# The layout `aiperf synthesize agentic-code` writes: a session's first row
 # has timestamp and group_id and the whole initial context; later rows have delay (ms after the
 # previous answer) and only the turn's new tokens.
 AIPERF_ROWS = [

@@ -1,7 +1,7 @@
 """Where a prefill chunk may end and which prefix lengths get a KDA checkpoint (pure functions).
 
 A prefix is reusable only up to a length with both MLA pages and a KDA state snapshot (the hybrid
-prefix rule, DESIGN.md section 3). So a chunk that the token budget cuts short ends on a checkpoint
+prefix rule, docs/design.md). So a chunk that the token budget cuts short ends on a checkpoint
 boundary (a multiple of the checkpoint interval) when one fits, else on a page boundary: the state
 at a chunk end is the live state, free to snapshot, and an arbitrary cut would leave a prefix that
 no later turn could reuse. Only a request's final chunk ends off the page grid, at its prompt end.

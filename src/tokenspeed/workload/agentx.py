@@ -1,4 +1,4 @@
-"""AgentX-style agentic workload generator (defaults: aiperf 0.13 agentic-code, DESIGN.md 7).
+"""AgentX-style agentic workload generator (defaults: aiperf 0.13 agentic-code).
 
 A session is one coding agent's conversation. Its first turn carries the initial context: a
 prefix shared by every session (system prompt and tools), a prefix shared within one of
@@ -90,7 +90,8 @@ def _token_count(instance: object, attribute: attrs.Attribute, value: object) ->
         )
 
 
-# aiperf 0.13 agentic-code defaults (DESIGN.md section 7); subagents are this module's own.
+# aiperf 0.13 agentic-code defaults (read from the manifest it writes); subagents are this
+# module's own.
 _SESSION_CONTEXT = LogNormal(10_000, 5_000)
 _NEW_TOKENS = LogNormal(3_500, 1_800)
 _OUTPUT_TOKENS = LogNormal(500, 300)

@@ -4,8 +4,8 @@ Both are JSON lines with `input_length`, `output_length` and `hash_ids` (one id 
 block; equal ids mean equal content). Rows that carry a `session_id` form multi-turn sessions, in
 file order: a session's first row may give `timestamp` (ms) and `group_id`; every later row gives
 `delay` (ms after the previous turn's response ended) and covers only the turn's NEW tokens, the
-prompt being the conversation so far plus these (DESIGN.md section 7; aiperf `synthesize
-agentic-code` writes exactly this). Rows without a `session_id` are single-turn sessions whose
+prompt being the conversation so far plus these (aiperf `synthesize agentic-code`
+writes exactly this). Rows without a `session_id` are single-turn sessions whose
 `hash_ids` describe the whole prompt (the original Mooncake trace).
 
 Blocks are rendered as aiperf renders them: every id is a full block except the last, which holds
