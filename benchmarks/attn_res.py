@@ -35,7 +35,11 @@ import triton
 import triton.testing
 
 from fla_tuning import autotuner, fastest
-from tokenspeed.model.ops.attn_res.fused import attn_res_mix_norm, mix_norm_reference
+from tokenspeed.model.ops.attn_res.fused import (
+    AttnResTuning,
+    attn_res_mix_norm,
+    mix_norm_reference,
+)
 
 HIDDEN = 7168
 EPS = 1e-6
@@ -181,9 +185,9 @@ def main() -> int:
                     EPS,
                     norm_w,
                     EPS,
-                    num_warps=warps,
-                    block_entries=block_entries,
-                    stages=stages,
+                    tuning=AttnResTuning(
+                        num_warps=warps, block_entries=block_entries, stages=stages
+                    ),
                 )
 
             def fla_update(scratch=scratch, delta=delta):

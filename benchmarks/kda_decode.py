@@ -5,12 +5,12 @@ SiLU + q/k L2 norm + gate + beta sigmoid + recurrence, state read and written in
 slot indices) is >= 1.3x faster than fla-core's decode path for the same work at >= 36
 requests, and moves the state at >= 80% of the measured device copy bandwidth at 128 requests.
 
-Three variants of ours, all timed (see the module docstring of `ops/kda/decode.py`):
-"split" (default: prep kernel -> fp32 records -> V-blocked recurrence, PDL-chained), "onepass"
-(the V-blocked recurrence with the prep folded in, atomic counter per head) and "fused" (the
-first design, one program per head). The split and onepass buffers (scratch, counters) are
-allocated once, as a CUDA-graph runner would; one extra line times onepass with its counters
-allocated (zeroed) per call, which is what the layer does today.
+Three variants of ours, all timed (see `ops/kda/decode.py` and kda_decode_variants.py here):
+"split" (`kda_decode`, the default: prep kernel -> fp32 records -> V-blocked recurrence,
+PDL-chained), "onepass" (the V-blocked recurrence with the prep folded in, atomic counter per
+head) and "fused" (the first design, one program per head). The split and onepass buffers
+(scratch, counters) are allocated once, as a CUDA-graph runner would; one extra line times
+onepass with its counters allocated (zeroed) per call.
 
 Baseline, same inputs, same process: fla's `causal_conv1d_update` (SiLU) over the stacked q|k|v
 channels (dense conv cache), the q/k/v split made contiguous (fla's recurrent kernel needs it),
@@ -28,8 +28,8 @@ fla, state bandwidth as % of copy), the split breakdown (prep alone, recurrence 
 times), verify-4 vs four single steps per variant, the (block_v, num_warps) sweep at 128
 requests per variant (for split also the recurrence alone; plus onepass with its counters
 zeroed per call), the best config per variant, and the two targets for each variant at its
-default config. To change the default, set `variant=` in `kda_decode` (and DEFAULT here) or
-`default_config` from these tables.
+default config. Config knobs reach the kernels through `KdaDecodeTuning`; to change a default,
+change the tuning's defaults or `default_config` from these tables.
 
     PYTHONPATH=src python benchmarks/kda_decode.py [--out docs/perf/kda_decode.md]
 """
@@ -45,12 +45,12 @@ import triton
 
 from cuda_timing import time_eager, time_graph
 from fla_tuning import autotuner, fastest, pinned
+from kda_decode_variants import VARIANTS, default_config, kda_decode_variant
 from tokenspeed.model.ops.conv import causal_conv
 from tokenspeed.model.ops.kda import kda_gate, kda_recurrent
 from tokenspeed.model.ops.kda.decode import (
-    VARIANTS,
+    KdaDecodeTuning,
     decode_scratch,
-    default_config,
     kda_decode,
     kda_decode_stages,
 )
@@ -126,7 +126,10 @@ def buffers(inp, variant: str, per_call: bool = False) -> dict[str, torch.Tensor
 
 def ours(inp, gate, variant=DEFAULT, per_call=False, **kw):
     extra = buffers(inp, variant, per_call)
-    return lambda: kda_decode(**inp, gate=gate, lower_bound=-5.0, variant=variant, **extra, **kw)
+    tuning = KdaDecodeTuning(**kw)
+    return lambda: kda_decode_variant(
+        **inp, gate=gate, lower_bound=-5.0, variant=variant, **extra, tuning=tuning
+    )
 
 
 def split_stages(inp, gate, **kw):
@@ -136,7 +139,7 @@ def split_stages(inp, gate, **kw):
     extra = buffers(inp, "split")
     extra["counters"].fill_(1 << 30)
     prep, recurrence = kda_decode_stages(
-        **inp, gate=gate, lower_bound=-5.0, variant="split", **extra, **kw
+        **inp, gate=gate, lower_bound=-5.0, **extra, tuning=KdaDecodeTuning(**kw)
     )
     return prep, recurrence
 
@@ -238,9 +241,8 @@ def check(gate: str, variants: list[str]) -> dict[str, list[str]]:
             inp = make_inputs(8, steps, seed=steps)
             o_ref, s_ref = reference(inp, gate)
             try:
-                o = kda_decode(
-                    **inp, gate=gate, variant=variant, block_v=block_v, num_warps=num_warps, **kw
-                )
+                tuning = KdaDecodeTuning(block_v=block_v, num_warps=num_warps, **kw)
+                o = kda_decode_variant(**inp, gate=gate, variant=variant, tuning=tuning)
             except Exception as exc:  # a config that does not compile here is a failure too
                 failures[variant].append(
                     f"{variant} bv={block_v} warps={num_warps} {kw}: {exc!r:.200}"

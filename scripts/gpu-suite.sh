@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (see ../shared/GPU.md): the GPU tests and the benchmarks, logs under
-# $OUT (default ./out). Usage: bash scripts/gpu-suite.sh STAGE... with stages:
+# The GPU test and benchmark suite, run from a checkout on a CUDA machine: the GPU-marked tests
+# and the benchmarks, logs under $OUT (default ./out). Usage: bash scripts/gpu-suite.sh STAGE...
+# with stages:
 #   tests-kda tests-mla tests-moe tests-runtime tests-engine-gpu tests-cache tests-all
 #   bench-kda bench-mla bench-moe bench-attnres decode-step offline parity
-#   probe-mla-forms (96 heads: the padded 64-row Gluon programs alone or beside the transposed
-#     32-row one; the e4m3 path)
-#   decode-step-ab (op knobs inside the decode step: KDA state and AttnRes bank cache hints)
 # STAGE_TIMEOUT=SECONDS bounds each stage: the stage's own process is killed at the limit (a
 # `timeout` around this whole script would kill only the shell and leave the stage's python
 # running on the GPU beside whatever runs next).
@@ -13,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-out}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="src:benchmarks:scripts:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="src:benchmarks:${PYTHONPATH:-}"
 status=0
 run() {  # run NAME CMD...: log to $out/NAME.log, remember failures, keep going
     local name=$1
@@ -55,12 +53,6 @@ for stage in "$@"; do
         offline) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
             run offline python3 benchmarks/offline.py --out "$out/offline.md" ;;
         parity) run parity python3 benchmarks/kimi_linear_parity.py --out "$out/parity.md" ;;
-        probe-mla-forms)
-            run probe-mla-forms python3 scripts/mla_kernel_probe.py --verify 4 --configs \
-                "G,64,64,8,2 GT,64,64,8,2 GTS,64,64,8,2"
-            run probe-mla-fp8 python3 scripts/mla_kernel_probe.py --fp8 --configs "W,64,32,8,2" ;;
-        decode-step-ab) run decode-step-ab python3 scripts/decode_step_ab.py \
-            --out "$out/decode_step_ab.md" ;;
         *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

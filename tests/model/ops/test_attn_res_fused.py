@@ -8,10 +8,12 @@ strided bank views, with and without the partial-sum update. GPU: K3 hidden 7168
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
 from tokenspeed.model.ops.attn_res.fused import (
+    AttnResTuning,
     attn_res_mix_norm,
     default_launch,
     mix_norm_reference,
@@ -66,9 +68,9 @@ def check(
         1e-5,
         delta=delta,
         accumulate=accumulate,
-        block_entries=block_entries,
-        stages=stages,
-        bank_eviction=bank_eviction,
+        tuning=AttnResTuning(
+            block_entries=block_entries, stages=stages, bank_eviction=bank_eviction
+        ),
     )
     assert got.dtype == dtype and got.shape == (tokens, dim)
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
@@ -205,12 +207,58 @@ def test_rejects_bad_banks():
         attn_res_mix_norm(torch.zeros(17, 3, 8), w, w, 1e-6, w, 1e-6)
     with pytest.raises(ValueError, match="delta"):
         attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, delta=torch.zeros(3, 4))
-    with pytest.raises(ValueError, match="block_entries"):
-        attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, block_entries=3)
-    with pytest.raises(ValueError, match="stages"):
-        attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, block_entries=1, stages=1)
-    with pytest.raises(ValueError, match="bank_eviction"):
-        attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, bank_eviction="evict_normal")
+    with pytest.raises(TypeError, match="AttnResTuning"):
+        attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, tuning={"num_warps": 4})
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_entries", 3),
+        ("block_entries", -2),
+        ("num_warps", 6),
+        ("stages", 1),
+        ("stages", -1),
+        ("bank_eviction", "evict_normal"),
+    ],
+    ids=str,
+)
+def test_tuning_rejects_bad_knobs_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        AttnResTuning(**{field: value})
+
+
+def test_tuning_defaults_are_the_measured_ones():
+    """By bank size (`default_launch`, pinned below) and evict-first bank loads."""
+    assert AttnResTuning() == AttnResTuning(
+        block_entries=None, num_warps=None, stages=None, bank_eviction="evict_first"
+    )
+    assert len(attrs.fields(AttnResTuning)) == 4  # a new knob needs its default pinned here
+    assert AttnResTuning().resolve(8, 7168, 16384) == default_launch(8, 7168, 16384)
+    # Given knobs win; stages default to the register prefetch once block_entries is given.
+    assert AttnResTuning(block_entries=2, num_warps=2).resolve(8, 7168, 16384) == (2, 2, 0)
+    assert AttnResTuning(stages=3).resolve(8, 7168, 16384) == (1, 4, 3)
+    assert AttnResTuning(block_entries=0, stages=3).resolve(8, 7168, 16384) == (0, 4, 0)
+
+
+def test_tuning_reaches_the_launch(monkeypatch):
+    from tokenspeed.model.ops.attn_res import fused
+
+    seen = {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(kw)
+
+    monkeypatch.setattr(fused, "_mix_norm_kernel", Spy())
+    bank, w = torch.zeros(5, 3, 8), torch.ones(8)
+    tuning = AttnResTuning(block_entries=2, num_warps=2, stages=3, bank_eviction="evict_last")
+    attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6, tuning=tuning)
+    assert (seen["BL"], seen["num_warps"], seen["STAGES"]) == (2, 2, 3)
+    assert seen["EVICT_BANK"] == "evict_last"
+    attn_res_mix_norm(bank, w, w, 1e-6, w, 1e-6)
+    assert (seen["BL"], seen["num_warps"], seen["STAGES"]) == (*default_launch(5, 8, 3)[:2], 0)
+    assert seen["EVICT_BANK"] == "evict_first"
 
 
 def test_default_launch_by_bank_size():

@@ -1,12 +1,12 @@
-"""KDA decode / verify kernels (both variants: "split" prep + recurrence, the default, and the
-one-launch "fused") vs the torch references (conv, l2_norm, kda_gate, kda_recurrent) composed
-exactly as the KDA layer composes them.
+"""KDA decode / verify kernels (prep + recurrence) vs the torch references (conv, l2_norm,
+kda_gate, kda_recurrent) composed exactly as the KDA layer composes them; their tuning knobs.
 
 CPU: every case runs the Triton kernels under TRITON_INTERPRET=1 in one subprocess (the
 interpreter must be on before the kernel module is imported, and other test modules in this
-process may already have imported it compiled), at tiny shapes, for both variants. GPU (marked
+process may already have imported it compiled), at tiny shapes. GPU (marked
 `gpu`): K3 shapes (H=96, K=V=128), bf16 activations, fp32 state, 1-4 tokens, both gate forms,
-ragged slots, sink-slot padding, step states, CUDA graphs with PDL, both variants.
+ragged slots, sink-slot padding, step states, CUDA graphs with PDL.
+The comparison forms (onepass, fused) live in benchmarks/kda_decode_variants.py.
 
 Run as a script (`python test_kda_decode.py CASE...`) it prints the error report of each case as
 JSON; that is what the interpreter subprocess does.
@@ -15,18 +15,17 @@ JSON; that is what the interpreter subprocess does.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
+import attrs
 import pytest
 import torch
 
 from tokenspeed.model.ops.conv import causal_conv
+from tokenspeed.model.ops.interpret import interpreting
 from tokenspeed.model.ops.kda import kda_gate, kda_recurrent
 from tokenspeed.model.ops.kda.decode import (
-    PREP_WARPS,
-    STATE_EVICTION,
-    VARIANTS,
+    KdaDecodeTuning,
     decode_scratch,
     default_config,
     kda_decode,
@@ -43,7 +42,8 @@ FP32_TOL = 2e-5
 OUT_REL = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 # GPU (K3 shapes): fp32 state after up to 4 tokens, approximate exp/sigmoid/sqrt on the device.
 GPU_STATE_TOL = 1e-4
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = interpreting()
+KNOBS = {a.name for a in attrs.fields(KdaDecodeTuning)}
 
 
 def make_inputs(
@@ -128,11 +128,17 @@ def reference(inp, gate, lower_bound=-5.0, rows=None, scale=None):
     return o, conv_pool, state_pool
 
 
+def decode(**kw):
+    """`kda_decode` with its tuning knobs given loose: they go into a `KdaDecodeTuning`."""
+    knobs = {k: kw.pop(k) for k in list(kw) if k in KNOBS}
+    return kda_decode(**kw, tuning=KdaDecodeTuning(**knobs) if knobs else None)
+
+
 def run_kernel(inp, **kw):
     """The kernel on copies of the pools: (o, conv pool, state pool)."""
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     args = {**inp, "conv_state": conv, "recurrent_state": state}
-    o = kda_decode(**args, **kw)
+    o = decode(**args, **kw)
     return o, conv, state
 
 
@@ -161,19 +167,19 @@ def compare(inp, gate, rows=None, **kw):
     }
 
 
-def case_sequential(device="cpu", variant="split", options=None, **dims):
+def case_sequential(device="cpu", options=None, **dims):
     """Four one-token steps give what one four-token verify step gives (options: more
     `kda_decode` arguments for both)."""
     options = options or {}
     inp = make_inputs(steps=4, seed=11, device=device, **dims)
-    o4, conv4, state4 = run_kernel(inp, gate="lower_bound", variant=variant, **options)
+    o4, conv4, state4 = run_kernel(inp, gate="lower_bound", **options)
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     outs = []
     for t in range(4):
         step = {**inp, "conv_state": conv, "recurrent_state": state}
         for name in ("qkv", "f", "beta"):
             step[name] = inp[name][:, t : t + 1]
-        outs.append(kda_decode(**step, gate="lower_bound", variant=variant, **options))
+        outs.append(decode(**step, gate="lower_bound", **options))
     # Both sides are rounded to the output dtype: allow one ulp between them.
     o1, o4 = torch.cat(outs, 1).float().cpu(), o4.float().cpu()
     excess = (o1 - o4).abs() - 2 * OUT_REL[inp["qkv"].dtype] * o4.abs()
@@ -184,7 +190,7 @@ def case_sequential(device="cpu", variant="split", options=None, **dims):
     }
 
 
-def case_rollback(device="cpu", variant="split", options=None, **dims):
+def case_rollback(device="cpu", options=None, **dims):
     """Verify 4 tokens keeping step states, accept 1, 3 and 4 of them, roll back: the pools equal
     those of a step over only the accepted tokens (options: more `kda_decode` arguments)."""
     inp = make_inputs(steps=4, seed=12, device=device, **dims)
@@ -192,12 +198,11 @@ def case_rollback(device="cpu", variant="split", options=None, **dims):
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
     step_states = state.new_empty(batch, 4, heads, k_dim, v_dim)
     step_conv = conv.new_empty(batch, 4, *conv.shape[1:])
-    kda_decode(
+    decode(
         **{**inp, "conv_state": conv, "recurrent_state": state},
         gate="softplus",
         step_states=step_states,
         step_conv=step_conv,
-        variant=variant,
         **(options or {}),
     )
     accepted = torch.tensor([1, 3, 4], device=device)
@@ -217,7 +222,7 @@ def case_rollback(device="cpu", variant="split", options=None, **dims):
 
 
 def case_given_scratch(steps=3):
-    """Split variant with a caller-owned scratch filled with NaN beforehand and reused for two
+    """A caller-owned scratch filled with NaN beforehand and reused for two
     consecutive steps: nothing unwritten is read (the padding words stay NaN), and the second
     step continues from the first."""
     inp = make_inputs(steps=steps * 2, seed=14)
@@ -228,7 +233,7 @@ def case_given_scratch(steps=3):
         part = {**inp, "conv_state": conv, "recurrent_state": state}
         for name in ("qkv", "f", "beta"):
             part[name] = inp[name][:, half * steps : (half + 1) * steps]
-        outs.append(kda_decode(**part, gate="softplus", scratch=scratch, variant="split"))
+        outs.append(kda_decode(**part, gate="softplus", scratch=scratch))
     o_ref, conv_ref, state_ref = reference(inp, "softplus")
     slots = inp["slots"].long()
     return {
@@ -240,7 +245,7 @@ def case_given_scratch(steps=3):
 
 
 def case_stages(overlap_prep=True):
-    """The split variant's two launches run one by one (kda_decode_stages) == kda_decode.
+    """The two launches run one by one (kda_decode_stages) == kda_decode.
     Waiting on the ready counters, the prep sets them to V // BV and the recurrence's programs
     count them back to 0; with the grid wait neither kernel touches them."""
     inp = make_inputs(steps=2, seed=15)
@@ -256,10 +261,8 @@ def case_stages(overlap_prep=True):
         **mine,
         gate="lower_bound",
         out=out,
-        variant="split",
         counters=counters,
-        block_v=4,
-        overlap_prep=overlap_prep,
+        tuning=KdaDecodeTuning(block_v=4, overlap_prep=overlap_prep),
     )
     assert len(stages) == 2
     stages[0]()
@@ -274,10 +277,10 @@ def case_stages(overlap_prep=True):
     }
 
 
-def case_given_counters(variant="onepass"):
-    """Onepass (arrival counters) or split (ready counters) with several V blocks per head and
-    a caller-owned counter buffer, two consecutive steps (the second with a different block
-    count): correct, and the counters are back to zero after each launch."""
+def case_given_counters():
+    """Ready counters with several V blocks per head and a caller-owned counter buffer, two
+    consecutive steps (the second with a different block count): correct, and the counters are
+    back to zero after each launch."""
     inp = make_inputs(steps=4, seed=17)
     counters = torch.zeros(3, 2, dtype=torch.int32)
     conv, state = inp["conv_state"].clone(), inp["recurrent_state"].clone()
@@ -286,11 +289,7 @@ def case_given_counters(variant="onepass"):
         part = {**inp, "conv_state": conv, "recurrent_state": state}
         for name in ("qkv", "f", "beta"):
             part[name] = inp[name][:, 2 * half : 2 * half + 2]
-        outs.append(
-            kda_decode(
-                **part, gate="lower_bound", variant=variant, counters=counters, block_v=block_v
-            )
-        )
+        outs.append(decode(**part, gate="lower_bound", counters=counters, block_v=block_v))
         zero &= bool((counters == 0).all())
     o_ref, conv_ref, state_ref = reference(inp, "lower_bound")
     slots = inp["slots"].long()
@@ -302,11 +301,11 @@ def case_given_counters(variant="onepass"):
     }
 
 
-def variant_cases(variant):
-    """The interpreter cases of one variant, by name. The split and onepass variants run the
-    lower-bound cases with two V blocks per head (the default config is one block at V=16)."""
-    v = {"variant": variant}
-    blocks = {} if variant == "fused" else {"block_v": 8}
+def default_cases():
+    """The interpreter cases of the default knobs, by name. The lower-bound cases run with two
+    V blocks per head (the default config is one block at V=16)."""
+    v = {}
+    blocks = {"block_v": 8}
     cases = {
         **{
             f"{gate}-T{steps}": lambda gate=gate, steps=steps: compare(
@@ -318,8 +317,7 @@ def variant_cases(variant):
             for gate, all_steps in (("softplus", (1, 2, 4)), ("lower_bound", (1, 3, 4)))
             for steps in all_steps
         },
-        # Several V blocks per head: the fused kernel reuses the q/k window across blocks, the
-        # others run a program per block (onepass: the last of them rewrites the q/k window).
+        # Several V blocks per head: a recurrence program per block.
         "v-blocks-T3": lambda: compare(make_inputs(steps=3, seed=5), "lower_bound", block_v=8, **v),
         "v-blocks-softplus-T2": lambda: compare(
             make_inputs(steps=2, seed=6), "softplus", block_v=4, num_warps=2, **v
@@ -344,104 +342,67 @@ def variant_cases(variant):
             **v,
             **blocks,
         ),
-        "sequential": lambda: case_sequential(variant=variant, batch=2),
-        "rollback": lambda: case_rollback(variant=variant),
+        "sequential": lambda: case_sequential(batch=2),
+        "rollback": lambda: case_rollback(),
     }
-    # Keep the CPU run short: the default variant runs every case, the others a subset (the
-    # fused kernel is the previous default, covered in full before; the GPU tests run all three).
-    keep = {
-        "fused": (
-            "softplus-T1",
-            "lower_bound-T4",
-            "v-blocks-T3",
-            "bf16",
-            "sink-slot",
-            "sequential",
-            "rollback",
-        ),
-        "onepass": (
-            "softplus-T2",
-            "lower_bound-T1",
-            "lower_bound-T4",
-            "v-blocks-softplus-T2",
-            "v32-k16-w3",
-            "strided-rows",
-            "sink-slot",
-            "rollback",
-        ),
-    }
-    if variant in keep:
-        cases = {name: cases[name] for name in keep[variant]}
     return cases
 
 
 CPU_CASES = {
-    **{
-        f"{variant}:{name}": fn
-        for variant in VARIANTS
-        for name, fn in variant_cases(variant).items()
-    },
+    **{f"split:{name}": fn for name, fn in default_cases().items()},
     "split:given-scratch": case_given_scratch,
     "split:stages": case_stages,
     "split:stages-grid-wait": lambda: case_stages(overlap_prep=False),
     "split:one-warp-T2": lambda: compare(
-        make_inputs(steps=2, seed=16), "softplus", variant="split", block_v=16, num_warps=1
+        make_inputs(steps=2, seed=16), "softplus", block_v=16, num_warps=1
     ),
-    "onepass:given-counters": case_given_counters,
-    "split:given-counters": lambda: case_given_counters("split"),
+    "split:given-counters": case_given_counters,
     # The recurrence's two ways to wait for the prep, each where it is not the default.
     "split:ready-counters-T3": lambda: compare(
-        make_inputs(steps=3, seed=19), "lower_bound", variant="split", block_v=8, overlap_prep=True
+        make_inputs(steps=3, seed=19), "lower_bound", block_v=8, overlap_prep=True
     ),
     "split:grid-wait-T1": lambda: compare(
-        make_inputs(steps=1, seed=20), "softplus", variant="split", block_v=8, overlap_prep=False
+        make_inputs(steps=1, seed=20), "softplus", block_v=8, overlap_prep=False
     ),
     # The prep kernel doing the v conv too (the recurrence then reads v from the record): the
     # default for verify steps, here also at one token and with the ready counters.
     "split:v-in-prep-T1": lambda: compare(
         make_inputs(batch=2, steps=1, seed=30),
         "lower_bound",
-        variant="split",
         block_v=8,
         v_in_prep=True,
     ),
     "split:v-in-prep-T3": lambda: compare(
-        make_inputs(steps=3, seed=31), "softplus", variant="split", block_v=8, v_in_prep=True
+        make_inputs(steps=3, seed=31), "softplus", block_v=8, v_in_prep=True
     ),
     "split:v-in-prep-sink-slot": lambda: compare(
         make_inputs(batch=4, steps=1, slots=[0, 5, 0, 2], seed=32),
         "lower_bound",
         rows=[1, 3],
-        variant="split",
         block_v=8,
         v_in_prep=True,
     ),
     "split:v-in-prep-ready-counters-T2": lambda: compare(
         make_inputs(steps=2, seed=33),
         "lower_bound",
-        variant="split",
         block_v=8,
         v_in_prep=True,
         overlap_prep=True,
     ),
     "split:v-conv-in-recurrence-T2": lambda: compare(
-        make_inputs(steps=2, seed=34), "softplus", variant="split", block_v=8, v_in_prep=False
+        make_inputs(steps=2, seed=34), "softplus", block_v=8, v_in_prep=False
     ),
     "split:v-in-prep-sequential": lambda: case_sequential(batch=2, options={"v_in_prep": True}),
     "split:v-conv-in-recurrence-rollback": lambda: case_rollback(options={"v_in_prep": False}),
     # Cache eviction hints other than the defaults reach every kernel's loads and stores (the
     # interpreter ignores the hints themselves; the GPU probes time them).
-    **{
-        f"{variant}:eviction-hints": lambda variant=variant: compare(
-            make_inputs(steps=1, seed=35),
-            "lower_bound",
-            variant=variant,
-            block_v=8,
-            state_eviction=("evict_first", "evict_last"),
-            record_eviction="evict_last",
-        )
-        for variant in VARIANTS
-    },
+    "split:eviction-hints": lambda: compare(
+        make_inputs(steps=1, seed=35),
+        "lower_bound",
+        block_v=8,
+        state_eviction=("evict_first", "evict_last"),
+        record_eviction="evict_last",
+    ),
 }
 
 
@@ -473,24 +434,114 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="fp32"):
         kda_decode(**{**inp, "recurrent_state": inp["recurrent_state"].half()})
     with pytest.raises(ValueError, match="powers of two"):
-        kda_decode(**inp, block_v=6)
-    with pytest.raises(ValueError, match="variant"):
-        kda_decode(**inp, variant="chunked")
+        kda_decode(**inp, tuning=KdaDecodeTuning(block_v=32))  # wider than V = 16
     with pytest.raises(ValueError, match="scratch"):
         kda_decode(**inp, scratch=torch.empty(3, 3, 2, scratch_width(16)))
-    with pytest.raises(ValueError, match="state_eviction"):
-        kda_decode(**inp, state_eviction=("evict_last",))
-    with pytest.raises(ValueError, match="state_eviction"):
-        kda_decode(**inp, state_eviction=("evict_last", "evict_never"))
-    with pytest.raises(ValueError, match="record_eviction"):
-        kda_decode(**inp, record_eviction="keep")
+    with pytest.raises(TypeError, match="KdaDecodeTuning"):
+        kda_decode(**inp, tuning={"block_v": 8})
+    with pytest.raises(TypeError, match="block_v"):
+        kda_decode(**inp, block_v=8)  # knobs go through the tuning object only
+
+
+# Bad knobs, each refused by KdaDecodeTuning with the field's name in the message.
+BAD_KNOBS = [
+    ("block_v", 6),
+    ("block_v", 0),
+    ("num_warps", 3),
+    ("num_warps", 64),
+    ("prep_warps", 0),
+    ("overlap_prep", 1),
+    ("v_in_prep", "yes"),
+    ("state_eviction", ("evict_last",)),
+    ("state_eviction", ("evict_last", "evict_never")),
+    ("state_eviction", ["evict_last", ""]),
+    ("record_eviction", "keep"),
+    ("use_pdl", 0),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_KNOBS, ids=str)
+def test_tuning_rejects_bad_knobs_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        KdaDecodeTuning(**{field: value})
+
+
+def test_tuning_defaults_are_the_measured_ones():
+    """The documented measured defaults (docs/perf/kda.md): a change here is a retune, made on
+    purpose with its measurement, not by accident."""
+    assert KdaDecodeTuning() == KdaDecodeTuning(
+        block_v=None,
+        num_warps=None,
+        prep_warps=2,
+        overlap_prep=None,
+        v_in_prep=None,
+        state_eviction=("evict_last", ""),
+        record_eviction="",
+        use_pdl=None,
+    )
+    assert len(attrs.fields(KdaDecodeTuning)) == 8  # a new knob needs its default pinned here
+    # By shape at K3: 64-column V blocks, 4 warps; the ready counters and the v conv in the
+    # recurrence at one token, the grid wait and the v conv in the prep for verify steps.
+    one = KdaDecodeTuning().resolve(128, 128, 1)
+    assert (one.block_v, one.num_warps, one.overlap_prep, one.v_in_prep) == (64, 4, True, False)
+    four = KdaDecodeTuning().resolve(128, 128, 4)
+    assert (four.block_v, four.num_warps, four.overlap_prep, four.v_in_prep) == (64, 4, False, True)
+    # Given knobs are kept; small shapes clamp the defaults.
+    given = KdaDecodeTuning(block_v=16, num_warps=2, overlap_prep=False, v_in_prep=True)
+    assert given.resolve(128, 128, 1) == given
+    assert KdaDecodeTuning().resolve(16, 16, 1).block_v == 16
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        KdaDecodeTuning().block_v = 8
+
+
+def test_tuning_reaches_the_launches(monkeypatch):
+    """A non-default tuning changes the launch parameters of both kernels (checked on the
+    launches `kda_decode` makes, without running them)."""
+    from tokenspeed.model.ops.kda import decode as module
+
+    seen = {}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen[self.name] = (grid, kw)
+
+            return launch
+
+    monkeypatch.setattr(module, "_kda_prep_kernel", Spy("prep"))
+    monkeypatch.setattr(module, "_kda_recurrent_kernel", Spy("recurrence"))
+    inp = make_inputs(steps=1, v_dim=32)
+    tuning = KdaDecodeTuning(
+        block_v=8,
+        num_warps=2,
+        prep_warps=4,
+        overlap_prep=False,
+        v_in_prep=True,
+        state_eviction=("evict_first", "evict_last"),
+        record_eviction="evict_last",
+        use_pdl=False,
+    )
+    kda_decode(**inp, tuning=tuning, scratch=decode_scratch(3, 1, 2, 16, "cpu", 32, v_in_prep=True))
+    prep_grid, prep = seen["prep"]
+    rec_grid, rec = seen["recurrence"]
+    assert prep["num_warps"] == 4 and prep["EVICT_RECORD"] == "evict_last"
+    assert prep["RELEASE"] is False and prep["V_IN_PREP"] is True and prep["NV"] == 4
+    assert rec["num_warps"] == 2 and rec["BV"] == 8 and rec["OVERLAP"] is False
+    assert (rec["EVICT_LOAD"], rec["EVICT_STORE"]) == ("evict_first", "evict_last")
+    assert rec_grid == (3 * 2 * 32 // 8,) and prep_grid == (3 * 2,)
+    seen.clear()
+    kda_decode(**inp)  # the defaults: one 32-wide block, 1 warp, prep 2 warps, evict-last loads
+    assert seen["prep"][1]["num_warps"] == 2 and seen["prep"][1]["EVICT_RECORD"] == ""
+    assert seen["recurrence"][1]["BV"] == 32 and seen["recurrence"][1]["num_warps"] == 1
+    assert seen["recurrence"][1]["EVICT_LOAD"] == "evict_last"
+    assert seen["prep"][1]["RELEASE"] is True and seen["prep"][1]["V_IN_PREP"] is False
 
 
 def test_defaults_and_scratch_shape():
-    assert default_config(128, 128) == (64, 4)  # split is the default variant
-    # State tiles loaded evict-last, stored plainly: the fastest pair on the H200 (kda.md).
-    assert STATE_EVICTION == ("evict_last", "") and PREP_WARPS == 2
-    assert default_config(128, 128, "fused") == (128, 8)
+    assert default_config(128, 128) == (64, 4)
     assert scratch_width(128) % 32 == 0 and scratch_width(128) >= 3 * 128 + 2
     assert decode_scratch(2, 1, 4, 16, "cpu").shape == (2, 1, 4, scratch_width(16))
     # Verify steps keep the conv'd v in the record by default (v_in_prep): V more words.
@@ -516,20 +567,13 @@ def _gpu_check(report):
     assert report.get("others_untouched", True), report
 
 
-# Every gate form x 1-4 tokens for split (the default) and onepass; the fused kernel (the previous
-# default, verified in full on the H200 before) at its extremes only, to bound compile time.
-K3_CASES = [
-    (variant, gate, steps)
-    for variant in VARIANTS
-    for gate in ("softplus", "lower_bound")
-    for steps in (1, 2, 3, 4)
-    if variant != "fused" or (gate, steps) in (("softplus", 1), ("lower_bound", 4))
-]
+# Every gate form x 1-4 tokens.
+K3_CASES = [(gate, steps) for gate in ("softplus", "lower_bound") for steps in (1, 2, 3, 4)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,gate,steps", K3_CASES)
-def test_gpu_k3_matches_reference(variant, gate, steps):
+@pytest.mark.parametrize("gate,steps", K3_CASES)
+def test_gpu_k3_matches_reference(gate, steps):
     inp = make_inputs(
         batch=6,
         steps=steps,
@@ -540,28 +584,21 @@ def test_gpu_k3_matches_reference(variant, gate, steps):
         device="cuda",
         **K3,
     )
-    _gpu_check(compare(inp, gate, variant=variant))
+    _gpu_check(compare(inp, gate))
 
 
-# Every (block_v, num_warps) the benchmark sweeps, per variant.
-GPU_CONFIGS = {
-    "split": [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)],
-    "onepass": [(16, 2), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)],
-    "fused": [(128, 8), (64, 4), (32, 4)],
-}
+# Every (block_v, num_warps) the benchmark sweeps.
+GPU_CONFIGS = [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "variant,block_v,num_warps",
-    [(variant, *config) for variant, configs in GPU_CONFIGS.items() for config in configs],
-)
-def test_gpu_k3_every_config_matches_reference(variant, block_v, num_warps):
+@pytest.mark.parametrize("block_v,num_warps", GPU_CONFIGS)
+def test_gpu_k3_every_config_matches_reference(block_v, num_warps):
     inp = make_inputs(batch=5, steps=3, pool=9, dtype=torch.bfloat16, seed=21, device="cuda", **K3)
-    _gpu_check(compare(inp, "lower_bound", variant=variant, block_v=block_v, num_warps=num_warps))
+    _gpu_check(compare(inp, "lower_bound", block_v=block_v, num_warps=num_warps))
 
 
-# The split variant's v conv in the prep (the default for verify steps) or in the recurrence
+# The v conv in the prep (the default for verify steps) or in the recurrence
 # (the default at one token), each where it is not the default.
 PREP_OPTIONS = [{"v_in_prep": True}, {"v_in_prep": False}, {"v_in_prep": True, "prep_warps": 1}]
 
@@ -575,7 +612,7 @@ def test_gpu_k3_prep_options_match_reference(options, steps):
         batch=40, steps=steps, pool=40, slots=slots, dtype=torch.bfloat16, seed=23,
         device="cuda", **K3,
     )  # fmt: skip
-    _gpu_check(compare(inp, "lower_bound", rows=list(range(4, 40)), variant="split", **options))
+    _gpu_check(compare(inp, "lower_bound", rows=list(range(4, 40)), **options))
 
 
 @pytest.mark.gpu
@@ -587,37 +624,32 @@ def test_gpu_k3_prep_options_sequential_and_rollback(options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_gpu_k3_many_rows_with_sink_padding(variant):
+def test_gpu_k3_many_rows_with_sink_padding():
     slots = [0] * 8 + list(range(1, 57))  # 8 padding rows on sink slot 0, 56 real rows
     inp = make_inputs(
         batch=64, steps=1, pool=60, slots=slots, dtype=torch.bfloat16, seed=22, device="cuda", **K3
     )
-    _gpu_check(compare(inp, "lower_bound", rows=list(range(8, 64)), variant=variant))
+    _gpu_check(compare(inp, "lower_bound", rows=list(range(8, 64))))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_gpu_k3_sequential_and_rollback(variant):
+def test_gpu_k3_sequential_and_rollback():
     dims = dict(pool=5, slots=[3, 0, 4], dtype=torch.bfloat16, **K3)
-    seq = case_sequential(device="cuda", variant=variant, **dims)
+    seq = case_sequential(device="cuda", **dims)
     assert seq["out"] <= 1e-4 and seq["state"] <= GPU_STATE_TOL and seq["conv_exact"], seq
-    back = case_rollback(device="cuda", variant=variant, **dims)
+    back = case_rollback(device="cuda", **dims)
     assert back["state"] <= GPU_STATE_TOL and back["conv_exact"], back
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_gpu_cuda_graph_replay_with_pdl(variant):
+def test_gpu_cuda_graph_replay_with_pdl():
     """Captured with PDL on, replayed on new inputs: same as an eager call on the same inputs."""
     inp = make_inputs(batch=8, steps=2, pool=12, dtype=torch.bfloat16, seed=23, device="cuda", **K3)
     static = {k: v.clone() for k, v in inp.items()}
     out = torch.empty(8, 2, 96, 128, dtype=torch.bfloat16, device="cuda")
-    kw = dict(gate="lower_bound", out=out, use_pdl=True, variant=variant)
-    if variant == "split":
-        kw["scratch"] = decode_scratch(8, 2, 96, 128, "cuda", 128)
-    if variant in ("split", "onepass"):
-        kw["counters"] = torch.zeros(8, 96, dtype=torch.int32, device="cuda")
+    kw = dict(gate="lower_bound", out=out, tuning=KdaDecodeTuning(use_pdl=True))
+    kw["scratch"] = decode_scratch(8, 2, 96, 128, "cuda", 128)
+    kw["counters"] = torch.zeros(8, 96, dtype=torch.int32, device="cuda")
     kda_decode(**static, **kw)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -628,18 +660,16 @@ def test_gpu_cuda_graph_replay_with_pdl(variant):
     for k, v in fresh.items():
         static[k].copy_(v)
     graph.replay()
-    o, conv, state = run_kernel(fresh, gate="lower_bound", use_pdl=False, variant=variant)
+    o, conv, state = run_kernel(fresh, gate="lower_bound", use_pdl=False)
     torch.cuda.synchronize()
     assert torch.equal(out, o)
     assert torch.equal(static["conv_state"], conv)
     assert torch.equal(static["recurrent_state"], state)
-    if "counters" in kw:
-        assert not kw["counters"].any()
+    assert not kw["counters"].any()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_gpu_chained_pdl_steps_in_graph_equal_serial_steps(variant):
+def test_gpu_chained_pdl_steps_in_graph_equal_serial_steps():
     """Four one-token steps over 128 rows captured back to back with PDL (each step's state load
     overlaps the previous launch as far as PDL allows; the split recurrence even loads its state
     tile before its PDL wait), replayed: bit-identical to the same steps run without PDL."""
@@ -660,7 +690,7 @@ def test_gpu_chained_pdl_steps_in_graph_equal_serial_steps(variant):
             step = {**inp, **pools}
             for name in ("qkv", "f", "beta"):
                 step[name] = inp[name][:, t : t + 1]
-            kda_decode(**step, gate="lower_bound", out=out[t], use_pdl=use_pdl, variant=variant)
+            decode(**step, gate="lower_bound", out=out[t], use_pdl=use_pdl)
 
     def fresh():
         return {

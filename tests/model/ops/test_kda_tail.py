@@ -11,22 +11,23 @@ JSON; that is what the interpreter subprocess does.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 import torch
 
+from tokenspeed.model.ops.interpret import interpreting
 from tokenspeed.model.ops.kda.tail import (
     FP8_MAX,
     FP8_MIN_AMAX,
+    KdaTailTuning,
     fp8_quantize_rows,
     kda_output_tail,
 )
 from tokenspeed.model.ops.norm import gated_rms_norm
 
 EPS = 1e-5
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = interpreting()
 # Half an ulp of the output dtype relative to the value (the interpreter truncates to bf16
 # instead of rounding: a whole ulp there), plus fp32 slack relative to the largest value.
 HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -171,6 +172,33 @@ def test_gpu_k3_matches_reference(tokens, fp8):
         zero_rows=(0,) if fp8 and tokens > 1 else (),
     )
     _check(fp8_report(inp) if fp8 else out_report(inp))
+
+
+@pytest.mark.parametrize("field,value", [("num_warps", 3), ("num_warps", 64), ("use_pdl", 1)])
+def test_tuning_rejects_bad_knobs_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        KdaTailTuning(**{field: value})
+
+
+def test_tuning_defaults_and_launch(monkeypatch):
+    """Defaults: warps by shape (K3: 96 heads x 128 -> 16), PDL where supported; a given
+    tuning reaches the launch."""
+    from tokenspeed.model.ops.kda import tail
+
+    assert KdaTailTuning() == KdaTailTuning(num_warps=None, use_pdl=None)
+    assert KdaTailTuning().warps(96, 128) == 16 and KdaTailTuning().warps(3, 16) == 1
+    seen = {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(kw)
+
+    monkeypatch.setattr(tail, "_kda_tail_kernel", Spy())
+    inp = make_inputs()
+    kda_output_tail(**inp, eps=EPS, tuning=KdaTailTuning(num_warps=4, use_pdl=False))
+    assert seen["num_warps"] == 4 and seen["USE_PDL"] is False
+    kda_output_tail(**inp, eps=EPS)
+    assert seen["num_warps"] == 1 and seen["USE_PDL"] is False
 
 
 if __name__ == "__main__":

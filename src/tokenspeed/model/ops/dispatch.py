@@ -8,11 +8,11 @@ install without Triton, or a GPU without fla, still runs (on the references).
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 
 import torch
 
+from .interpret import interpreting
 from .moe import routed_experts as _routed_loop
 from .moe import routed_experts_dense as _routed_dense
 from .moe import routed_experts_grouped as _routed_grouped
@@ -22,15 +22,11 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def triton_kernels(x: torch.Tensor) -> bool:
     """Whether the Triton fast paths apply to tensors like x: CUDA tensors with Triton
-    installed, or any tensor under TRITON_INTERPRET=1 (how CPU tests run the whole model through
-    the kernels)."""
-    return (x.is_cuda or _interpreting()) and _has("triton")
+    installed, or any tensor under Triton's interpreter (`interpret.interpreting`; how CPU
+    tests run the whole model through the kernels)."""
+    return (x.is_cuda or interpreting()) and _has("triton")
 
 
 def fla_prefill(x: torch.Tensor) -> bool:

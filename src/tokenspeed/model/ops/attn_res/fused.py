@@ -21,16 +21,70 @@ traffic is N (+1 with delta) reads and 1 (+1) writes of a [T, D] row set.
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
 
-from ..moe._launch import EVICTION_POLICIES, is_interpreting
+from ..interpret import interpreting
+from ..moe._launch import EVICTION_POLICIES
 from ..norm import rms_norm
 from .reference import attn_res_mix
 
-# The completed entries are read once per call and not again until the next layer's call.
-BANK_EVICTION = "evict_first"
+
+def _optional_warps(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
+
+
+def _block_entries(instance, attribute, value) -> None:
+    if value is not None and not (
+        isinstance(value, int) and value >= 0 and not value & (value - 1)
+    ):
+        raise ValueError(f"{attribute.name} must be 0 or a power of two, got {value!r}")
+
+
+def _stages(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and (value == 0 or value >= 2)):
+        raise ValueError(f"{attribute.name} must be 0 or >= 2, got {value!r}")
+
+
+def _eviction(instance, attribute, value) -> None:
+    if value not in EVICTION_POLICIES:
+        raise ValueError(f"{attribute.name} {value!r} is not one of {EVICTION_POLICIES}")
+
+
+@attrs.frozen(kw_only=True)
+class AttnResTuning:
+    """The tuning knobs of `attn_res_mix_norm`; the defaults are the measured ones (None: by
+    bank size, `default_launch`, from the H200 sweep of benchmarks/attn_res.py). None of them
+    changes the result.
+
+    block_entries: entries per load (0: the unrolled form; a power of two: a loop over that
+    many per [block_entries, D] load); num_warps: the kernel's warps; stages (the loop form
+    only): 0 prefetches the next tile in registers, >= 2 lets Triton's pipeliner keep
+    stages - 1 tiles in flight through shared memory (None: `default_launch`'s when
+    block_entries is None too, else 0); bank_eviction: Triton's `eviction_policy` of the loads
+    of the completed entries ("" for none): evict-first, since they are read once per call and
+    not again until the next layer's call.
+    """
+
+    block_entries: int | None = attrs.field(default=None, validator=_block_entries)
+    num_warps: int | None = attrs.field(default=None, validator=_optional_warps)
+    stages: int | None = attrs.field(default=None, validator=_stages)
+    bank_eviction: str = attrs.field(default="evict_first", validator=_eviction)
+
+    def resolve(self, entries: int, dim: int, tokens: int) -> tuple[int, int, int]:
+        """(block_entries, num_warps, stages) of a launch over an [entries, tokens, dim] bank."""
+        auto_entries, auto_warps, auto_stages = default_launch(entries, dim, tokens)
+        block_entries, stages = self.block_entries, self.stages
+        if block_entries is None:
+            block_entries = auto_entries
+            stages = auto_stages if stages is None else stages
+        if stages is None or block_entries == 0:
+            stages = 0  # the register prefetch; the unrolled form has no loop to pipeline
+        num_warps = auto_warps if self.num_warps is None else self.num_warps
+        return block_entries, num_warps, stages
 
 
 @triton.jit
@@ -238,38 +292,22 @@ def attn_res_mix_norm(
     *,
     delta: torch.Tensor | None = None,
     accumulate: bool = True,
-    num_warps: int | None = None,
-    block_entries: int | None = None,
-    stages: int | None = None,
-    bank_eviction: str = BANK_EVICTION,
+    tuning: AttnResTuning | None = None,
 ) -> torch.Tensor:
     """Fused AttnRes mix + RMSNorm (+ in-place update of the partial entry bank[N-1]).
 
     bank: [N, T, D], 1 <= N <= 16, last dim contiguous (e.g. a view of a preallocated
     [blocks + 1, T, D] buffer); query: [D] or [1, D]; mix_weight, norm_weight: [D];
     delta: [T, D] or None. Returns the normalised mix [T, D] in bank's dtype.
-    block_entries: entries per load (0: the unrolled form; a power of two: a loop over that
-    many per [block_entries, D] load; None: `default_launch`). num_warps: None for the default.
-    stages (the loop form only): 0 prefetches the next tile in registers, >= 2 lets Triton's
-    pipeliner keep stages - 1 tiles in flight through shared memory; None for the default.
-    bank_eviction: Triton's `eviction_policy` for the loads of the completed entries ("" for
-    none, "evict_first", "evict_last").
-    Tuning knobs; the result is the same.
+    tuning: the launch knobs (`AttnResTuning`; None: the measured defaults); the result is
+    the same.
     """
     n, tokens, dim = bank.shape
-    auto_entries, auto_warps, auto_stages = default_launch(n, dim, tokens)
-    if block_entries is None:
-        block_entries = auto_entries
-        stages = auto_stages if stages is None else stages
-    if stages is None or block_entries == 0:
-        stages = 0  # the register prefetch; the unrolled form has no loop to pipeline
-    if stages < 0 or stages == 1:
-        raise ValueError(f"stages must be 0 or >= 2, got {stages}")
-    num_warps = auto_warps if num_warps is None else num_warps
-    if block_entries < 0 or block_entries & (block_entries - 1):
-        raise ValueError(f"block_entries must be 0 or a power of two, got {block_entries}")
-    if bank_eviction not in EVICTION_POLICIES:
-        raise ValueError(f"bank_eviction {bank_eviction!r} is not one of {EVICTION_POLICIES}")
+    if tuning is None:
+        tuning = AttnResTuning()
+    elif not isinstance(tuning, AttnResTuning):
+        raise TypeError(f"tuning must be an AttnResTuning, got {type(tuning).__name__}")
+    block_entries, num_warps, stages = tuning.resolve(n, dim, tokens)
     if not 1 <= n <= 16:
         raise ValueError(f"bank holds {n} entries; 1..16 supported")
     if bank.stride(2) != 1:
@@ -302,8 +340,8 @@ def attn_res_mix_norm(
         BD=triton.next_power_of_2(dim),
         BL=block_entries,
         STAGES=stages,
-        ONE_REDUCE=not is_interpreting(),
-        EVICT_BANK=bank_eviction,
+        ONE_REDUCE=not interpreting(),
+        EVICT_BANK=tuning.bank_eviction,
         num_warps=num_warps,
     )
     return out

@@ -9,9 +9,8 @@ Per request row b (slot s = slots[b]) and head h:
     with the fp32 state S = recurrent_state[s, h] read once and written back once.
 
 The step is bandwidth-bound: at K3 dims the fp32 state is 6 MiB per request per layer, read and
-written once; everything else is a few percent of that. Three implementations:
-
-"split" (default), two launches chained with programmatic dependent launch (PDL):
+written once; everything else is a few percent of that. Two launches chained with
+programmatic dependent launch (PDL):
   1. prep, one program per (row, head): the q/k conv update (the conv state of the head's q/k
      channels is read and rewritten by that program only, so exactly once), SiLU, the norms,
      the gate and beta; per token it writes one fp32 record of `scratch` [B, T, H, D]:
@@ -36,18 +35,10 @@ written once; everything else is a few percent of that. Three implementations:
      plain store is meant to leave the rewritten lines at normal priority, so that stale tiles
      do not crowd out later kernels' data. At one token the v conv is computed before the wait,
      since it reads nothing the prep writes.
-"onepass", one launch, one program per (row, head, V block): the recurrence above with the prep
-  folded in. Every V block of a head recomputes the head's q/k conv, norms and gate (a few KiB
-  from L2 next to its 16 KiB state tile) and the conv of its own v channels; the q/k windows are
-  rewritten by whichever program of the head reads them last, found with an atomic counter per
-  (row, head) (`counters`, zero before and after each launch). No scratch round trip and no
-  second launch, at the price of a longer program and the counter buffer.
-"fused", one launch, one program per (row, head): conv, norms, gate and recurrence in
-  registers, walking V in blocks (the first design; kept for comparison). It gives each head
-  one program because the q/k conv window of a head is read by every V block and must be
-  shifted in place afterwards, with no order between the programs of a grid; so each program
-  streams a whole 64 KiB head state serially, with few programs per SM (measured at ~37% of
-  copy bandwidth on the H200; the other two exist to fix that).
+
+Two single-launch forms measured against this one ("onepass": the prep folded into every V
+block's program; "fused": one program per head, the first design, at ~37% of copy bandwidth)
+live beside the benchmark that compares them (benchmarks/kda_decode_variants.py).
 
 Math and results are those of the torch references (`causal_conv_update`, `l2_norm`, `kda_gate`,
 `kda_recurrent`), computed in fp32 throughout (the references round the conv output to the
@@ -57,18 +48,13 @@ this module checks the arguments and launches them.
 
 from __future__ import annotations
 
-import os
-
+import attrs
 import torch
 import triton
 
+from ..interpret import interpreting
 from ..moe._launch import EVICTION_POLICIES
-from .decode_kernels import (
-    _kda_decode_kernel,
-    _kda_onepass_kernel,
-    _kda_prep_kernel,
-    _kda_recurrent_kernel,
-)
+from .decode_kernels import _kda_prep_kernel, _kda_recurrent_kernel
 
 GATE_FORMS = ("softplus", "lower_bound")
 
@@ -81,39 +67,92 @@ def check_gate_form(gate: str) -> None:
 
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Programmatic dependent launch: CUDA tensors on Hopper or later, never in the interpreter."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not t.is_cuda or interpreting():
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-VARIANTS = ("split", "onepass", "fused")
-PREP_WARPS = 2
-# (load, store) eviction policies of the state tiles: evict-last loads, plain stores measured
-# fastest (docs/perf/kda.md, "Cache eviction hints")
-STATE_EVICTION = ("evict_last", "")
-RECORD_EVICTION = ""  # of the split prep's record stores
+def _warps(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and 1 <= value <= 32 and _is_pow2(value)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
 
 
-def default_config(k_dim: int, v_dim: int, variant: str = "split") -> tuple[int, int]:
-    """(block_v, num_warps) of the state-streaming kernel.
+def _block(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and _is_pow2(value)):
+        raise ValueError(f"{attribute.name} must be a positive power of two, got {value!r}")
 
-    split / onepass: 64-column V blocks with 4 warps (a 32 KiB tile, 64 fp32 per thread): the
-    fastest of the H200 sweep at 128 requests (split: 465 us, 82% of copy bandwidth, vs 489 us /
-    77% for 32 x 4; docs/perf/kda.md). fused: the whole K x V tile of a head in one program
-    when it fits in registers (64 fp32 per thread at 128 x 128 with 8 warps), else 64-wide V
-    blocks."""
-    if variant in ("split", "onepass"):
-        block_v = min(v_dim, 64)
-        return block_v, max(1, min(4, k_dim * block_v // 1024))
-    block_v = v_dim if k_dim * v_dim <= 128 * 128 else min(v_dim, 64)
-    num_warps = max(1, min(8, k_dim * block_v // 2048))
-    return block_v, num_warps
+
+def _eviction_pair(instance, attribute, value) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2 and set(value) <= set(EVICTION_POLICIES)):
+        raise ValueError(
+            f"{attribute.name} {value!r} is not a (load, store) pair of {EVICTION_POLICIES}"
+        )
+
+
+def _eviction(instance, attribute, value) -> None:
+    if value not in EVICTION_POLICIES:
+        raise ValueError(f"{attribute.name} {value!r} is not one of {EVICTION_POLICIES}")
+
+
+def _optional_bool(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class KdaDecodeTuning:
+    """The tuning knobs of `kda_decode`; the defaults are the measured ones (H200,
+    docs/perf/kda.md). None means "by shape", resolved by `resolve`. None of them changes the
+    result.
+
+    block_v: V columns of the state tile per recurrence program (None: 64, at most V);
+    num_warps: the recurrence kernel's warps (None: 4, fewer for tiles under 4096 values);
+    prep_warps: the prep kernel's warps (2);
+    overlap_prep: the recurrence waits for its own (row, head)'s ready counter (True) or for the
+    whole prep grid (False); None: True at one token per row, False for verify steps;
+    v_in_prep: the prep also does the v conv and hands v over in the record; None: for verify
+    steps only (`resolve_v_in_prep`);
+    state_eviction: Triton `eviction_policy` of the state tiles' (load, store): evict-last
+    loads and plain stores ("" is no hint); record_eviction: that of the prep's record stores;
+    use_pdl: chain the two launches with programmatic dependent launch (None: `pdl_enabled`).
+    """
+
+    block_v: int | None = attrs.field(default=None, validator=_block)
+    num_warps: int | None = attrs.field(default=None, validator=_warps)
+    prep_warps: int = attrs.field(default=2, validator=_warps)
+    overlap_prep: bool | None = attrs.field(default=None, validator=_optional_bool)
+    v_in_prep: bool | None = attrs.field(default=None, validator=_optional_bool)
+    state_eviction: tuple[str, str] = attrs.field(
+        default=("evict_last", ""), validator=_eviction_pair
+    )
+    record_eviction: str = attrs.field(default="", validator=_eviction)
+    use_pdl: bool | None = attrs.field(default=None, validator=_optional_bool)
+
+    def resolve(self, k_dim: int, v_dim: int, steps: int) -> KdaDecodeTuning:
+        """These knobs with every by-shape default (all but use_pdl, which depends on the
+        device) filled in for K, V and T tokens per row: what `kda_decode` launches with."""
+        default_bv, default_warps = default_config(k_dim, v_dim)
+        return attrs.evolve(
+            self,
+            block_v=self.block_v or default_bv,
+            num_warps=self.num_warps or default_warps,
+            overlap_prep=steps == 1 if self.overlap_prep is None else self.overlap_prep,
+            v_in_prep=resolve_v_in_prep(self.v_in_prep, steps),
+        )
+
+
+def default_config(k_dim: int, v_dim: int) -> tuple[int, int]:
+    """(block_v, num_warps) of the recurrence kernel: 64-column V blocks with 4 warps (a 32 KiB
+    tile, 64 fp32 per thread): the fastest of the H200 sweep at 128 requests (465 us, 82% of
+    copy bandwidth, vs 489 us / 77% for 32 x 4; docs/perf/kda.md)."""
+    block_v = min(v_dim, 64)
+    return block_v, max(1, min(4, k_dim * block_v // 1024))
 
 
 def scratch_width(k_dim: int, v_dim: int | None = None) -> int:
-    """fp32 words per (row, token, head) record of the split variant's scratch: dq, k, exp(g)
-    [K each], beta, q.k, padded to whole 128-byte lines; with `v_dim` (`v_in_prep`) followed by
-    the conv'd v [V] at `_v_offset(k_dim)`."""
+    """fp32 words per (row, token, head) record of the scratch: dq, k, exp(g) [K each], beta,
+    q.k, padded to whole 128-byte lines; with `v_dim` (`v_in_prep`) followed by the conv'd v
+    [V] at `_v_offset(k_dim)`."""
     return _v_offset(k_dim) + (v_dim or 0)
 
 
@@ -139,7 +178,8 @@ def decode_scratch(
     v_in_prep: bool | None = None,
 ) -> torch.Tensor:
     """An uninitialised scratch for `kda_decode(..., scratch=...)`: [B, T, H, D] fp32, for the
-    same `v_in_prep` (None: the default, which needs `v_dim` when steps > 1)."""
+    same `v_in_prep` (`KdaDecodeTuning.v_in_prep`; None: the default, which needs `v_dim` when
+    steps > 1)."""
     if resolve_v_in_prep(v_in_prep, steps):
         if v_dim is None:
             raise ValueError("the prep kernel keeps v in the scratch here: pass v_dim")
@@ -159,45 +199,21 @@ def _is_buffer(t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) 
     return t.shape == shape and (dtype is None or t.dtype == dtype) and t.is_contiguous()
 
 
-def _plan(
+def check_inputs(
     qkv: torch.Tensor,
     f: torch.Tensor,
     beta: torch.Tensor,
     conv_weight: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
     conv_state: torch.Tensor,
     recurrent_state: torch.Tensor,
     slots: torch.Tensor,
-    *,
-    gate: str = "softplus",
-    lower_bound: float = -5.0,
-    scale: float | None = None,
-    out: torch.Tensor | None = None,
-    step_states: torch.Tensor | None = None,
-    step_conv: torch.Tensor | None = None,
-    variant: str = "split",
-    scratch: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    prep_warps: int = PREP_WARPS,
-    overlap_prep: bool | None = None,
-    v_in_prep: bool | None = None,
-    state_eviction: tuple[str, str] = STATE_EVICTION,
-    record_eviction: str = RECORD_EVICTION,
-    use_pdl: bool | None = None,
-) -> tuple[torch.Tensor, list]:
-    """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
-    check_gate_form(gate)
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown KDA decode variant {variant!r} ({', '.join(VARIANTS)})")
-    if len(state_eviction) != 2 or not set(state_eviction) <= set(EVICTION_POLICIES):
-        raise ValueError(
-            f"state_eviction {state_eviction!r} is not a (load, store) pair of {EVICTION_POLICIES}"
-        )
-    if record_eviction not in EVICTION_POLICIES:
-        raise ValueError(f"record_eviction {record_eviction!r} is not one of {EVICTION_POLICIES}")
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    step_states: torch.Tensor | None,
+    step_conv: torch.Tensor | None,
+) -> None:
+    """Validate the step's tensors as `kda_decode` documents them (shared with the comparison
+    forms in benchmarks/kda_decode_variants.py)."""
     batch, steps, channels = qkv.shape
     _, heads, k_dim, v_dim = recurrent_state.shape
     width = conv_weight.shape[1]
@@ -237,9 +253,44 @@ def _plan(
         raise ValueError(
             "step_states / step_conv must be contiguous [B, T, H, K, V] fp32 and [B, T, C, W-1]"
         )
-    default_bv, default_warps = default_config(k_dim, v_dim, variant)
-    block_v = block_v or default_bv
-    num_warps = num_warps or default_warps
+
+
+def _plan(
+    qkv: torch.Tensor,
+    f: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    gate: str = "softplus",
+    lower_bound: float = -5.0,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    step_states: torch.Tensor | None = None,
+    step_conv: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    tuning: KdaDecodeTuning | None = None,
+) -> tuple[torch.Tensor, list]:
+    """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
+    check_gate_form(gate)
+    if tuning is None:
+        tuning = KdaDecodeTuning()
+    elif not isinstance(tuning, KdaDecodeTuning):
+        raise TypeError(f"tuning must be a KdaDecodeTuning, got {type(tuning).__name__}")
+    check_inputs(
+        qkv, f, beta, conv_weight, conv_state, recurrent_state, slots, a_log, dt_bias,
+        step_states, step_conv,
+    )  # fmt: skip
+    batch, steps, _ = qkv.shape
+    _, heads, k_dim, v_dim = recurrent_state.shape
+    width = conv_weight.shape[1]
+    t = tuning.resolve(k_dim, v_dim, steps)
+    block_v = t.block_v
     if not (_is_pow2(k_dim) and _is_pow2(v_dim) and _is_pow2(block_v) and block_v <= v_dim):
         raise ValueError(
             f"K={k_dim}, V={v_dim}, block_v={block_v} must be powers of two, block_v <= V"
@@ -248,33 +299,23 @@ def _plan(
         out = qkv.new_empty(batch, steps, heads, v_dim)
     elif not _is_buffer(out, (batch, steps, heads, v_dim)):
         raise ValueError(f"out must be contiguous [{batch}, {steps}, {heads}, {v_dim}]")
-    v_in_prep = resolve_v_in_prep(v_in_prep, steps)
+    v_in_prep = t.v_in_prep
     record = scratch_width(k_dim, v_dim if v_in_prep else None)
-    if variant == "split":
-        if scratch is None:
-            scratch = decode_scratch(
-                batch, steps, heads, k_dim, qkv.device, v_dim, v_in_prep=v_in_prep
-            )
-        elif not _is_buffer(scratch, (batch, steps, heads, record), torch.float32):
-            raise ValueError(
-                f"scratch must be contiguous [{batch}, {steps}, {heads}, {record}] "
-                "fp32 (decode_scratch with v_dim and the same v_in_prep)"
-            )
-    # The split variant's ready counters and onepass's arrival counters: [B, H] int32, zero
-    # before and after each launch.
-    if variant == "split" or (variant == "onepass" and v_dim > block_v):
-        if counters is None:
-            counters = torch.zeros(batch, heads, dtype=torch.int32, device=qkv.device)
-        elif not _is_buffer(counters, (batch, heads), torch.int32):
-            raise ValueError(f"counters must be contiguous int32 [{batch}, {heads}] (zeros)")
-    elif variant == "onepass":
-        # One V block per head needs no counters, but Triton 3.6 types the unused atomic branch
-        # too and fails on a None pointer (seen on the H200): hand it a real int32 tensor.
-        counters = torch.zeros(1, dtype=torch.int32, device=qkv.device)
+    if scratch is None:
+        scratch = decode_scratch(batch, steps, heads, k_dim, qkv.device, v_dim, v_in_prep=v_in_prep)
+    elif not _is_buffer(scratch, (batch, steps, heads, record), torch.float32):
+        raise ValueError(
+            f"scratch must be contiguous [{batch}, {steps}, {heads}, {record}] "
+            "fp32 (decode_scratch with v_dim and the same v_in_prep)"
+        )
+    # The ready counters: [B, H] int32, zero before and after each launch.
+    if counters is None:
+        counters = torch.zeros(batch, heads, dtype=torch.int32, device=qkv.device)
+    elif not _is_buffer(counters, (batch, heads), torch.int32):
+        raise ValueError(f"counters must be contiguous int32 [{batch}, {heads}] (zeros)")
     if batch == 0:
         return out, []
-    if use_pdl is None:
-        use_pdl = pdl_enabled(qkv)
+    use_pdl = pdl_enabled(qkv) if t.use_pdl is None else t.use_pdl
     launch = {"launch_pdl": True} if use_pdl else {}
     scale = float(k_dim**-0.5 if scale is None else scale)
     common = dict(
@@ -284,15 +325,9 @@ def _plan(
         T=steps,
         W=width,
         WP=triton.next_power_of_2(width - 1 + steps),
-        LOWER_BOUND=gate == "lower_bound",
         STORE_STEPS=step_states is not None,
         USE_PDL=use_pdl,
     )
-    # the state kernels' only extra constexprs
-    evict = {"EVICT_LOAD": state_eviction[0], "EVICT_STORE": state_eviction[1]}
-    # The leading arguments of the prep and the single-launch kernels (the inputs of the step,
-    # the weights and the conv pool) and the row / token strides of the first three.
-    inputs = (qkv, f, beta, conv_weight, a_log, dt_bias, conv_state)
     strides = (
         qkv.stride(0),
         qkv.stride(1),
@@ -301,37 +336,16 @@ def _plan(
         beta.stride(0),
         beta.stride(1),
     )
-    if variant != "split":
-        # The single-launch variants take the same arguments but for onepass's counters: it runs
-        # a program per (row, head, V block), fused one per (row, head).
-        if variant == "onepass":
-            kernel, grid = _kda_onepass_kernel, (batch * heads * (v_dim // block_v),)
-            counter_args = (counters,)
-        else:
-            kernel, grid, counter_args = _kda_decode_kernel, (batch * heads,), ()
-        return out, [
-            lambda: kernel[grid](
-                *inputs,
-                recurrent_state,
-                slots,
-                out,
-                *counter_args,
-                step_states,
-                step_conv,
-                *strides,
-                scale,
-                float(lower_bound),
-                BV=block_v,
-                num_warps=num_warps,
-                **common,
-                **evict,
-                **launch,
-            )
-        ]
-    overlap = steps == 1 if overlap_prep is None else overlap_prep
+    overlap = t.overlap_prep
     return out, [
         lambda: _kda_prep_kernel[(batch * heads,)](
-            *inputs,
+            qkv,
+            f,
+            beta,
+            conv_weight,
+            a_log,
+            dt_bias,
+            conv_state,
             slots,
             scratch,
             counters,
@@ -344,8 +358,9 @@ def _plan(
             RELEASE=overlap,
             V_IN_PREP=v_in_prep,
             VOFF=_v_offset(k_dim),
-            EVICT_RECORD=record_eviction,
-            num_warps=prep_warps,
+            EVICT_RECORD=t.record_eviction,
+            LOWER_BOUND=gate == "lower_bound",
+            num_warps=t.prep_warps,
             **common,
             **launch,
         ),
@@ -367,9 +382,10 @@ def _plan(
             OVERLAP=overlap,
             V_IN_PREP=v_in_prep,
             VOFF=_v_offset(k_dim),
-            num_warps=num_warps,
-            **{k: v for k, v in common.items() if k != "LOWER_BOUND"},
-            **evict,
+            num_warps=t.num_warps,
+            EVICT_LOAD=t.state_eviction[0],
+            EVICT_STORE=t.state_eviction[1],
+            **common,
             **launch,
         ),
     ]
@@ -392,17 +408,9 @@ def kda_decode(
     out: torch.Tensor | None = None,
     step_states: torch.Tensor | None = None,
     step_conv: torch.Tensor | None = None,
-    variant: str = "split",
     scratch: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    prep_warps: int = PREP_WARPS,
-    overlap_prep: bool | None = None,
-    v_in_prep: bool | None = None,
-    state_eviction: tuple[str, str] = STATE_EVICTION,
-    record_eviction: str = RECORD_EVICTION,
-    use_pdl: bool | None = None,
+    tuning: KdaDecodeTuning | None = None,
 ) -> torch.Tensor:
     """One decode / verify step of a KDA layer for B rows of T new tokens each.
 
@@ -414,22 +422,11 @@ def kda_decode(
     contents then become garbage); gate: "softplus" or "lower_bound"; scale: q scale (K^-1/2).
     step_states [B, T, H, K, V] fp32 and step_conv [B, T, C, W-1] (both or neither): also keep
     the state after every token, for `kda_decode_rollback`.
-    variant: "split" (prep + recurrence launches, default), "onepass" or "fused" (one launch
-    each); see the module docstring. scratch: the split variant's [B, T, H, scratch_width(K, V)]
-    fp32 buffer (`decode_scratch`, contents irrelevant). counters: the split and onepass
-    variants' [B, H] int32 buffer, all zero (each launch leaves it zero again: allocate it once
-    with torch.zeros and reuse it). Either is allocated per call when None (fine inside CUDA
-    graph capture; for counters that adds a memset).
-    block_v / num_warps: the state kernel's config (default `default_config(K, V, variant)`);
-    prep_warps: the split variant's prep kernel warps; overlap_prep: its recurrence waits for
-    each (row, head)'s ready counter (True) or for the whole prep grid (False); None: True for
-    one token per row, False for verify steps (faster there, docs/perf/kda.md).
-    v_in_prep: the split prep kernel also does the v conv (v then comes to the recurrence in
-    the record: the scratch is `decode_scratch(..., v_dim=V, v_in_prep=...)`), so that the
-    recurrence touches no conv state; None: for verify steps only (`resolve_v_in_prep`).
-    state_eviction: the cache eviction policies (Triton's `eviction_policy`: "" for none,
-    "evict_first" or "evict_last") of the state tiles' loads and of their stores;
-    record_eviction: that of the split prep kernel's record stores.
+    scratch: the prep kernel's [B, T, H, scratch_width(K, V)] fp32 records (`decode_scratch`
+    with the same v_in_prep, contents irrelevant). counters: [B, H] int32, all zero (each
+    launch leaves it zero again: allocate it once with torch.zeros and reuse it). Either is
+    allocated per call when None (fine inside CUDA graph capture; for counters that adds a
+    memset). tuning: the launch knobs (`KdaDecodeTuning`; None: the measured defaults).
     Returns o: [B, T, H, V] in qkv's dtype (or `out`). Both pools are updated in place.
 
     Preconditions: the last dim of qkv, f and beta is contiguous (rows may be strided views);
@@ -452,17 +449,9 @@ def kda_decode(
         out=out,
         step_states=step_states,
         step_conv=step_conv,
-        variant=variant,
         scratch=scratch,
         counters=counters,
-        block_v=block_v,
-        num_warps=num_warps,
-        prep_warps=prep_warps,
-        overlap_prep=overlap_prep,
-        v_in_prep=v_in_prep,
-        state_eviction=state_eviction,
-        record_eviction=record_eviction,
-        use_pdl=use_pdl,
+        tuning=tuning,
     )
     for run in launches:
         run()
@@ -471,11 +460,10 @@ def kda_decode(
 
 def kda_decode_stages(*args, **kwargs) -> list:
     """The launches `kda_decode(*args, **kwargs)` would make, as callables, without making them:
-    [prep, recurrence] for the split variant, one launch for the others. For timing the stages
-    separately (benchmarks/kda_decode.py); each call of one repeats that launch. The split
-    recurrence with one token per row waits for the ready counters the prep sets (see
-    `kda_decode`'s `counters`): to run it without the prep, pass counters set to a large value
-    (each of its programs takes one off), else it waits forever."""
+    [prep, recurrence]. For timing the stages separately (benchmarks/kda_decode.py); each call
+    of one repeats that launch. The recurrence with one token per row waits for the ready
+    counters the prep sets (see `kda_decode`'s `counters`): to run it without the prep, pass
+    counters set to a large value (each of its programs takes one off), else it waits forever."""
     return _plan(*args, **kwargs)[1]
 
 

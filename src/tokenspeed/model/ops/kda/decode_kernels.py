@@ -1,8 +1,8 @@
 """Triton kernels of the KDA decode / verify step (`decode.kda_decode` launches them).
 
-`decode.py` describes the math and the three variants: the split variant's prep and recurrence
-kernels, the onepass kernel, and the first single-kernel design (`_kda_decode_kernel`, "fused").
-The shared pieces (conv windows and their stores, norms, the gate) come first.
+`decode.py` describes the math: the prep kernel and the V-blocked recurrence. The shared pieces
+(conv windows and their stores, norms, the gate) come first; benchmarks/kda_decode_variants.py
+builds its comparison kernels from them too.
 """
 
 from __future__ import annotations
@@ -29,19 +29,6 @@ def _conv_window(x_row, stride_t, conv_row, ch, cols, T: tl.constexpr, W: tl.con
         other=0.0,
     )
     return tl.where(from_state[None, :], old.to(tl.float32), new.to(tl.float32))
-
-
-@triton.jit
-def _conv_silu(window, w_ptr, ch, cols, t, W: tl.constexpr):
-    """SiLU(conv output of token t) for channels `ch`: [N]. Tap j multiplies window column t+j,
-    so tap W-1 meets the token's own input."""
-    tap = cols - t
-    valid = (tap >= 0) & (tap < W)
-    taps = tl.load(
-        w_ptr + ch[:, None] * W + tl.maximum(tap, 0)[None, :], mask=valid[None, :], other=0.0
-    )
-    y = tl.sum(window * taps.to(tl.float32), axis=1)
-    return y * tl.sigmoid(y)
 
 
 @triton.jit
@@ -128,18 +115,6 @@ def _store_qk_windows(conv_row, q_win, k_win, q_ch, k_ch, cols, first, W: tl.con
 
 
 @triton.jit
-def _update_qk_conv_state(
-    x_row, stride_t, conv_row, q_ch, k_ch, cols, T: tl.constexpr, W: tl.constexpr
-):
-    """Advance a head's q/k conv state past the T new tokens: load its windows, then store
-    their last W-1 columns in place."""
-    q_win, k_win = _qk_windows(x_row, stride_t, conv_row, q_ch, k_ch, cols, T, W)
-    # All lanes must have read the old window before any lane overwrites it.
-    tl.debug_barrier()
-    _store_qk_windows(conv_row, q_win, k_win, q_ch, k_ch, cols, T, W)
-
-
-@triton.jit
 def _load_record(rec, ok, K: tl.constexpr):
     """A token's prep record (see `_kda_prep_kernel`): exp(g) q [K], k [K], exp(g) [K], beta,
     q.k."""
@@ -164,140 +139,6 @@ def _store_step_windows(
     for t in tl.static_range(T):
         step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
         _store_window(step_conv, window, ch, cols, t + 1, W)
-
-
-@triton.jit
-def _store_step_qk_windows(
-    step_conv_ptr,
-    row,
-    q_win,
-    k_win,
-    q_ch,
-    k_ch,
-    cols,
-    C: tl.constexpr,
-    T: tl.constexpr,
-    W: tl.constexpr,
-):
-    """`_store_step_windows` of a head's q and k windows, interleaved: per token, q's then k's."""
-    for t in tl.static_range(T):
-        step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
-        _store_qk_windows(step_conv, q_win, k_win, q_ch, k_ch, cols, t + 1, W)
-
-
-@triton.jit
-def _kda_decode_kernel(
-    qkv_ptr,  # [B, T, C] pre-conv q|k|v, C = 2*H*K + H*V
-    f_ptr,  # [B, T, H*K] raw gate (before dt_bias)
-    beta_ptr,  # [B, T, H] raw beta (before sigmoid)
-    conv_w_ptr,  # [C, W]
-    a_log_ptr,  # [H]
-    dt_bias_ptr,  # [H*K]
-    conv_state_ptr,  # [S, C, W-1] pool, updated in place
-    state_ptr,  # [S, H, K, V] fp32 pool, updated in place
-    slots_ptr,  # [B]
-    out_ptr,  # [B, T, H, V]
-    step_state_ptr,  # [B, T, H, K, V] fp32 or None
-    step_conv_ptr,  # [B, T, C, W-1] or None
-    stride_qkv_b,
-    stride_qkv_t,
-    stride_f_b,
-    stride_f_t,
-    stride_beta_b,
-    stride_beta_t,
-    scale,
-    lower_bound,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    T: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,  # next power of two >= W - 1 + T
-    BV: tl.constexpr,
-    LOWER_BOUND: tl.constexpr,
-    STORE_STEPS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT_LOAD: tl.constexpr,  # cache eviction policy of the state tile's load
-    EVICT_STORE: tl.constexpr,  # ... and of its store
-):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // H
-    head = pid % H
-    C = 2 * H * K + H * V
-    ok = tl.arange(0, K)
-    cols = tl.arange(0, WP)
-    q_ch = head * K + ok
-    k_ch = H * K + head * K + ok
-
-    if USE_PDL:
-        # Everything below reads what the previous kernels wrote (projections, state pools).
-        # The next kernel may start launching now; it waits on its own gdc_wait for our results.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    x_row = qkv_ptr + row * stride_qkv_b
-    conv_row = conv_state_ptr + slot * C * (W - 1)
-    q_win, k_win = _qk_windows(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
-    a_log = tl.load(a_log_ptr + head).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + head * K + ok).to(tl.float32)
-    f_row = f_ptr + row * stride_f_b + head * K + ok
-    beta_row = beta_ptr + row * stride_beta_b + head
-    state_head = state_ptr + (slot * H + head) * K * V
-    out_row = out_ptr + (row * T * H + head) * V
-
-    # The first V block's state tile and v window; each iteration prefetches the next block's
-    # before computing its own, so a program always has a tile load in flight.
-    s = tl.load(
-        state_head + ok[:, None] * V + tl.arange(0, BV)[None, :], eviction_policy=EVICT_LOAD
-    )  # [K, BV] fp32, read once per step
-    v_win = _conv_window(
-        x_row, stride_qkv_t, conv_row, 2 * H * K + head * V + tl.arange(0, BV), cols, T, W
-    )
-    for v0 in range(0, V, BV):
-        ov = v0 + tl.arange(0, BV)
-        v_ch = 2 * H * K + head * V + ov
-        tile = ok[:, None] * V + ov[None, :]
-        if BV < V:
-            more = ov + BV < V
-            s_next = tl.load(
-                state_head + tile + BV, mask=more[None, :], other=0.0, eviction_policy=EVICT_LOAD
-            )
-            # past the last block: re-read the last window (cached) rather than run off the end
-            v_win_next = _conv_window(
-                x_row, stride_qkv_t, conv_row, tl.where(more, v_ch + BV, v_ch), cols, T, W
-            )
-        for t in tl.static_range(T):
-            # q/k/g of the token are recomputed per V block: cheap next to the state traffic,
-            # and they never leave registers.
-            q = _l2norm(_conv_silu(q_win, conv_w_ptr, q_ch, cols, t, W)) * scale
-            k = _l2norm(_conv_silu(k_win, conv_w_ptr, k_ch, cols, t, W))
-            v = _conv_silu(v_win, conv_w_ptr, v_ch, cols, t, W)
-            f = tl.load(f_row + t * stride_f_t).to(tl.float32)
-            g = _gate(f, a_log, dt_bias, lower_bound, LOWER_BOUND)
-            beta = tl.sigmoid(tl.load(beta_row + t * stride_beta_t).to(tl.float32))
-            s = s * tl.exp(g)[:, None]
-            delta = beta * (v - tl.sum(s * k[:, None], axis=0))
-            s = s + k[:, None] * delta[None, :]
-            o = tl.sum(s * q[:, None], axis=0)
-            tl.store(out_row + t * H * V + ov, o.to(out_ptr.dtype.element_ty))
-            if STORE_STEPS:
-                step = step_state_ptr + ((row * T + t) * H + head) * K * V
-                tl.store(step + tile, s)
-                step_conv = _step_conv_row(step_conv_ptr, row, t, C, T, W)
-                _store_window(step_conv, v_win, v_ch, cols, t + 1, W)
-        tl.store(state_head + tile, s, eviction_policy=EVICT_STORE)
-        # All lanes must have read the old window before any lane overwrites it.
-        tl.debug_barrier()
-        _store_window(conv_row, v_win, v_ch, cols, T, W)
-        if BV < V:
-            s = s_next
-            v_win = v_win_next
-
-    if STORE_STEPS:
-        _store_step_qk_windows(step_conv_ptr, row, q_win, k_win, q_ch, k_ch, cols, C, T, W)
-    tl.debug_barrier()
-    _store_qk_windows(conv_row, q_win, k_win, q_ch, k_ch, cols, T, W)
 
 
 @triton.jit
@@ -525,120 +366,3 @@ def _kda_recurrent_kernel(
         _store_window(conv_row, v_win, v_ch, cols, T, W)
         if OVERLAP:
             tl.store(state_tile, s, eviction_policy=EVICT_STORE)
-
-
-@triton.jit
-def _kda_onepass_kernel(
-    qkv_ptr,  # [B, T, C] pre-conv q|k|v, C = 2*H*K + H*V
-    f_ptr,  # [B, T, H*K] raw gate (before dt_bias)
-    beta_ptr,  # [B, T, H] raw beta (before sigmoid)
-    conv_w_ptr,  # [C, W]
-    a_log_ptr,  # [H]
-    dt_bias_ptr,  # [H*K]
-    conv_state_ptr,  # [S, C, W-1] pool, updated in place
-    state_ptr,  # [S, H, K, V] fp32 pool, updated in place
-    slots_ptr,  # [B]
-    out_ptr,  # [B, T, H, V]
-    counter_ptr,  # [B, H] int32, zero before and after the launch
-    step_state_ptr,  # [B, T, H, K, V] fp32 or None
-    step_conv_ptr,  # [B, T, C, W-1] or None
-    stride_qkv_b,
-    stride_qkv_t,
-    stride_f_b,
-    stride_f_t,
-    stride_beta_b,
-    stride_beta_t,
-    scale,
-    lower_bound,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    T: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,  # next power of two >= W - 1 + T
-    BV: tl.constexpr,
-    LOWER_BOUND: tl.constexpr,
-    STORE_STEPS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT_LOAD: tl.constexpr,  # cache eviction policy of the state tile's load
-    EVICT_STORE: tl.constexpr,  # ... and of its store
-):
-    """The onepass variant, one program per (row, head, V block): the split recurrence with the
-    prep done in place (q/k recomputed by each of a head's V blocks, v for the block's own
-    channels). The q/k conv windows of the head are rewritten by whichever of its programs reads
-    them last, found with an atomic counter per (row, head)."""
-    pid = tl.program_id(0).to(tl.int64)
-    NV = V // BV  # constexpr
-    vb = pid % NV
-    row_head = pid // NV
-    row = row_head // H
-    head = row_head % H
-    C = 2 * H * K + H * V
-    ok = tl.arange(0, K)
-    ov = vb * BV + tl.arange(0, BV)
-    cols = tl.arange(0, WP)
-    q_ch = head * K + ok
-    k_ch = H * K + head * K + ok
-    v_ch = 2 * H * K + head * V + ov
-    tile = ok[:, None] * V + ov[None, :]
-
-    if USE_PDL:
-        # The previous kernel may be this layer's previous step: wait before touching any pool.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    state_tile = state_ptr + (slot * H + head) * K * V + tile
-    s = tl.load(state_tile, eviction_policy=EVICT_LOAD)  # [K, BV] fp32, touched once
-    x_row = qkv_ptr + row * stride_qkv_b
-    conv_row = conv_state_ptr + slot * C * (W - 1)
-    a_log = tl.load(a_log_ptr + head).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + head * K + ok).to(tl.float32)
-    f_row = f_ptr + row * stride_f_b + head * K + ok
-    beta_row = beta_ptr + row * stride_beta_b + head
-    out_row = out_ptr + (row * T * H + head) * V + ov
-
-    for t in tl.static_range(T):
-        # The conv outputs come from 1-D tap loads (`_conv_silu_taps`), not from the windows:
-        # consuming a reduction over a [K, WP] window makes the compiler move the whole state
-        # tile into the window's layout (a 16 KiB round trip through shared memory).
-        x_q = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, q_ch, t, W)
-        x_k = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, k_ch, t, W)
-        v = _conv_silu_taps(x_row, stride_qkv_t, conv_row, conv_w_ptr, v_ch, t, W)
-        q = _l2norm(x_q) * scale
-        k = _l2norm(x_k)
-        decay, beta = _token_gate(
-            f_row, beta_row, t, stride_f_t, stride_beta_t, a_log, dt_bias, lower_bound, LOWER_BOUND
-        )
-        u, w = tl.reduce((s * (decay * k)[:, None], s * (decay * q)[:, None]), 0, _add_pairs)
-        delta = beta * (v - u)
-        s = s * decay[:, None] + k[:, None] * delta[None, :]
-        o = w + tl.sum(q * k, axis=0) * delta
-        tl.store(out_row + t * H * V, o.to(out_ptr.dtype.element_ty))
-        if STORE_STEPS:
-            tl.store(step_state_ptr + ((row * T + t) * H + head) * K * V + tile, s)
-    tl.store(state_tile, s, eviction_policy=EVICT_STORE)
-
-    # The conv windows, as [N, WP] tiles, are loaded only now, for the stores (they would only
-    # hold registers during the recurrence). Every load of the old q/k conv state above has been
-    # consumed (the tile was computed from it) before this program's counter increment below.
-    v_win = _conv_window(x_row, stride_qkv_t, conv_row, v_ch, cols, T, W)
-    if STORE_STEPS:
-        _store_step_windows(step_conv_ptr, row, v_win, v_ch, cols, C, T, W)
-        if vb == 0:  # the q/k step windows, once per head
-            q_win, k_win = _qk_windows(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
-            _store_step_qk_windows(step_conv_ptr, row, q_win, k_win, q_ch, k_ch, cols, C, T, W)
-    # All lanes must have read the old window before any lane overwrites it.
-    tl.debug_barrier()
-    _store_window(conv_row, v_win, v_ch, cols, T, W)  # this block's own v channels
-    if NV == 1:
-        _update_qk_conv_state(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)
-    else:
-        # The q/k windows of the head are rewritten by the last of its NV programs to arrive
-        # here. Release: each program's reads of them (consumed above; the barrier orders the
-        # other lanes' before this one) precede its increment; acquire: the last program's
-        # reads and writes below follow every other program's increment.
-        arrived = tl.atomic_add(counter_ptr + row_head, 1, sem="acq_rel")
-        if arrived == NV - 1:  # uniform across the program
-            tl.store(counter_ptr + row_head, 0)  # all NV have arrived: back to zero
-            _update_qk_conv_state(x_row, stride_qkv_t, conv_row, q_ch, k_ch, cols, T, W)

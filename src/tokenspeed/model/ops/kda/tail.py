@@ -7,6 +7,7 @@ quantises the fp32 result: scale = max(amax, FP8_MIN_AMAX) / 448, q = clamp(y / 
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +16,34 @@ from .decode import pdl_enabled
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_AMAX = 1e-10  # keeps the scale of an all-zero row finite
+
+
+def _optional_warps(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
+
+
+def _optional_bool(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class KdaTailTuning:
+    """The tuning knobs of `kda_output_tail`; the defaults are the measured ones (None: by
+    shape). num_warps: the kernel's warps (None: about 32 fp32 values of a token's [H, V] tile
+    per thread, 1..16); use_pdl: programmatic dependent launch (None: `pdl_enabled`). Neither
+    changes the result."""
+
+    num_warps: int | None = attrs.field(default=None, validator=_optional_warps)
+    use_pdl: bool | None = attrs.field(default=None, validator=_optional_bool)
+
+    def warps(self, heads: int, v_dim: int) -> int:
+        """The warps of a launch over H heads of V values."""
+        if self.num_warps is not None:
+            return self.num_warps
+        # About 32 fp32 values of each row tile per thread.
+        return max(1, min(16, triton.next_power_of_2(heads) * v_dim // 1024))
 
 
 @triton.jit
@@ -75,8 +104,7 @@ def kda_output_tail(
     fp8: bool = False,
     out: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
-    num_warps: int | None = None,
-    use_pdl: bool | None = None,
+    tuning: KdaTailTuning | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm per head of o, times weight and sigmoid(gate), for T tokens.
 
@@ -86,10 +114,15 @@ def kda_output_tail(
     fp32) such that y ~= q * scales (row-wise scales as torch._scaled_mm takes them).
     out / scales: optional destinations of those shapes (static buffers under CUDA graphs). With
     fp8=True an fp32 `out` receives the scaled values before the e4m3 rounding.
+    tuning: the launch knobs (`KdaTailTuning`; None: the measured defaults).
 
     Preconditions: each token's H*V values of o and gate are contiguous (token rows may be
     strided, e.g. a slice of a fused projection); V is a power of two. No host sync.
     """
+    if tuning is None:
+        tuning = KdaTailTuning()
+    elif not isinstance(tuning, KdaTailTuning):
+        raise TypeError(f"tuning must be a KdaTailTuning, got {type(tuning).__name__}")
     v_dim = weight.shape[0]
     tokens = o.shape[0]
     width = o.shape[1:].numel()
@@ -117,11 +150,8 @@ def kda_output_tail(
         raise ValueError(f"scales must be contiguous fp32 [{tokens}, 1]")
     if tokens:
         block_h = triton.next_power_of_2(heads)
-        if num_warps is None:
-            # About 32 fp32 values of each row tile per thread.
-            num_warps = max(1, min(16, block_h * v_dim // 1024))
-        if use_pdl is None:
-            use_pdl = pdl_enabled(o)
+        num_warps = tuning.warps(heads, v_dim)
+        use_pdl = pdl_enabled(o) if tuning.use_pdl is None else tuning.use_pdl
         launch = {"launch_pdl": True} if use_pdl else {}
         _kda_tail_kernel[(tokens,)](
             o2,

@@ -48,13 +48,14 @@ to the probabilities, which costs no extra pass.
 from __future__ import annotations
 
 import math
-import os
 from typing import Protocol
 
 import attrs
 import torch
 import triton
 import triton.language as tl
+
+from ..interpret import interpreting
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -129,7 +130,7 @@ def decode_parallelism(
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, never under the interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -146,7 +147,7 @@ def gluon_applies(
     of compute capability 9.x (its MMAs are wgmma), not the interpreter (Gluon does not run
     there), a bf16 / fp16 cache in the queries' dtype or an e4m3 cache with its scales, and
     shapes it tiles (`gluon_decode.fits`)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or not q.is_cuda:
+    if interpreting() or not q.is_cuda:
         return False
     fp8 = pages.dtype == torch.float8_e4m3fn and page_scales is not None
     if not fp8 and (page_scales is not None or pages.dtype != q.dtype):

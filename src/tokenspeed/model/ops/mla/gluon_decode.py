@@ -50,7 +50,7 @@ from .gluon_ring import _chunk_bar, _issue, _page_of, _split_bounds, _start_ring
 BLOCK_M = 64
 # 64-row tiles with two stages measured faster than 32 x 4 and 16 x 6 on the H200 (fewer
 # softmax steps): 2.82 vs 3.01 and 5.0 ms on the mixed 36-request batch
-# (scripts/mla_kernel_probe.py, docs/perf/mla.md).
+# (docs/perf/mla.md).
 BLOCK_N = 64
 STAGES = 2
 # e4m3 caches: 32-row tiles, so that three converted tiles fit beside the queries and the ring
@@ -59,9 +59,9 @@ BLOCK_N_FP8 = 32
 # e4m3 caches: latent columns converted per pass of `gluon_convert._convert_tile`. Each pass's
 # store into the converted buffer is another access to one shared allocation, so another
 # block-wide barrier: one 512-column pass ran 1.07x faster than four 128-column ones on the
-# H200 (4.20 against 4.49 ms, mixed 36-request batch; scripts/mla_kernel_probe.py --fp8
-# --convert-cols, docs/perf/mla.md). With P in shared memory too, a tile has 6 barriers at
-# 245 registers, no spills (scripts/gluon_resources.py).
+# H200 (4.20 against 4.49 ms, mixed 36-request batch;
+# docs/perf/mla.md). With P in shared memory too, a tile has 6 barriers at
+# 245 registers, no spills (docs/perf/mla.md).
 FP8_CONVERT_COLS = 512
 
 

@@ -18,7 +18,7 @@ partial o and log2-sum-exp into part_o / part_lse. One warpgroup; the TMA ring, 
 (P V of tile t-1 and Q K^T of tile t in flight together, the stage refilled as soon as that
 P V is done) and the ragged last tile are those of `gluon_decode`.
 
-`scripts/mla_mma_ceiling.py` times the MMAs alone on the H200: the transposed 32-row block
+A probe timed the MMAs alone (docs/perf/mla.md) on the H200: the transposed 32-row block
 takes about 0.65-0.7x the time of a padded 64-row program's. `takes_remainder` says where
 the library launches it.
 """

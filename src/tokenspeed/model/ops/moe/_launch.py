@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 # Triton's `eviction_policy` values, for the ops' cache-hint knobs ("" is none).
 EVICTION_POLICIES = ("", "evict_first", "evict_last")
-
-
-def is_interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def num_sms(x: torch.Tensor) -> int:

@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..interpret import interpreting
 from . import grouped_gemm as gg
-from ._launch import is_interpreting, num_sms
+from ._launch import num_sms
 from .align import align_pairs, capacity_blocks, count_pairs
 from .combine import combine
 from .fp8 import FP8_DTYPE, quantize_fp8_rows
@@ -202,7 +203,7 @@ def _gluon_down(x: torch.Tensor, experts: ExpertWeights, cfg: MoeKernelConfig, c
     """Whether this call's FP8 down GEMM runs the Gluon kernel (sm_90 only)."""
     if not (cfg.gluon and gluon_fp8 is not None and experts.format == "fp8"):
         return False
-    if not x.is_cuda or is_interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
+    if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
     return (
         compute == torch.bfloat16
@@ -283,7 +284,7 @@ def fused_experts(
         hs = h  # unused
     y = torch.empty(rows, width, dtype=compute, device=device)
     wfmt = _FORMATS[fmt]
-    exact = x.is_cuda and not is_interpreting() and not fast
+    exact = x.is_cuda and not interpreting() and not fast
     programs = num_sms(x) * cfg.waves
     max_blocks = capacity_blocks(max_pairs, num_local, cfg.block_m)
     s1, s2, s3 = experts.s1, experts.s2, experts.s3
@@ -324,7 +325,7 @@ def fused_experts(
         OUT_FP8=fmt == "fp8",
         ROUND=_TL_DTYPES[compute],
         EXACT=exact,
-        INTERPRET=is_interpreting(),
+        INTERPRET=interpreting(),
         BM=cfg.block_m,
         BN=up.block_n,
         BK=up.block_k,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import is_interpreting
+from ..interpret import interpreting
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -107,7 +107,7 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             s.stride(0),
             BG=bg,
             GROUP_SIZE=GROUP,
-            INTERPRET=is_interpreting(),
+            INTERPRET=interpreting(),
             num_warps=4,
         )
     return q, s

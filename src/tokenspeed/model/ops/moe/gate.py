@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._launch import is_interpreting, num_sms
+from ..interpret import interpreting
+from ._launch import num_sms
 
 _KEY_MIN = tl.constexpr(-(2**63))  # below every real key: padding lanes and taken experts
 
@@ -255,7 +256,7 @@ def router_logits(
     experts = weight.shape[0]
     low = weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
     if precision is None:
-        precision = "ieee" if is_interpreting() or not x.is_cuda else "tf32x3"
+        precision = "ieee" if interpreting() or not x.is_cuda else "tf32x3"
     bt, be, bk, splits, k_per_split = _logits_config(tokens, experts, dim, low, num_sms(x))
     out = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(tokens, bt), triton.cdiv(experts, be), splits)
@@ -330,7 +331,7 @@ def route_fused(
     per_group = experts // num_groups
     g2, eg2 = triton.next_power_of_2(num_groups), triton.next_power_of_2(per_group)
     bt = max(1, min(16, 2048 // (g2 * eg2)))
-    exact = device.type == "cuda" and not is_interpreting()
+    exact = device.type == "cuda" and not interpreting()
     bias_arg = bias.float().contiguous() if bias is not None else weights
     _topk_kernel[(triton.cdiv(tokens, bt),)](
         logits,
