@@ -21,7 +21,7 @@ timed at its best there, as the KDA benchmark does for fla's conv update (`--tun
 old behaviour).
 Correctness is checked before timing (exit 1 on a mismatch).
 
-    python benchmarks/attn_res.py --out docs/perf/attn_res_results.md
+    python benchmarks/attn_res.py --out /tmp/attn_res.md
 """
 
 from __future__ import annotations

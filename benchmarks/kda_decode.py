@@ -31,7 +31,7 @@ zeroed per call), the best config per variant, and the two targets for each vari
 default config. Config knobs reach the kernels through `KdaDecodeTuning`; to change a default,
 change the tuning's defaults or `default_config` from these tables.
 
-    PYTHONPATH=src python benchmarks/kda_decode.py [--out docs/perf/kda_decode.md]
+    PYTHONPATH=src python benchmarks/kda_decode.py [--out /tmp/kda_decode.md]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ measured is the adapter's slot gather / scatter and argument handling. Before ti
 is checked against the fp32 chunked reference (relative RMS error, bf16 tolerance) and must equal
 fla called directly bit for bit; a mismatch exits non-zero.
 
-    PYTHONPATH=src python benchmarks/kda_prefill.py [--out docs/perf/kda_prefill.md]
+    PYTHONPATH=src python benchmarks/kda_prefill.py [--out /tmp/kda_prefill.md]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Timing: "eager" is 50 back-to-back calls between CUDA events (includes launch ov
 is one call captured in a CUDA graph, replayed under `triton.testing.do_bench` (median, L2 flushed).
 Before timing the kernel is checked against the torch references; a mismatch exits non-zero.
 
-    PYTHONPATH=src python benchmarks/kda_tail.py [--out docs/perf/kda_tail.md]
+    PYTHONPATH=src python benchmarks/kda_tail.py [--out /tmp/kda_tail.md]
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ programmatic dependent launch (PDL):
      keep many state loads in flight per SM, which is what streaming at copy speed needs.
      The tile is loaded with L2 priority evict-last and stored with no hint (`state_eviction`):
      on the H200 the recurrence then runs 3-6% faster than with evict-first on both (the form
-     before) and ~1% faster than with no hints (docs/perf/kda.md, "Cache eviction hints"). The
+     before) and ~1% faster than with no hints (measured 2026-12-03; docs/perf/kda.md). The
      plain store is meant to leave the rewritten lines at normal priority, so that stale tiles
      do not crowd out later kernels' data. At one token the v conv is computed before the wait,
      since it reads nothing the prep writes.
@@ -163,7 +163,7 @@ def _v_offset(k_dim: int) -> int:
 def resolve_v_in_prep(v_in_prep: bool | None, steps: int) -> bool:
     """`kda_decode`'s default: the prep does the v conv for verify steps (T > 1), where it
     measured faster, and not at one token per row, where it made no difference
-    (docs/perf/kda.md, "Prep options probe")."""
+    (docs/perf/kda.md, "Tried and dropped")."""
     return steps > 1 if v_in_prep is None else v_in_prep
 
 
