@@ -1,6 +1,6 @@
 """P/D cluster: prefill ranks and decode ranks, each a real scheduler over a real cache.
 
-Flow of one request (DESIGN.md section 4): the router picks a prefill rank (least outstanding
+Flow of one request (docs/design.md, "One request's life"): the router picks a prefill rank (least outstanding
 prefill work, or conversation affinity) and a decode rank (load); the `TransferGate` decides
 whether the prefill is queued at once (independent admission) or after the decode rank has
 reserved the destination (coupled). The transfer of KV pages and KDA state starts once both are
