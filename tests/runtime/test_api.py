@@ -322,7 +322,7 @@ def test_async_engine_steps_off_the_event_loop(tiny):
     assert not engine.has_unfinished() and engine.cache.get("c") is None
 
 
-@pytest.mark.parametrize("index", range(2))
+@pytest.mark.parametrize("index", range(len(guide_examples())))
 def test_user_guide_examples_run(index, capsys):
     code = guide_examples()[index]
     exec(compile(code, str(GUIDE), "exec"), {"__name__": "guide"})
