@@ -202,3 +202,99 @@ def test_bugs_still_raise_with_their_traceback(monkeypatch):
     monkeypatch.setattr("tokenspeed.LLM", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["generate", "--device", "cpu"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint_512(tmp_path_factory):
+    """A tiny checkpoint without a tokenizer whose config limits it to 512 positions."""
+    from tokenspeed.model import KimiForCausalLM, get_preset
+    from tokenspeed.model.hf_writer import save_checkpoint
+    from tokenspeed.model.init import init_random_weights
+
+    config = get_preset("tiny").evolve(max_position_embeddings=512)
+    model = init_random_weights(KimiForCausalLM(config), seed=5)
+    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt512"))
+
+
+def _one_line_error(capsys, command="generate"):
+    err = capsys.readouterr().err
+    assert err.startswith(f"tokenspeed {command}: error: ") and "Traceback" not in err, err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_text_prompts_without_a_tokenizer_point_to_prompt_ids(checkpoint_512, capsys):
+    argv = ["generate", "--model", str(checkpoint_512), "--device", "cpu"]
+    assert main([*argv, "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = _one_line_error(capsys)
+    assert "no tokenizer" in err and "--prompt-ids" in err and "prompt_token_ids" not in err
+    # The default prompts are text too.
+    assert main([*argv, "--max-new-tokens", "2"]) == 2
+    assert "--prompt-ids" in _one_line_error(capsys)
+    assert main([*argv, "--prompt-ids", "5,6", "--max-new-tokens", "2"]) == 0
+
+
+def test_a_corrupt_tokenizer_json_is_named_without_a_traceback(checkpoint_512, tmp_path, capsys):
+    import shutil
+
+    root = shutil.copytree(checkpoint_512, tmp_path / "ckpt")
+    (root / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    assert main(["generate", "--model", str(root), "--device", "cpu", "--prompt", "hi"]) == 2
+    err = _one_line_error(capsys)
+    assert str(root / "tokenizer.json") in err
+
+
+def test_a_llama_checkpoint_is_refused_naming_its_model_type(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}'
+    )
+    assert main(["generate", "--model", str(tmp_path), "--device", "cpu"]) == 2
+    err = _one_line_error(capsys)
+    assert "model_type 'llama'" in err and "kimi_linear" in err
+
+
+def test_max_model_len_defaults_to_the_checkpoints_limit(checkpoint_512, capsys):
+    argv = ["generate", "--model", str(checkpoint_512), "--device", "cpu", "--max-new-tokens", "2"]
+    ids = ",".join(["5"] * 600)
+    assert main([*argv, "--prompt-ids", ids]) == 2  # the default is 512 here, not 2048
+    assert "max_model_len=512" in _one_line_error(capsys)
+    assert main([*argv, "--prompt-ids", "5", "--max-model-len", "1024"]) == 2
+    err = _one_line_error(capsys)
+    assert "max_model_len=1024" in err and "512" in err
+
+
+def test_bench_agentx_that_skips_every_turn_is_an_error(capsys):
+    argv = ["bench", "agentx", "--sessions", "2", "--max-turns", "1", "--device", "cpu"]
+    assert main([*argv, "--max-model-len", "16", "--no-progress"]) == 2
+    err = _one_line_error(capsys, "bench agentx")
+    assert "every turn" in err and "max_model_len=16" in err
+    assert capsys.readouterr().out == ""
+
+
+def test_bench_agentx_shows_progress_on_stderr_unless_told_not_to(capsys):
+    argv = ["bench", "agentx", "--sessions", "2", "--max-turns", "2", "--device", "cpu"]
+    assert main(argv) == 0
+    shown = capsys.readouterr()
+    assert "agentx" in shown.err and "turn" in shown.err and "100%" in shown.err
+    assert main([*argv, "--no-progress"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == ""
+
+    def keys(out):
+        return [line.split()[0] for line in out.splitlines()]
+
+    assert keys(shown.out) == keys(quiet.out) and "requests" in keys(shown.out)
+
+
+def test_long_generate_runs_show_progress_on_stderr_unless_told_not_to(capsys):
+    argv = ["generate", "--prompt-ids", "5,6", "--prompt-ids", "7", "--device", "cpu"]
+    assert main(argv) == 0
+    shown = capsys.readouterr()
+    assert "generate" in shown.err and "100%" in shown.err
+    assert main([*argv, "--no-progress"]) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == ""
+    assert shown.out.splitlines()[0] == quiet.out.splitlines()[0]
+    # A short run of one prompt shows none.
+    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert capsys.readouterr().err == ""

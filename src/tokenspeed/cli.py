@@ -15,6 +15,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+# `tokenspeed generate` shows a progress bar from this many new tokens (or from two prompts).
+LONG_RUN_TOKENS = 64
+
 DEFAULT_PROMPTS = (
     "The quick brown fox",
     "def fibonacci(n):",
@@ -130,13 +133,25 @@ def _model(text: str) -> str:
     return text
 
 
+def _max_model_len(args: argparse.Namespace) -> int:
+    """--max-model-len, or the command's default capped at the model's limit (a checkpoint's
+    max_position_embeddings may be below it: 512, say)."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    from tokenspeed.model import PRESETS, get_preset
+    from tokenspeed.model.hf_config import from_hf_config
+
+    config = get_preset(args.model) if args.model in PRESETS else from_hf_config(args.model)
+    return min(args.default_max_model_len, config.max_position_embeddings)
+
+
 def _engine_options(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
+        max_model_len=_max_model_len(args),
         enable_cuda_graph=not args.eager,
         cpu_threads=args.threads,
         **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
@@ -146,11 +161,19 @@ def _engine_options(args: argparse.Namespace) -> dict:
 def generate(args: argparse.Namespace) -> int:
     from tokenspeed import LLM, SamplingParams
     from tokenspeed.model import PRESETS
+    from tokenspeed.runtime.tokenizer import TokenizerError
 
     llm = LLM(model=args.model, **_engine_options(args))
     if args.prompt_ids:
         prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
     else:
+        if llm.tokenizer is None:
+            given = "--prompt" if args.prompt else "the default prompts (no --prompt given)"
+            raise TokenizerError(
+                f"{args.model} ships no tokenizer (no tokenizer.json or tiktoken.model), so "
+                f"text prompts cannot be encoded: {given}; pass token ids instead with "
+                "--prompt-ids, e.g. --prompt-ids 5,6,7"
+            )
         prompts = list(args.prompt or DEFAULT_PROMPTS)
     params = SamplingParams(
         temperature=args.temperature,
@@ -159,8 +182,10 @@ def generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    # A progress bar (on stderr) where the run takes a while: several prompts or many tokens.
+    long_run = len(prompts) > 1 or args.max_new_tokens >= LONG_RUN_TOKENS
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=long_run and not args.no_progress)
     elapsed = time.perf_counter() - start
     random_weights = args.model in PRESETS
     for out in outputs:
@@ -197,7 +222,7 @@ def bench_agentx(args: argparse.Namespace) -> int:
     config = EngineConfig(
         device=options["device"],
         max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
+        max_model_len=options["max_model_len"],
         enable_cuda_graph=options["enable_cuda_graph"],
         cpu_threads=options["cpu_threads"],
         page_size=args.page_size,
@@ -208,7 +233,23 @@ def bench_agentx(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
     engine = Engine(model, tokenizer, config)
-    result = replay(engine, sessions, args.concurrency, block)
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="agentx", unit="turn", file=sys.stderr, dynamic_ncols=True)
+        bar.update(done - bar.n)
+
+    try:
+        result = replay(
+            engine, sessions, args.concurrency, block, None if args.no_progress else progress
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     engine.check_integrity()
     print(
         f"AgentX replay: model {model.config.name}, {args.sessions} sessions (scale "
@@ -221,6 +262,7 @@ def bench_agentx(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
+    p.set_defaults(default_max_model_len=max_model_len)
     p.add_argument(
         "--model", type=_model, default="tiny", help="a preset name or a checkpoint directory"
     )
@@ -228,7 +270,13 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--max-num-seqs", type=_positive_int, default=16)
-    p.add_argument("--max-model-len", type=_positive_int, default=max_model_len)
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help=f"longest prompt + output (default: {max_model_len}, or the model's "
+        "max_position_embeddings if lower)",
+    )
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--decode-steps",
@@ -243,6 +291,11 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
         default=None,
         help="torch CPU threads (default: 1 for a model under 100M parameters on the CPU, "
         "unless OMP_NUM_THREADS is set; else torch's default)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr (shown for long generate runs and for bench agentx)",
     )
 
 

@@ -458,3 +458,50 @@ def test_a_mis_shaped_lm_head_beside_a_tied_embedding_is_reported(tiny_tied, tmp
 
     with pytest.raises(CheckpointError, match=r"lm_head.weight: shape \[3, 4\], expected"):
         load_checkpoint(_flat(tmp_path, tiny_tied, edit))
+
+
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "intermediate_size": 128,
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "found"),
+    [
+        ({}, "model_type 'llama'"),
+        ({"model_type": None}, "architectures ['LlamaForCausalLM']"),
+        ({"model_type": "deepseek_v3", "architectures": None}, "model_type 'deepseek_v3'"),
+    ],
+)
+def test_a_checkpoint_of_another_model_is_refused_naming_its_model_type(tmp_path, changes, found):
+    raw = {k: v for k, v in (LLAMA | changes).items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as info:
+        load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert found in message and "kimi_linear" in message and "kimi_k3" in message
+    assert "KimiLinearForCausalLM" in message and "num_heads" not in message
+
+
+def test_a_checkpoints_footprint_counts_its_weights_in_the_loading_dtype_unread(tiny, tmp_path):
+    from tokenspeed.model.loader import checkpoint_footprint
+
+    save_checkpoint(tiny, tmp_path)
+    for shard in tmp_path.glob("*.safetensors"):
+        shard.write_bytes(b"")  # never read
+    weights = [*tiny.parameters(), *tiny.buffers()]
+    numel = sum(t.numel() for t in weights)
+    half = checkpoint_footprint(tmp_path, "bfloat16")
+    assert half.config == tiny.config and half.dtype == torch.bfloat16
+    assert half.num_params == numel
+    # Decay rates and the router stay fp32: a little more than 2 bytes a weight.
+    assert 2 * numel < half.nbytes < 2.1 * numel
+    auto = checkpoint_footprint(tmp_path)  # the checkpoint's own dtype
+    assert auto.dtype == torch.float32
+    assert auto.nbytes == sum(t.numel() * t.element_size() for t in weights)

@@ -144,3 +144,31 @@ def test_skipped_turns_count_every_turn_never_sent(tiny):
     assert sorted(rid for rid, _, _ in submitted) == [("long", 0), ("short", 0)]
     # Turns 1-3 of "long", and the two turns of each of its three subagents.
     assert result["requests"] == 2 and result["skipped_turns"] == 3 + 3 * 2
+
+
+def test_a_replay_that_skips_every_turn_is_an_error_saying_why(tiny):
+    """A max_model_len below every first prompt sends nothing: the replay must not report a
+    table of zeros as a result."""
+    from tokenspeed.runtime import Engine, EngineConfig
+
+    sessions, block = agentx_sessions(2, 0, 1 / 128, 2)
+    engine = Engine(tiny, None, EngineConfig(device="cpu", max_model_len=16, page_size=16))
+    with pytest.raises(ReplayError) as info:
+        replay(engine, sessions, 2, block)
+    message = str(info.value)
+    assert "every turn" in message and "skipped" in message
+    assert "max_model_len=16" in message and "raise max_model_len" in message
+
+
+def test_replay_reports_its_progress_turn_by_turn(tiny):
+    from tokenspeed.runtime import Engine, EngineConfig
+
+    sessions, block = agentx_sessions(3, 0, 1 / 128, 2)
+    engine = Engine(tiny, None, EngineConfig(device="cpu", max_model_len=2048, page_size=16))
+    seen = []
+    result = replay(
+        engine, sessions, 2, block, progress=lambda done, total: seen.append((done, total))
+    )
+    total = result["requests"] + result["skipped_turns"]
+    assert seen and all(t == total for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total

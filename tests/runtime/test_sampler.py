@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenspeed.runtime import SamplingParams
-from tokenspeed.runtime.sampler import Sampler, _filter, accept_draft
+from tokenspeed.runtime.sampler import Sampler, _filter, accept_draft, apply_penalties
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -101,3 +101,128 @@ def test_top_p_of_one_keeps_every_token():
     assert kept.all()
     big = torch.randn(4, 163840, generator=torch.Generator().manual_seed(0)) * 5
     assert torch.isfinite(_filter(big, torch.zeros(4, dtype=torch.long), torch.ones(4))).all()
+
+
+def _penalized_reference(logits, counts, prompt, presence, frequency, repetition):
+    """The penalty formulas written out token by token (vLLM's, OpenAI's)."""
+    out = logits.clone()
+    for r in range(out.shape[0]):
+        for t in range(out.shape[1]):
+            value, count = out[r, t], counts[r][t]
+            if count > 0 or t in prompt[r]:
+                value = value / repetition[r] if value > 0 else value * repetition[r]
+            value = value - frequency[r] * count
+            if count > 0:
+                value = value - presence[r]
+            out[r, t] = value
+    return out
+
+
+def test_penalties_change_the_logits_as_the_formulas_say():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, 3.0, -2.5], [1.0, 1.0, -1.0, 4.0, 0.0, 2.0]])
+    counts = [[0, 2, 1, 0, 0, 3], [1, 0, 0, 0, 0, 0]]
+    prompt = [{0, 3}, {2, 5}]
+    presence, frequency, repetition = [0.5, -1.0], [0.25, 2.0], [1.5, 0.8]
+    got = apply_penalties(
+        logits,
+        torch.tensor(counts, dtype=torch.float32),
+        torch.tensor([[t in p for t in range(6)] for p in prompt]),
+        torch.tensor(presence),
+        torch.tensor(frequency),
+        torch.tensor(repetition),
+    )
+    want = _penalized_reference(logits, counts, prompt, presence, frequency, repetition)
+    assert torch.equal(got, want)
+    assert got[0, 0] == 2.0 / 1.5 and got[0, 1] == -1.0 * 1.5 - 0.5 - 0.5  # prompt; output x2
+    assert got[1, 2] == -1.0 * 0.8 and got[1, 4] == 0.0  # prompt only; untouched
+    # Penalties that are off leave a row exactly as it was.
+    off = apply_penalties(
+        logits,
+        torch.tensor(counts, dtype=torch.float32),
+        torch.ones(2, 6, dtype=torch.bool),
+        torch.zeros(2),
+        torch.zeros(2),
+        torch.ones(2),
+    )
+    assert torch.equal(off, logits)
+
+
+def test_the_sampler_counts_the_tokens_it_sampled_on_its_own():
+    """The engine never tells the sampler what it sampled (multi-step decoding keeps the tokens
+    on the device): penalties follow the tokens the sampler itself drew, request by request,
+    and the prompt's tokens count for the repetition penalty."""
+    logits = torch.tensor([[0.0, 4.0, 3.9, 3.0, 2.0, -1.0, 3.5, 1.0]])
+    sampler = Sampler()
+    freq = SamplingParams(temperature=0, frequency_penalty=0.6)
+    rep = SamplingParams(temperature=0, repetition_penalty=2.0)
+    sampler.register("f", freq, [7])
+    sampler.register("r", rep, [2])
+    batch = logits.repeat(3, 1)
+    plain = []
+    counts = {"f": [0] * 8, "r": [0] * 8}
+    for _ in range(6):
+        out = sampler.sample(batch, [freq, GREEDY, rep], ["f", "g", "r"]).tokens.tolist()
+        want_f = _penalized_reference(logits, [counts["f"]], [{7}], [0.0], [0.6], [1.0])
+        want_r = _penalized_reference(logits, [counts["r"]], [{2}], [0.0], [0.0], [2.0])
+        assert out[0] == int(want_f.argmax()) and out[2] == int(want_r.argmax())
+        counts["f"][out[0]] += 1
+        counts["r"][out[2]] += 1
+        plain.append(out[1])
+    assert plain == [1] * 6  # the row without penalties is untouched
+    assert counts["f"][1] >= 2 and counts["f"][2] >= 1  # it moved on from 1, and came back
+    assert counts["r"][2] == 0  # in the prompt: 3.9 / 2 loses to 3.5
+    assert torch.equal(batch, logits.repeat(3, 1))  # the caller's logits are left alone
+    sampler.forget("f")
+    sampler.register("f", freq, [7])  # a new request of the same id starts afresh
+    assert sampler.sample(logits, [freq], ["f"]).tokens.tolist() == [1]
+
+
+def test_rows_without_penalties_sample_exactly_as_before():
+    """A seeded row draws the same tokens, and gets the same logprobs, whether or not a
+    penalised or min_tokens row shares its batch."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=3, logprobs=2)
+    alone = Sampler(seed=1)
+    alone.register("s", seeded)
+    want = [alone.sample(logits[1:2], [seeded], ["s"]) for _ in range(4)]
+    mixed = Sampler(seed=1, eos_token_ids=[0])
+    penalized = SamplingParams(temperature=1.0, presence_penalty=1.5, repetition_penalty=1.3)
+    delayed = SamplingParams(temperature=0, min_tokens=3)
+    mixed.register("s", seeded)
+    mixed.register("p", penalized, [1, 2, 3])
+    mixed.register("m", delayed)
+    for w in want:
+        got = mixed.sample(logits, [penalized, seeded, delayed], ["p", "s", "m"])
+        assert got.tokens[1] == w.tokens[0]
+        assert torch.equal(got.logprobs[1:2], w.logprobs)
+        assert got.top_logprobs[1] == w.top_logprobs[0]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_enough_tokens():
+    eos, stop = 2, 5
+    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0, 3.0, 8.0]])  # EOS, then the stop id, lead
+    sampler = Sampler(eos_token_ids=[eos])
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[stop])
+    sampler.register("a", params)
+    got = [sampler.sample(logits, [params], ["a"]).tokens.item() for _ in range(5)]
+    assert got == [4, 4, 4, eos, eos]
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)  # as vLLM: masked
+    sampler.register("b", ignoring)
+    assert [sampler.sample(logits, [ignoring], ["b"]).tokens.item() for _ in range(3)] == [
+        stop,
+        stop,
+        eos,
+    ]
+    # Sampled rows too: with EOS and the stop id masked, neither is ever drawn.
+    hot = SamplingParams(temperature=5.0, max_tokens=40, min_tokens=40, stop_token_ids=[stop])
+    sampler.register("c", hot)
+    drawn = {sampler.sample(logits, [hot], ["c"]).tokens.item() for _ in range(40)}
+    assert drawn and not drawn & {eos, stop}
+    assert sampler.sample(logits, [GREEDY], ["d"]).tokens.item() == eos
+
+
+def test_penalties_need_the_request_registered():
+    with pytest.raises(ValueError, match="register"):
+        Sampler().sample(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], ["x"])
+    with pytest.raises(ValueError, match="register"):
+        Sampler().sample(torch.zeros(1, 4), [SamplingParams(min_tokens=1)])

@@ -93,3 +93,60 @@ def test_a_stop_string_spelled_by_the_end_of_a_byte_fallback_run_ends_the_output
             break
     assert reasons == [None] * 7 + [stop]
     assert checker.text(ids[:8]) == "a 日語"[: "a 日語".index(stop)]
+
+
+class _Bytes:
+    """Token t is byte t: text is the ids' bytes as UTF-8."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids):
+        return bytes(ids).decode(errors="replace")
+
+
+def _run(checker, data: bytes) -> tuple[list, int, str]:
+    """Feed the bytes as the engine does (check, then text) until a check ends the output."""
+    ids, reasons = [], []
+    for byte in data:
+        ids.append(byte)
+        reasons.append(checker.check(ids))
+        text = checker.text(ids)
+        if reasons[-1] is not None:
+            break
+    return reasons, len(ids), text
+
+
+def test_min_tokens_delays_stop_token_ids_and_eos():
+    eos, stop = ord("!"), ord("#")
+    checker = StopChecker(SamplingParams(min_tokens=3, stop_token_ids=[stop]), _Bytes(), [eos])
+    reasons, end, text = _run(checker, b"#!#!ab")
+    assert reasons == [None, None, None, eos] and end == 4
+    assert text == "#!#"  # the EOS that ended it is left out of the text, the others stay
+    reasons, end, text = _run(StopChecker(checker.params, _Bytes(), [eos]), b"#!#ab#")
+    assert reasons == [None] * 5 + [stop] and text == "#!#ab"
+    # Without min_tokens the first one ends it, as before.
+    assert _run(StopChecker(SamplingParams(stop_token_ids=[stop]), _Bytes(), [eos]), b"#!")[:2] == (
+        [stop],
+        1,
+    )
+
+
+def test_min_tokens_delays_stop_strings_and_keeps_earlier_occurrences_in_the_text():
+    """As vLLM: a stop string ends the output only where it ends in the text of a token after
+    the first min_tokens (it may start before), and the text is cut there, not at an earlier
+    occurrence inside the first tokens' text."""
+    checker = StopChecker(SamplingParams(min_tokens=4, stop=["ab"]), _Bytes(), ())
+    reasons, end, text = _run(checker, b"ab-xab-ab")
+    assert reasons == [None] * 5 + ["ab"] and end == 6
+    assert text == "ab-x"
+    # One that straddles the boundary: starts in the first tokens, ends after them.
+    checker = StopChecker(SamplingParams(min_tokens=3, stop=["xyz"]), _Bytes(), ())
+    reasons, end, text = _run(checker, b"-xyz--")
+    assert reasons == [None, None, None, "xyz"] and text == "-"
+    # Completed by the min_tokens-th token itself: does not count.
+    checker = StopChecker(SamplingParams(min_tokens=3, stop=["xyz"]), _Bytes(), ())
+    reasons, end, text = _run(checker, b"xyz--")
+    assert not any(reasons) and end == 5 and text == "xyz--"
+    # The text of the first tokens is never cut while the output runs.
+    checker = StopChecker(SamplingParams(min_tokens=3, stop=["a"]), _Bytes(), ())
+    assert checker.check([97]) is None and checker.text([97]) == "a"

@@ -114,3 +114,38 @@ def test_byte_tokenizer():
     assert tok.decode(tok.encode(TEXT)) == TEXT
     with pytest.raises(TokenizerError):
         ByteTokenizer(100)
+
+
+@pytest.mark.parametrize(
+    "content", [b'{"version": "1.0", "model": ', b"\xff\xfe not json", b'{"model": 3}']
+)
+def test_a_corrupt_tokenizer_json_is_a_tokenizer_error_naming_the_file(tmp_path, content):
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path / "tokenizer.json") in str(info.value)
+    assert "cannot be read as a tokenizer" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("file", "content"),
+    [
+        ("tiktoken.model", "not-base64!! 0\n"),
+        ("tiktoken.model", "YQ== zero\n"),
+        ("tiktoken.model", "YQ==\n"),
+        ("tokenizer_config.json", "{not json"),
+        ("tokenizer_config.json", '{"added_tokens_decoder": {"x": {"content": "[BOS]"}}}'),
+    ],
+)
+def test_corrupt_tiktoken_files_are_tokenizer_errors_naming_the_file(tmp_path, file, content):
+    root, _ = _tiktoken_dir(tmp_path)
+    (root / file).write_text(content)
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(root)
+    assert str(root / file) in str(info.value)
+
+
+def test_a_tokenizer_module_that_is_not_python_is_named(tmp_path):
+    root, _ = _tiktoken_dir(tmp_path, module="pat_str = (\n")
+    with pytest.raises(TokenizerError, match="tokenization_kimi.py cannot be read"):
+        load_tokenizer(root)

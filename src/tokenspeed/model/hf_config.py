@@ -21,6 +21,11 @@ from .config import ActivationConfig, ConfigError, KdaConfig, MlaConfig, ModelCo
 
 _MISSING = object()
 
+# What config.json says of a checkpoint this reader takes; anything else (a Llama, a DeepSeek)
+# would fail on some missing Kimi field with a message that names no model.
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "kimi_k3")
+SUPPORTED_ARCHITECTURES = ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration")
+
 
 def load_config_json(path_or_dict: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """The raw config dict from a checkpoint directory, a config.json path or a dict."""
@@ -194,7 +199,32 @@ def from_hf_config(path_or_dict: str | Path | Mapping[str, Any]) -> ModelConfig:
         raise ConfigError(f"config.json has a value of the wrong type or form: {exc}") from exc
 
 
+def check_model_type(raw: Mapping[str, Any]) -> None:
+    """Refuse a config.json of another model: its `model_type` (or, without one, its
+    `architectures`) must name Kimi Linear or Kimi K3. A config with neither is read as is."""
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures")
+    if model_type is not None:
+        if model_type in SUPPORTED_MODEL_TYPES:
+            return
+        found = f"model_type {model_type!r}"
+    elif architectures is not None:
+        if isinstance(architectures, list) and set(architectures) & set(SUPPORTED_ARCHITECTURES):
+            return
+        found = f"architectures {architectures!r}"
+    else:
+        return
+    if model_type is not None and architectures is not None:
+        found += f" (architectures {architectures!r})"
+    raise ConfigError(
+        f"config.json is of another model, {found}: tokenspeed serves Kimi Linear and Kimi K3 "
+        f"checkpoints (model_type {' or '.join(map(repr, SUPPORTED_MODEL_TYPES))}, "
+        f"architectures {' or '.join(SUPPORTED_ARCHITECTURES)})"
+    )
+
+
 def _from_raw(raw: dict[str, Any]) -> ModelConfig:
+    check_model_type(raw)
     text = text_config_of(raw)
     cfg = _Reader(text)
     linear = text.get("linear_attn_config") or {}

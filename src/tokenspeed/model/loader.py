@@ -29,7 +29,14 @@ from .config import ConfigError, ModelConfig
 from .hf_config import from_hf_config, load_config_json, text_config_of
 from .kimi import KimiForCausalLM
 from .layers.moe import use_mxfp4_experts
-from .weight_map import TensorSpec, check_part_shape, combine_parts, lm_head_spec, tensor_specs
+from .weight_map import (
+    FP32_SUFFIXES,
+    TensorSpec,
+    check_part_shape,
+    combine_parts,
+    lm_head_spec,
+    tensor_specs,
+)
 
 logger = logging.getLogger("tokenspeed.model")
 
@@ -240,6 +247,48 @@ def resolve_dtype(dtype: torch.dtype | str | None, raw: dict) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
     return _DTYPES[dtype]
+
+
+@attrs.frozen
+class WeightFootprint:
+    """What a model's weights take once loaded: `num_params` parameters, `nbytes` bytes in
+    `dtype` (decay rates and the router in fp32, packed MXFP4 experts as stored)."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    experts: str  # "dense" or "mxfp4"
+    num_params: int
+    nbytes: int
+
+
+def weight_footprint(
+    config: ModelConfig, dtype: torch.dtype, experts: str = "dense"
+) -> WeightFootprint:
+    """The weights' size, counted on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        model = KimiForCausalLM(config)
+        if experts == "mxfp4":
+            use_mxfp4_experts(model)
+    num_params = nbytes = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        num_params += tensor.numel()
+        if not tensor.dtype.is_floating_point:
+            size = tensor.element_size()
+        elif name.endswith(FP32_SUFFIXES):
+            size = 4
+        else:
+            size = dtype.itemsize
+        nbytes += tensor.numel() * size
+    return WeightFootprint(config, dtype, experts, num_params, nbytes)
+
+
+def checkpoint_footprint(path: str | Path, dtype: torch.dtype | str | None = "auto"):
+    """The `WeightFootprint` of loading the checkpoint at `path` in `dtype` (as
+    `load_checkpoint` would), from its config.json alone: no shard is read."""
+    raw = load_config_json(Path(path))
+    experts = expert_format_of(raw)
+    config = from_hf_config(raw)
+    return weight_footprint(config, resolve_dtype(dtype, raw), experts)
 
 
 def load_checkpoint(

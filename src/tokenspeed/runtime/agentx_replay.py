@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -75,7 +76,11 @@ class _Live:
 
 
 def replay(
-    engine: Engine, sessions: list[Session], concurrency: int, block_size: int
+    engine: Engine,
+    sessions: list[Session],
+    concurrency: int,
+    block_size: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, float | int | None]:
     """Run every turn of `sessions` (subagents included); returns throughput and latency.
 
@@ -85,6 +90,10 @@ def replay(
     have launched (a subagent starts when its turn finishes). So `requests + skipped_turns` is
     every turn of `sessions`, subagents included. `p90_interactivity_tok_s` is the engine's:
     1 / the P90 of per-request mean inter-token latency, as the simulator scores it.
+
+    progress: called as `progress(done, total)` whenever turns finish or are skipped, `total`
+    being every turn of `sessions` (subagents included). A replay that skips every turn (its
+    first prompts already too long for max_model_len) raises ReplayError: it measured nothing.
     """
     # With no session allowed to run, nothing is ever submitted and the loop below would step an
     # idle engine forever.
@@ -94,7 +103,9 @@ def replay(
     limit = engine.config.max_model_len
     queue = deque(sessions)
     live: dict[object, _Live] = {}
-    generated = requests = skipped = 0
+    generated = requests = skipped = finished = 0
+    total = sum(_turns_in(session.turns) for session in sessions)
+    shortest_skipped: int | None = None  # the shortest prompt of a skipped turn
     unique = np.random.default_rng(0x0A9E)  # tokens without a block id: no one else's content
     start = time.monotonic()
 
@@ -113,8 +124,12 @@ def replay(
             new += unique.integers(3, vocab, size=turn.new_tokens - len(new)).tolist()
         return new
 
+    def report() -> None:
+        if progress is not None:
+            progress(finished + skipped, total)
+
     def submit(state: _Live) -> bool:
-        nonlocal requests, skipped
+        nonlocal requests, skipped, shortest_skipped
         turn = state.session.turns[state.turn]
         prompt = state.history + new_tokens(turn)
         # The engine takes a prompt shorter than max_model_len and generates up to the limit.
@@ -123,6 +138,8 @@ def replay(
             # The conversation outgrew the model's limit: it ends here, and nothing this turn or
             # a later one would have started (their subagents) runs either.
             skipped += _turns_in(state.session.turns[state.turn :])
+            shortest_skipped = min(len(prompt), shortest_skipped or len(prompt))
+            report()
             return False
         state.history = prompt
         rid = (state.session.sid, state.turn)
@@ -144,6 +161,8 @@ def replay(
                 continue
             state = live.pop(out.request_id)
             generated += len(out.token_ids)
+            finished += 1
+            report()
             state.history = state.history + out.token_ids
             turn = state.session.turns[state.turn]
             queue.extend(turn.subagents)
@@ -151,6 +170,13 @@ def replay(
             if state.turn < len(state.session.turns):
                 submit(state)
     seconds = time.monotonic() - start
+    if requests == 0 and skipped:
+        raise ReplayError(
+            f"every turn ({skipped}) was skipped: the shortest first prompt has "
+            f"{shortest_skipped} tokens, which leaves no room for an output token under "
+            f"max_model_len={limit}; raise max_model_len above {shortest_skipped} or lower the "
+            "scale (shorter turns)"
+        )
     summary = engine.metrics.summary()
     return {
         "sessions": len(sessions),

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
+import attrs
 import torch
 
 from tokenspeed.cache import CacheConfig, CacheGeometry, CheckpointPolicy
+from tokenspeed.cache.errors import BudgetTooSmallError
 
-from .config import EngineConfig, EngineConfigError
-from .device import free_memory_bytes
+from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineConfigError
+from .device import InsufficientMemoryError, free_memory_bytes
 
 
 def cache_geometry(model, page_size: int) -> CacheGeometry:
@@ -24,7 +28,18 @@ def cache_geometry(model, page_size: int) -> CacheGeometry:
 
 
 def fit_config(config: EngineConfig, model) -> EngineConfig:
-    """`config` checked against (and completed from) the model it will serve."""
+    """`config` checked against (and completed from) the model it will serve: max_model_len
+    None becomes the model's limit (`max_position_embeddings`, capped at DEFAULT_MAX_MODEL_LEN),
+    and a max_model_len above that limit is refused (positions past it were never trained)."""
+    limit = model.config.max_position_embeddings
+    if config.max_model_len is None:
+        return config.evolve(max_model_len=min(limit, DEFAULT_MAX_MODEL_LEN))
+    if config.max_model_len > limit:
+        raise EngineConfigError(
+            f"EngineConfig.max_model_len={config.max_model_len} is above the model's limit of "
+            f"{limit} tokens (max_position_embeddings of {model.config.name}): pass at most "
+            f"{limit}, or leave max_model_len unset for {min(limit, DEFAULT_MAX_MODEL_LEN)}"
+        )
     return config
 
 
@@ -41,7 +56,7 @@ def check_budget_fits(budget: int, device: torch.device, *, explicit: bool) -> N
         else "lower max_model_len or max_num_seqs (the default cache holds 2 x max_num_seqs x "
         "max_model_len tokens), or set cache_budget_bytes"
     )
-    raise EngineConfigError(
+    raise InsufficientMemoryError(
         f"the cache needs {budget / gib:.1f} GiB but the {device.type} device has "
         f"{free / gib:.1f} GiB free: {fix}"
     )
@@ -62,7 +77,6 @@ def plan_cache(
         live_requests=config.max_num_seqs,
         checkpoints=checkpoints,
     )
-    check_budget_fits(budget, device, explicit=config.cache_budget_bytes is not None)
     cache_config = CacheConfig(
         device_budget_bytes=budget,
         max_live_requests=config.max_num_seqs,
@@ -70,4 +84,91 @@ def plan_cache(
         checkpoint_policy=CheckpointPolicy(interval_pages=config.checkpoint_interval_pages),
         device=str(device),
     )
+    check_one_request_fits(cache_config, geometry, config)
+    check_budget_fits(budget, device, explicit=config.cache_budget_bytes is not None)
     return cache_config, geometry
+
+
+def _checkpoint_slots(rest: int, geometry: CacheGeometry) -> int:
+    """The checkpoint slots `CacheConfig.pool_sizes` carves from `rest` bytes past the live
+    slots when the engine leaves their number to it (its default checkpoint_fraction)."""
+    fraction = attrs.fields(CacheConfig).checkpoint_fraction.default
+    return int(rest * fraction) // geometry.kda_state_bytes
+
+
+def smallest_budget(geometry: CacheGeometry, config: EngineConfig) -> int:
+    """The smallest cache_budget_bytes that holds one request of max_model_len tokens: its
+    pages, beside what the cache takes first (a live KDA slot for each of max_num_seqs requests
+    plus a sink slot, a sink page, and the checkpoint slots: `config.checkpoint_slots`, or those
+    `CacheConfig.pool_sizes` carves from such a budget)."""
+    state, page = geometry.kda_state_bytes, geometry.mla_page_bytes
+    live = (config.max_num_seqs + 1) * state
+    pages = (config.max_pages_per_request + 1) * page  # and the sink page
+    if config.checkpoint_slots is not None:
+        return live + pages + config.checkpoint_slots * state
+    # With c checkpoint slots the bytes past the live slots must reach pages + c * state; c
+    # grows with those bytes, so try c = 0, 1, ... (the ranges of bytes giving each c follow
+    # one another: the first c that works gives the smallest budget).
+    fraction = attrs.fields(CacheConfig).checkpoint_fraction.default
+    slots = 0
+    while True:
+        rest = pages + slots * state
+        carved = _checkpoint_slots(rest, geometry)
+        if carved == slots:
+            return live + rest
+        if carved < slots:
+            # The fewest bytes from which the cache carves `slots` slots (more than `rest`).
+            low = math.ceil(slots * state / fraction)
+            while _checkpoint_slots(low - 1, geometry) >= slots:
+                low -= 1
+            while _checkpoint_slots(low, geometry) < slots:
+                low += 1
+            return live + low
+        slots += 1
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def check_one_request_fits(
+    cache_config: CacheConfig, geometry: CacheGeometry, config: EngineConfig
+) -> None:
+    """Refuse a budget that cannot hold one request of max_model_len tokens. Such a cache
+    takes requests and aborts each as it outgrows the cache (finish_reason "abort", nothing
+    raised): the issue's 300_000 bytes held 5 live KDA slots and 2 pages of 64 tokens (the sink
+    and one usable page), so every request past 64 tokens was aborted."""
+    need_pages = config.max_pages_per_request
+    try:
+        sizes = cache_config.pool_sizes(geometry)
+    except BudgetTooSmallError:
+        sizes = None
+    if sizes is not None and sizes.num_pages - 1 >= need_pages:
+        return
+    need = smallest_budget(geometry, config)
+    state, page = geometry.kda_state_bytes, geometry.mla_page_bytes
+    if config.checkpoint_slots is not None:
+        checkpoints = (
+            f"{_count(config.checkpoint_slots, 'checkpoint slot')} "
+            f"(checkpoint_slots={config.checkpoint_slots})"
+        )
+    else:
+        fraction = cache_config.checkpoint_fraction
+        carved = _checkpoint_slots(need - (config.max_num_seqs + 1) * state, geometry)
+        checkpoints = (
+            f"{_count(carved, 'checkpoint slot')} ({fraction:.0%} of the bytes past the live slots)"
+        )
+    holds = (
+        "not even the live slots and two pages"
+        if sizes is None
+        else f"{_count(sizes.num_pages - 1, 'page')} ({(sizes.num_pages - 1) * config.page_size} "
+        f"tokens) after {_count(sizes.num_checkpoint_slots, 'checkpoint slot')}"
+    )
+    raise EngineConfigError(
+        f"cache_budget_bytes={cache_config.device_budget_bytes} cannot hold one request of "
+        f"max_model_len={config.max_model_len} tokens: it needs {need_pages} pages of {page} "
+        f"bytes ({config.page_size} tokens each) beside {config.max_num_seqs + 1} live KDA "
+        f"slots of {state} bytes (max_num_seqs={config.max_num_seqs} and a sink), a sink page "
+        f"and {checkpoints}, at least {need} bytes in all, and this budget holds {holds}: "
+        f"raise cache_budget_bytes to {need} or more, or lower max_model_len or max_num_seqs"
+    )

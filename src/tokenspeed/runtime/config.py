@@ -9,6 +9,10 @@ from tokenspeed.sched.config import MAX_DECODE_BATCH_SIZE
 
 from .sampling_params import is_int
 
+# max_model_len when none is given: the model's limit, but no more than this (a checkpoint's
+# max_position_embeddings may be a million tokens, whose default cache would not fit anywhere).
+DEFAULT_MAX_MODEL_LEN = 8192
+
 
 class EngineConfigError(ValueError):
     """An engine configuration that cannot work; the message names the field."""
@@ -69,12 +73,17 @@ class EngineConfig:
     device: "auto" (CUDA when present) or a torch device string.
     page_size: tokens per cache page.
     cache_budget_bytes: device-tier bytes (None: room for max_num_seqs requests of max_model_len
-        tokens, twice over).
+        tokens, twice over). A budget that cannot hold one request of max_model_len tokens
+        (beside the live KDA slots of max_num_seqs requests and the checkpoint slots) is refused
+        when the engine is built: requests would be aborted as they outgrew it.
     checkpoint_slots: KDA checkpoint slots carved from the budget (None: 4 per request with the
         default budget, else a fraction of the budget).
     max_num_seqs: requests holding cache at once, also the largest decode batch (at most
         MAX_DECODE_BATCH_SIZE).
-    max_model_len: longest prompt + output.
+    max_model_len: longest prompt + output, at most the model's `max_position_embeddings`
+        (None: that limit, capped at DEFAULT_MAX_MODEL_LEN = 8192 tokens, whose default cache
+        fits the machines the engine is tested on; `Engine` resolves it from its model, see
+        `tokenspeed.runtime.cache_sizing.fit_config`).
     prefill_token_budget: new tokens per prefill forward.
     decode_batch_sizes: padded decode sizes (the CUDA graph sizes), strictly increasing and
         ending at max_num_seqs; default powers of two up to max_num_seqs.
@@ -101,7 +110,7 @@ class EngineConfig:
     cache_budget_bytes: int | None = field(default=None, validator=_positive)
     checkpoint_slots: int | None = field(default=None, validator=_positive)
     max_num_seqs: int = field(default=32, validator=[_positive, _at_most_max_decode_batch])
-    max_model_len: int = field(default=8192, validator=_positive)
+    max_model_len: int | None = field(default=None, validator=_positive)
     prefill_token_budget: int = field(default=8192, validator=_positive)
     decode_batch_sizes: tuple[int, ...] | None = field(default=None, converter=_optional_sizes)
     l2: str = "local"
@@ -159,6 +168,11 @@ class EngineConfig:
 
     @property
     def max_pages_per_request(self) -> int:
+        if self.max_model_len is None:
+            raise EngineConfigError(
+                "EngineConfig.max_model_len is None (the model's limit) until an engine resolves "
+                "it against its model: read engine.config, or pass max_model_len"
+            )
         return -(-self.max_model_len // self.page_size)
 
     def evolve(self, **changes) -> EngineConfig:

@@ -42,7 +42,9 @@ class RequestMetrics:
 class RequestOutput:
     """The state of one request after an engine step (or at the end of `LLM.generate`).
 
-    `outputs[0]` holds the generated tokens; `token_ids` / `text` are shortcuts to it.
+    `outputs` holds the generated sequences: one for an engine request, the prompt's `n`
+    completions (`outputs[k].index == k`) from `LLM.generate`. `token_ids` / `text` are
+    shortcuts to `outputs[0]`.
     """
 
     request_id: object

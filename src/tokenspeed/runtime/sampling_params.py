@@ -50,7 +50,17 @@ class SamplingParams:
     (not included in it); stop_token_ids: token ids that end it (included in token_ids, like
     EOS). ignore_eos keeps generating past the model's EOS. seed makes a sampled request
     reproducible whatever it is batched with. logprobs: also return the log-probability of each
-    sampled token and of the top `logprobs`.
+    sampled token (from the model's logits, before penalties, temperature and filters, as vLLM's
+    default) and of the top `logprobs`.
+
+    As in vLLM: n: completions per prompt (`LLM.generate` returns them in one `RequestOutput`;
+    completion i of a seeded request uses seed + i; an `Engine` request is one completion).
+    presence_penalty, frequency_penalty in [-2, 2]: subtracted from the logit of each token
+    already in the output, once (presence) and once per occurrence (frequency). repetition_penalty
+    > 0 (1.0: off): the logit of each token in the prompt or the output is divided by it when
+    positive, multiplied by it otherwise. min_tokens: until the output has that many tokens, EOS
+    (even with ignore_eos) and stop_token_ids cannot be sampled, and no stop string ends it (a
+    stop string counts once it ends in the text of a later token).
     """
 
     temperature: float = 1.0
@@ -62,6 +72,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:
         _check(
@@ -96,10 +111,39 @@ class SamplingParams:
             self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
             f"SamplingParams.logprobs must be None or an int >= 0, got {self.logprobs!r}",
         )
+        _check(
+            is_int(self.n) and self.n >= 1,
+            f"SamplingParams.n must be an int >= 1, got {self.n!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _finite(value) and -2 <= value <= 2,
+                f"SamplingParams.{name} must be a number in [-2, 2], got {value!r}",
+            )
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "SamplingParams.repetition_penalty must be a finite number > 0 (1.0: off), "
+            f"got {self.repetition_penalty!r}",
+        )
+        _check(
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            f"SamplingParams.min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+            f"got {self.min_tokens!r}",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether presence, frequency or repetition penalties change this request's logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     def evolve(self, **changes) -> SamplingParams:
         return attrs.evolve(self, **changes)

@@ -17,6 +17,10 @@ class StopChecker:
     EOS and stop token ids stay in token_ids but not in the text; a stop string ends the output
     and is cut from the text. Both keep the text incrementally (`Detokenizer`): a step decodes
     the new tokens and a few before them, not the whole output.
+
+    min_tokens (as vLLM): nothing ends the first min_tokens tokens of the output; a stop string
+    then counts only where it ends in the text of a later token (it may start before), and the
+    text is cut at the first such occurrence, not at one inside the first tokens' text.
     """
 
     def __init__(
@@ -35,10 +39,21 @@ class StopChecker:
         # to `_searched` characters; the settled text never changes, so this is never redone.
         self._in_settled: dict[str, int | None] = dict.fromkeys(params.stop)
         self._searched = 0
+        self._min_tokens = params.min_tokens
+        # min_tokens: a stop string counts only where it ends past this index of the text (the
+        # length of the text of the first min_tokens tokens).
+        self._floor = 0
 
     def check(self, output_ids: Sequence[int]) -> str | int | None:
         """The stop reason (a token id or a stop string) if the output just ended, else None.
         Called once per new token, in order."""
+        if len(output_ids) <= self._min_tokens:
+            if self.params.stop:  # follow the text, so that later checks start past it
+                detok = self._detok
+                detok.update(output_ids)
+                self._checked_len, self._checked_settled = len(detok), len(detok.settled)
+                self._floor = len(detok)
+            return None
         last = output_ids[-1]
         if last in self.stop_ids:
             return last
@@ -58,8 +73,12 @@ class StopChecker:
             start = max(0, known - self._longest_stop + 1)
             self._checked_len, self._checked_settled = len(detok), len(detok.settled)
             tail = detok.text_from(start)
+            floor = self._floor
             for stop in self.params.stop:
-                if stop in tail:
+                if floor:
+                    if tail.find(stop, max(0, floor - len(stop) + 1 - start)) >= 0:
+                        return stop
+                elif stop in tail:
                     return stop
         return None
 
@@ -67,10 +86,12 @@ class StopChecker:
         """The output's text: a final stop token id left out, cut where a stop string starts
         (the stop strings taken in order, each cutting what the ones before it left)."""
         end = len(output_ids)
-        if end and output_ids[-1] in self.stop_ids:
+        if end > self._min_tokens and output_ids[-1] in self.stop_ids:
             end -= 1
         self._detok.update(output_ids, end)
         text = self._detok.text
+        if end <= self._min_tokens:  # no stop string cuts the first min_tokens tokens' text
+            return text
         limit = len(text)
         for stop, at in self._first_stops():
             # A string's first occurrence in text[:limit], if any, is its first in the text.
@@ -81,17 +102,20 @@ class StopChecker:
     def _first_stops(self) -> Iterator[tuple[str, int | None]]:
         """Each stop string with the index of its first occurrence in the text (None: none)."""
         settled, tail = self._detok.settled, self._detok.tail
+        floor = self._floor  # occurrences must end past it (min_tokens), so start from here on
         if len(settled) < self._searched:  # the detokenizer fell back to full decodes
             self._in_settled, self._searched = dict.fromkeys(self.params.stop), 0
         if len(settled) > self._searched:
             for stop, at in self._in_settled.items():
                 if at is None:
-                    found = settled.find(stop, max(0, self._searched - len(stop) + 1))
+                    lo = max(0, self._searched - len(stop) + 1, floor - len(stop) + 1)
+                    found = settled.find(stop, lo)
                     self._in_settled[stop] = found if found >= 0 else None
             self._searched = len(settled)
         for stop, at in self._in_settled.items():
             if at is None and tail:  # one that ends in the tail, which may still change
-                edge = max(0, len(settled) - len(stop) + 1)
-                found = (settled[edge:] + tail).find(stop)
-                at = edge + found if found >= 0 else None
+                edge = max(0, len(settled) - len(stop) + 1, floor - len(stop) + 1)
+                base = min(edge, len(settled))
+                found = (settled[base:] + tail).find(stop, edge - base)
+                at = base + found if found >= 0 else None
             yield stop, at

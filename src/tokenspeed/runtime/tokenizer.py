@@ -85,7 +85,10 @@ class HFTokenizer:
     def __init__(self, path: Path, eos_token_ids: Sequence[int]):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(str(path))
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a corrupt file
+            raise TokenizerError(_unreadable(path, exc)) from exc
         self.eos_token_ids = tuple(eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
@@ -175,24 +178,48 @@ class TiktokenTokenizer:
         import tiktoken
 
         ranks = {}
-        for line in (root / "tiktoken.model").read_bytes().splitlines():
+        model = root / "tiktoken.model"
+        for number, line in enumerate(model.read_bytes().splitlines(), 1):
             if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
+                try:
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token, validate=True)] = int(rank)
+                except ValueError as exc:  # binascii.Error is a ValueError
+                    raise TokenizerError(
+                        _unreadable(model, f"line {number} is not 'base64-token rank': {exc}")
+                    ) from exc
         config = {}
-        if (root / "tokenizer_config.json").is_file():
-            config = json.loads((root / "tokenizer_config.json").read_text())
+        config_path = root / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_bytes())
+            except ValueError as exc:
+                raise TokenizerError(_unreadable(config_path, exc)) from exc
+            if not isinstance(config, dict):
+                raise TokenizerError(_unreadable(config_path, "not a JSON object"))
         pattern = config.get("pat_str")
         for module in sorted(root.glob("tokenization_*.py")):
-            pattern = pattern or read_pat_str(module.read_text())
+            try:
+                pattern = pattern or read_pat_str(module.read_text())
+            except (SyntaxError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+                raise TokenizerError(_unreadable(module, f"not Python source ({exc})")) from exc
         if not pattern:
             raise TokenizerError(
                 f"{root}: tiktoken.model needs a split pattern: a pat_str in tokenizer_config.json "
                 "or in a tokenization_*.py next to it"
             )
-        named = {
-            entry["content"]: int(i) for i, entry in config.get("added_tokens_decoder", {}).items()
-        }
+        try:
+            named = {
+                entry["content"]: int(i)
+                for i, entry in config.get("added_tokens_decoder", {}).items()
+            }
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise TokenizerError(
+                _unreadable(
+                    config_path,
+                    f"added_tokens_decoder must map ids to {{'content': ...}} ({exc!r})",
+                )
+            ) from exc
         taken = set(named.values())
         base = len(ranks)
         special = dict(named)
@@ -206,13 +233,21 @@ class TiktokenTokenizer:
         self._ordinary_ids = frozenset(ranks.values())
         self.eos_token_ids = tuple(eos_token_ids)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in it (`<|im_start|>`, ...) are plain text
+        unless `allow_special` (a rendered chat template's are meant as the tokens)."""
+        if allow_special:
+            return self._enc.encode(text, allowed_special="all")
         return self._enc.encode(text, disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
         """Special tokens and ids the encoding does not have (a model's vocabulary is often
         padded past its tokenizer's) render as nothing, as with the other tokenizers."""
         return self._enc.decode([i for i in ids if i in self._ordinary_ids])
+
+
+def _unreadable(path: Path, cause) -> str:
+    return f"{path} cannot be read as a tokenizer: {cause}"
 
 
 def load_tokenizer(path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer | None:
