@@ -34,9 +34,13 @@ def make_engine(model, rng: random.Random, l2=None, tight: float = 0.6) -> Engin
     )
     if rng.random() < tight:  # a device tier of a few requests' worth: preemption and eviction
         slots = rng.randint(4, 12)
+        pages = rng.randint(16, 30)
+        # max_model_len at most what the cache holds: the engine refuses a cache that cannot
+        # hold one request of max_model_len tokens.
+        options["max_model_len"] = min(options["max_model_len"], pages * PAGE)
         options["cache_budget_bytes"] = CacheConfig.budget_for(
             cache_geometry(model, PAGE),
-            pages=rng.randint(16, 30),
+            pages=pages,
             live_requests=seqs,
             checkpoints=slots,
         )
@@ -167,9 +171,10 @@ class Scenario:
                     self.failed.add(out.request_id)
 
 
-# The device calls `inject_failures` makes fail: the runner's, of a step; the cache storage's, of
-# an admission.
-STEP_CALLS = ("forward", "decode", "read_live_state", "write_checkpoint")
+# The device calls `inject_failures` makes fail: the runner's forwards and the port's KDA state
+# copies (the state keeper's), of a step; the cache storage's, of an admission.
+STEP_CALLS = ("forward", "decode")
+STATE_COPY_CALLS = ("read_live_state", "write_checkpoint_state")
 ADMISSION_CALLS = ("zero_live", "restore_checkpoint", "page_load_steps", "state_load_steps")
 
 
@@ -187,6 +192,7 @@ def inject_failures(
     targets = []
     if "step" in kinds:
         targets += [(engine.runner, name) for name in STEP_CALLS]
+        targets += [(engine.port, name) for name in STATE_COPY_CALLS]
     if "admission" in kinds:
         targets += [(engine.cache.storage, name) for name in ADMISSION_CALLS]
     for owner, name in targets:

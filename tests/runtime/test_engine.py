@@ -76,6 +76,7 @@ def test_preemption_under_a_tiny_cache_loses_nothing(tiny, decode_steps):
     budget = CacheConfig.budget_for(geometry, pages=14, live_requests=4, checkpoints=16)
     engine = small_engine(
         tiny,
+        max_model_len=14 * 16,
         cache_budget_bytes=budget,
         checkpoint_slots=16,
         max_preemptions=50,
@@ -96,7 +97,12 @@ def _replay(model, l2, decode_steps=1):
     geometry = cache_geometry(model, 16)
     budget = CacheConfig.budget_for(geometry, pages=9, live_requests=4, checkpoints=3)
     engine = small_engine(
-        model, cache_budget_bytes=budget, checkpoint_slots=3, l2=l2, decode_steps=decode_steps
+        model,
+        max_model_len=9 * 16,
+        cache_budget_bytes=budget,
+        checkpoint_slots=3,
+        l2=l2,
+        decode_steps=decode_steps,
     )
     sessions = {s: tokens(30 + 7 * s, seed=200 + s) for s in range(3)}
     outputs = []
@@ -270,8 +276,9 @@ def test_a_cache_larger_than_the_free_memory_is_refused_before_allocating(tiny):
     a figure past the machine's free memory is a clear error, not an allocation the kernel
     kills the process for."""
     config = EngineConfig(device="cpu", max_model_len=10**11, max_num_seqs=4, page_size=16)
+    long = type(tiny)(tiny.config.evolve(max_position_embeddings=10**11))
     with pytest.raises(EngineConfigError, match=r"GiB .* free"):
-        Engine(tiny, None, config)
+        Engine(long, None, config)
     with pytest.raises(EngineConfigError, match="cache_budget_bytes"):
         Engine(tiny, None, EngineConfig(device="cpu", cache_budget_bytes=1 << 60))
 
@@ -442,7 +449,13 @@ def test_a_request_preempted_by_a_failed_step_and_then_aborted_is_not_resumed(ti
     and its id could never be used again."""
     geometry = cache_geometry(tiny, 16)
     budget = CacheConfig.budget_for(geometry, pages=14, live_requests=4, checkpoints=16)
-    engine = small_engine(tiny, cache_budget_bytes=budget, checkpoint_slots=16, max_preemptions=50)
+    engine = small_engine(
+        tiny,
+        max_model_len=14 * 16,
+        cache_budget_bytes=budget,
+        checkpoint_slots=16,
+        max_preemptions=50,
+    )
     free = engine.cache.available_pages
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i, n in enumerate((50, 40, 45, 30)):

@@ -136,7 +136,7 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
 
     from tokenspeed.runtime import StepError
 
-    from .scenarios import ADMISSION_CALLS, STEP_CALLS, inject_failures
+    from .scenarios import ADMISSION_CALLS, STATE_COPY_CALLS, STEP_CALLS, inject_failures
 
     model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to(
         "cuda", torch.float32
@@ -175,6 +175,8 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
     # The same engine, failures off, serves a request to its end with its graphs.
     for name in STEP_CALLS:
         del vars(engine.runner)[name]  # the runner's own methods again
+    for name in STATE_COPY_CALLS:
+        del vars(engine.port)[name]
     for name in ADMISSION_CALLS:
         del vars(engine.cache.storage)[name]
     engine.add_request(

@@ -8,7 +8,7 @@ from tokenspeed.sched.request import RequestState
 P = 16
 
 
-def _sched(*, budget=128, pages=1000, sizes=(1, 2, 4, 8)):
+def _sched(*, budget=128, pages=1000, sizes=(1, 2, 4, 8), on_preempt=None):
     cache = FakeCache(page_size=P, num_pages=pages)
     cfg = SchedulerConfig(
         page_size=P,
@@ -16,7 +16,7 @@ def _sched(*, budget=128, pages=1000, sizes=(1, 2, 4, 8)):
         checkpoint_interval_pages=4,
         decode_batch_sizes=sizes,
     )
-    return AggregatedScheduler(cfg, cache), cache
+    return AggregatedScheduler(cfg, cache, save_state_on_preempt=on_preempt), cache
 
 
 def test_prefill_joins_decode_without_transfer_and_shares_the_budget():
@@ -163,3 +163,17 @@ def test_a_second_live_request_under_one_id_is_refused_at_add():
     with pytest.raises(ValueError, match="already queued or running"):
         sched.add(make_request("a", 20))
     assert sched.schedule().decode.requests == (a,)
+
+
+def test_a_preempted_row_behind_its_live_state_is_saved_through_the_constructor_callback():
+    """The callback given at construction writes a preempted row's turn end when the live state
+    has moved past its last full page (the engine passes its state keeper's `save_state`)."""
+    saved = []
+    sched, cache = _sched(on_preempt=lambda req, pos, slot: saved.append((req.rid, pos, slot)))
+    d = make_request("d", 16, max_new_tokens=40)
+    sched.add(d)
+    while d.num_computed < 35:  # joins decoding at 16; 35 is past the page boundary at 32
+        sched.complete(sched.schedule())
+    assert sched.decode.preempt("d") is d and d.state is RequestState.WAITING
+    assert [(rid, pos) for rid, pos, _ in saved] == [("d", 32)]
+    assert ("d", 32, True, False) in cache.kinds  # a turn end, its state not from the live slot

@@ -8,7 +8,9 @@ from tokenspeed.sched.request import RequestState
 P = 16
 
 
-def _sched(*, pages=1000, sizes=(1, 2, 4, 8), reserve=0, disaggregated=True, max_preempt=8):
+def _sched(
+    *, pages=1000, sizes=(1, 2, 4, 8), reserve=0, disaggregated=True, max_preempt=8, on_preempt=None
+):
     cache = FakeCache(page_size=P, num_pages=pages)
     cfg = SchedulerConfig(
         page_size=P,
@@ -18,7 +20,10 @@ def _sched(*, pages=1000, sizes=(1, 2, 4, 8), reserve=0, disaggregated=True, max
         decode_reserve_pages=reserve,
         max_preemptions=max_preempt,
     )
-    return DecodeScheduler(cfg, cache, disaggregated=disaggregated), cache
+    sched = DecodeScheduler(
+        cfg, cache, disaggregated=disaggregated, save_state_on_preempt=on_preempt
+    )
+    return sched, cache
 
 
 def _prefilled(rid, prompt, new, **kw):
@@ -236,16 +241,14 @@ def test_a_failing_state_copy_at_a_finish_leaves_the_row_to_abort():
 
 
 def test_a_preemption_that_cannot_save_its_state_aborts_the_victim():
-    sched, cache = _sched()
+    def failing(req, pos, slot):
+        raise RuntimeError("copy failed")
+
+    sched, cache = _sched(on_preempt=failing)
     a, b = _prefilled("a", 40, 30), _prefilled("b", 40, 30)
     _join(sched, a, b)
     for _ in range(9):  # 49 tokens computed: the last full page ends at 48, behind the live state
         sched.complete(sched.schedule())
-
-    def failing(req, pos, slot):
-        raise RuntimeError("copy failed")
-
-    sched.save_state_on_preempt = failing
     assert sched.preempt("b") is b
     assert b.state is RequestState.ABORTED and "could not save its state" in b.abort_reason
     assert sched.aborted == [b] and sched.preempted == [] and not cache.holds("b")

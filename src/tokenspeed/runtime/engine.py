@@ -16,20 +16,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import time
 from collections.abc import Hashable, Sequence
 
-import attrs
 import torch
 
-from tokenspeed.cache import (
-    CacheManager,
-    CheckpointKind,
-    HostCache,
-    KeyChain,
-    LocalHostCache,
-)
+from tokenspeed.cache import CacheManager, HostCache, KeyChain, LocalHostCache
 from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import AggregatedScheduler, Request, SchedulerConfig
 from tokenspeed.sched.cache_adapter import CacheManagerPort
@@ -37,19 +29,20 @@ from tokenspeed.sched.cache_adapter import CacheManagerPort
 from .cache_sizing import fit_config, plan_cache
 from .config import EngineConfig
 from .device import apply_cpu_threads, resolve_device
+from .graphs import DecodeGraphConfig
+from .kda_keeper import KdaStateKeeper
 from .metrics import EngineMetrics
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .runner import ModelRunner
+from .outputs import RequestMetrics, RequestOutput
+from .request_record import RequestError, RequestRecord, check_prompt
+from .runner import DevicePools, ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .stop import StopChecker
 from .tokenizer import Tokenizer
 
+__all__ = ["Engine", "RequestError", "StepError"]
+
 logger = logging.getLogger("tokenspeed.runtime")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; raised before any work starts for it."""
 
 
 class StepError(RuntimeError):
@@ -61,36 +54,16 @@ class StepError(RuntimeError):
         self.aborted = aborted
 
 
-@attrs.define(eq=False)
-class _Record:
-    """The engine's side of one request: its tokens, keys and outputs."""
-
-    rid: Hashable
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    sched: Request
-    chain: KeyChain
-    stop: StopChecker
-    metrics: RequestMetrics
-    output_ids: list[int] = attrs.Factory(list)
-    logprobs: list[float] = attrs.Factory(list)
-    top_logprobs: list[list[tuple[int, float]]] = attrs.Factory(list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    abort_reason: str | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-
 class Engine:
     """One rank serving requests step by step: scheduler, two-tier cache, runner and sampler.
 
     The engine takes the model over: it moves it to `config.device` and into eval mode in place
     (as `nn.Module.to` does; no copy is made, so a model too big for two copies still fits), and
     on CUDA runs its shared experts on a second stream. Engines on one device may share a model.
+
+    The engine reaches its cache only through `port` (as the scheduler and the KDA state keeper
+    do); the runner reads the device pools through a `DevicePools` view. `cache`, the manager
+    itself, is there for tests and tools that inspect it (occupancy, integrity).
     """
 
     def __init__(
@@ -114,6 +87,7 @@ class Engine:
         self.l2 = l2
         self.cache = CacheManager(geometry, cache_config, l2=l2)
         self.port = CacheManagerPort(self.cache)
+        self.keeper = KdaStateKeeper(self.port)
         sizes = config.graph_sizes
         self.scheduler = AggregatedScheduler(
             SchedulerConfig(
@@ -125,33 +99,23 @@ class Engine:
                 max_preemptions=config.max_preemptions,
             ),
             self.port,
+            save_state_on_preempt=self.keeper.save_state,
         )
-        self.scheduler.decode.save_state_on_preempt = self._save_state
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        graphs = None
         if self.device.type == "cuda":
-            from .graphs import DecodeGraphs
-
             # Eager mode runs the same padded steps without capturing them, so that the two
             # modes compute identical numbers.
-            self.runner.graphs = DecodeGraphs(
-                self.runner,
-                sizes,
-                config.max_pages_per_request,
-                capture=config.enable_cuda_graph,
+            graphs = DecodeGraphConfig(
+                sizes, config.max_pages_per_request, capture=config.enable_cuda_graph
             )
+        self.runner = ModelRunner(self.model, DevicePools(self.cache), self.device, graphs)
         self.sampler = Sampler(
             seed=config.seed, device=self.device, eos_token_ids=model.config.eos_token_ids
         )
         self.metrics = EngineMetrics()
-        self._records: dict[Hashable, _Record] = {}
-        # KDA states at positions inside a step (prefill cuts, decode page crossings) that the
-        # scheduler may ask to turn into checkpoints: (rid, position) -> (conv, recurrent).
-        self._stash: dict[tuple[Hashable, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # A decoding request's state at its last page boundary when the cache had no checkpoint
-        # slot for it (a rolling checkpoint normally holds it): rid -> (position, state).
-        self._boundary: dict[Hashable, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._records: dict[Hashable, RequestRecord] = {}
         self._eos = tuple(model.config.eos_token_ids)
-        self._aborted: list[_Record] = []  # aborted by the caller; reported at the next step
+        self._aborted: list[RequestRecord] = []  # aborted by the caller; reported at the next step
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -168,40 +132,21 @@ class Engine:
             raise RequestError(f"request {request_id!r}: params must be SamplingParams")
         if request_id in self._records:
             raise RequestError(f"request id {request_id!r} is already in use")
-        try:  # ints, numpy ints, one-element integer tensors; not floats or strings
-            ids = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise RequestError(
-                f"request {request_id!r}: prompt token ids must be a sequence of integers"
-            ) from None
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise RequestError(f"request {request_id!r}: the prompt is empty")
-        bad = sorted({t for t in ids if not 0 <= t < vocab})
-        if bad:
-            raise RequestError(
-                f"request {request_id!r}: token ids {bad[:8]} are outside the vocabulary "
-                f"[0, {vocab})"
-            )
         limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise RequestError(
-                f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room under "
-                f"max_model_len={limit}"
-            )
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise RequestError(
-                f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary "
-                f"({vocab} tokens)"
-            )
-        if params.stop and self.tokenizer is None:
-            raise RequestError(f"request {request_id!r}: stop strings need a tokenizer")
+        ids = check_prompt(
+            request_id,
+            prompt_token_ids,
+            params,
+            vocab_size=self.model.config.vocab_size,
+            max_model_len=limit,
+            has_tokenizer=self.tokenizer is not None,
+        )
         chain = KeyChain(self.config.page_size)
         chain.append_tokens(ids)
         max_new = min(params.max_tokens, limit - len(ids))
         sched = Request(request_id, len(ids), max_new, keys=chain.keys, session=session)
         now = time.monotonic()
-        record = _Record(
+        record = RequestRecord(
             rid=request_id,
             prompt=prompt,
             prompt_ids=ids,
@@ -226,7 +171,7 @@ class Engine:
         if record is None or record.finish_reason is not None:
             return False
         self.scheduler.abort(request_id, reason)
-        self._finish(record, "abort", abort_reason=reason)
+        record.finish("abort", abort_reason=reason)
         self._aborted.append(record)
         return True
 
@@ -251,7 +196,7 @@ class Engine:
         nothing happened. The step raises `StepError`, naming the aborted requests (an interrupt,
         such as KeyboardInterrupt, aborts the batch the same way and is raised as it is)."""
         plan = self.scheduler.schedule(max_decode_steps=self.config.decode_steps)
-        moved: dict[Hashable, _Record] = {r.rid: r for r in self._aborted}
+        moved: dict[Hashable, RequestRecord] = {r.rid: r for r in self._aborted}
         self._aborted.clear()
         try:
             return self._step(plan, moved)
@@ -263,9 +208,9 @@ class Engine:
                 f"step failed ({exc!r}); {len(aborted)} requests of its batch aborted", aborted
             ) from exc
 
-    def _step(self, plan, moved: dict[Hashable, _Record]) -> list[RequestOutput]:
+    def _step(self, plan, moved: dict[Hashable, RequestRecord]) -> list[RequestOutput]:
         finished: set[Hashable] = set()
-        self._stash.clear()
+        self.keeper.clear_stash()
         start = time.monotonic()
         steps = 1
         if plan.prefill is not None:
@@ -276,7 +221,7 @@ class Engine:
             self._run_decode(plan.decode, moved, finished)
         if not plan.empty:
             if steps == 1:
-                self.scheduler.complete(plan, finished=finished, save_state=self._save_state)
+                self.scheduler.complete(plan, finished=finished, save_state=self.keeper.save_state)
             self.metrics.record_step(plan, time.monotonic() - start, steps)
         for req in self.scheduler.take_preempted():
             record = self._records.get(req.rid)
@@ -289,11 +234,11 @@ class Engine:
         for req in self.scheduler.take_aborted():
             record = self._records[req.rid]
             if record.finish_reason is None:
-                self._finish(record, "abort", abort_reason=req.abort_reason)
+                record.finish("abort", abort_reason=req.abort_reason)
                 moved[req.rid] = record
         for record in list(moved.values()):
             if record.finish_reason is None and record.sched.done:
-                self._finish(record, "length")
+                record.finish("length")
         self.metrics.queue_depth = len(self.scheduler.prefill.waiting)
         outputs = [self._output(r) for r in moved.values()]
         for record in moved.values():
@@ -306,11 +251,13 @@ class Engine:
                     self.metrics.record_finished(
                         m.first_token_time, m.last_token_time, len(record.output_ids)
                     )
-                self._boundary.pop(record.rid, None)
+                self.keeper.forget(record.rid)
                 self.sampler.forget(record.rid)
         return outputs
 
-    def _abort_batch(self, plan, moved: dict[Hashable, _Record], reason: str) -> list[Hashable]:
+    def _abort_batch(
+        self, plan, moved: dict[Hashable, RequestRecord], reason: str
+    ) -> list[Hashable]:
         """After a failed step: abort the requests of its batch that the scheduler still holds,
         and leave everything the step would have reported (those aborts, the aborts it was to
         deliver, requests that moved or ended before the failure) for the next step."""
@@ -322,10 +269,10 @@ class Engine:
             if record is None or req.done:
                 continue  # ended (and released) before the failure: its output still comes
             self.scheduler.abort(req.rid, reason)
-            self._finish(record, "abort", abort_reason=reason)
+            record.finish("abort", abort_reason=reason)
             moved[req.rid] = record
             aborted.append(req.rid)
-        self._stash.clear()
+        self.keeper.clear_stash()
         pending = {r.rid for r in self._aborted}
         self._aborted.extend(r for r in moved.values() if r.rid not in pending)
         return aborted
@@ -351,17 +298,14 @@ class Engine:
             tokens, prefixes, sample_rows = [], [], []
             for j, i in enumerate(rows):
                 lo, hi = pieces[i][round_]
-                tokens.append(self._records[chunks[i].request.rid].all_ids[lo:hi])
+                tokens.append(self._records[chunks[i].request.rid].tokens[lo:hi])
                 prefixes.append(lo)
                 if round_ == len(pieces[i]) - 1 and chunks[i].is_last:
                     sample_rows.append(j)
             logits = self.runner.forward(tokens, prefixes, handles, logits_rows=sample_rows)
-            for j, i in enumerate(rows):
-                lo, hi = pieces[i][round_]
+            for i in rows:
                 if round_ < len(pieces[i]) - 1:  # ended at an interior checkpoint
-                    self._stash[(chunks[i].request.rid, hi)] = self.runner.read_live_state(
-                        handles[j]
-                    )
+                    self.keeper.stash(chunks[i].request.rid, pieces[i][round_][1])
             if sample_rows:
                 records = [self._records[chunks[rows[j]].request.rid] for j in sample_rows]
                 self._sample(records, logits, moved, finished)
@@ -370,14 +314,11 @@ class Engine:
         records = [self._records[r.rid] for r in batch.requests]
         handles = [self.port.handle(r.rid) for r in batch.requests]
         prefixes = [r.sched.num_computed for r in records]
-        tokens = [r.all_ids[n] for r, n in zip(records, prefixes, strict=True)]
+        tokens = [r.tokens[n] for r, n in zip(records, prefixes, strict=True)]
         logits = self.runner.decode(tokens, prefixes, handles)
         # A row whose history now ends on a page boundary keeps its KDA state there: the turn's
         # end will be checkpointed at its last full page.
-        page = self.config.page_size
-        for record, handle, n in zip(records, handles, prefixes, strict=True):
-            if (n + 1) % page == 0:
-                self._keep_boundary(record, handle, n + 1)
+        self.keeper.decoded([r.rid for r in records], prefixes)
         self._sample(records, logits, moved, finished)
 
     def _run_decode_steps(self, plan, moved) -> int:
@@ -393,10 +334,7 @@ class Engine:
         handles = [self.port.handle(r.rid) for r in batch.requests]
         params, rids = [r.params for r in records], [r.rid for r in records]
         base = [r.sched.num_computed for r in records]
-        page = self.config.page_size
-        tokens: list[int] | torch.Tensor = [
-            r.all_ids[n] for r, n in zip(records, base, strict=True)
-        ]
+        tokens: list[int] | torch.Tensor = [r.tokens[n] for r, n in zip(records, base, strict=True)]
         samples, crossings = [], []
         last = [r.metrics.last_token_time for r in records]
         counts = [len(r.output_ids) for r in records]
@@ -405,13 +343,7 @@ class Engine:
             logits = self.runner.decode(tokens, prefixes, handles)
             # A row whose history now ends on a page boundary: its state there is copied now;
             # the checkpoint is taken once the page's tokens (sampled in this run) are known.
-            crossings.append(
-                [
-                    (i, n + 1, self.runner.read_live_state(handles[i]))
-                    for i, n in enumerate(prefixes)
-                    if (n + 1) % page == 0
-                ]
-            )
+            crossings.append(self.keeper.crossings(rids, prefixes))
             samples.append(self.sampler.sample(logits, params, rids))
             tokens = samples[-1].tokens
         sampled = torch.stack([out.tokens for out in samples]).tolist()  # the one wait
@@ -421,14 +353,14 @@ class Engine:
                 self.port.sync_keys(records[i].sched)
             for i, position, state in crossings[j]:
                 if records[i].finish_reason is None:
-                    self._keep_boundary(records[i], handles[i], position, state)
+                    self.keeper.keep_boundary(rids[i], position, state)
             finished: set[Hashable] = set()
             rows = [records[i] for i in alive]
             self._accept(
                 rows, [sampled[j][i] for i in alive], out, alive, moved, finished, itl=False
             )
             self.scheduler.complete(
-                plan, finished=finished, save_state=self._save_state, live_state=False
+                plan, finished=finished, save_state=self.keeper.save_state, live_state=False
             )
             alive = [i for i in alive if records[i].finish_reason is None]
         # The run's tokens reached the host together: each gets an equal share of the time since
@@ -442,23 +374,7 @@ class Engine:
                 self.metrics.record_itl((m.last_token_time - prev) / new)
         return batch.steps
 
-    def _keep_boundary(self, record: _Record, handle, position: int, state=None) -> None:
-        """A rolling checkpoint where the row's history ends on a page boundary. state: a copy
-        of the row's state taken when it was there (multi-step runs); None: its live state is
-        there now. With no checkpoint slot to spare the engine keeps the state itself, for the
-        turn-end checkpoint."""
-        slot = self.cache.checkpoint(
-            handle, position, kind=CheckpointKind.ROLLING, from_live=state is None
-        )
-        if slot is not None and state is not None:
-            self._write_checkpoint(handle, position, slot, state)
-        if self.cache.has_checkpoint(handle, position):
-            self._boundary.pop(record.rid, None)
-        else:
-            kept = self.runner.read_live_state(handle) if state is None else state
-            self._boundary[record.rid] = (position, kept)
-
-    def _sample(self, records: list[_Record], logits: torch.Tensor, moved, finished) -> None:
+    def _sample(self, records: list[RequestRecord], logits: torch.Tensor, moved, finished) -> None:
         out = self.sampler.sample(logits, [r.params for r in records], [r.rid for r in records])
         rows = range(len(records))
         self._accept(records, out.tokens.tolist(), out, rows, moved, finished)
@@ -469,8 +385,7 @@ class Engine:
         the caller records the inter-token latencies (a multi-step run)."""
         now = time.monotonic()
         for record, token, i in zip(records, tokens, rows, strict=True):
-            record.output_ids.append(token)
-            record.chain.append_tokens([token])
+            record.append(token)
             if out.logprobs is not None and record.params.logprobs is not None:
                 record.logprobs.append(float(out.logprobs[i]))
                 record.top_logprobs.append(out.top_logprobs[i])
@@ -495,42 +410,16 @@ class Engine:
             elif len(record.output_ids) >= record.sched.max_new_tokens:
                 record.finish_reason = "length"
 
-    def _save_state(self, req: Request, position: int, slot: int) -> None:
-        state = self._stash.get((req.rid, position))
-        kept = self._boundary.get(req.rid)
-        if state is None and kept is not None and kept[0] == position:
-            state = kept[1]
-        handle = self.port.handle(req.rid)
-        if state is None:
-            self.cache.discard_checkpoint(handle, position, slot)
-            raise RuntimeError(f"no KDA state kept for request {req.rid!r} at position {position}")
-        self._write_checkpoint(handle, position, slot, state)
-
-    def _write_checkpoint(self, handle, position: int, slot: int, state) -> None:
-        """Write a checkpoint's state into the slot the cache handed out; if the write fails,
-        the checkpoint is withdrawn, so no request ever starts from a state never written."""
-        try:
-            self.runner.write_checkpoint(slot, state)
-        except BaseException:
-            self.cache.discard_checkpoint(handle, position, slot)
-            raise
-
-    def _abort_on_tokenizer_error(self, record: _Record, doing: str, exc: Exception) -> None:
+    def _abort_on_tokenizer_error(self, record: RequestRecord, doing: str, exc: Exception) -> None:
         """End `record` aborted because the tokenizer failed on its tokens; a running request
         also leaves the scheduler (a finishing one is released by the step as it is)."""
         reason = f"tokenizer failed {doing}: {exc!r}"
         logger.error("request %r: %s", record.rid, reason, exc_info=exc)
         if record.finish_reason is None and not record.sched.done:
             self.scheduler.abort(record.rid, reason)
-        self._finish(record, "abort", abort_reason=reason)
+        record.finish("abort", abort_reason=reason)
 
-    def _finish(self, record: _Record, reason: str, abort_reason: str | None = None) -> None:
-        if record.finish_reason is None or reason == "abort":
-            record.finish_reason = reason
-        record.abort_reason = abort_reason
-        record.metrics.finished_time = time.monotonic()
-
-    def _output(self, record: _Record) -> RequestOutput:
+    def _output(self, record: RequestRecord) -> RequestOutput:
         try:
             text = record.stop.text(record.output_ids) if self.tokenizer is not None else ""
         except Exception as exc:
@@ -538,28 +427,7 @@ class Engine:
             # raising here would fail every later step too, as they report it again.
             text = ""
             self._abort_on_tokenizer_error(record, "rendering its text", exc)
-        want_logprobs = record.params.logprobs is not None
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(record.output_ids),
-            finish_reason=record.finish_reason,
-            stop_reason=record.stop_reason,
-            logprobs=list(record.logprobs) if want_logprobs else None,
-            top_logprobs=list(record.top_logprobs) if want_logprobs else None,
-        )
-        finished = record.finish_reason is not None
-        if finished and record.metrics.finished_time is None:
-            record.metrics.finished_time = time.monotonic()
-        return RequestOutput(
-            request_id=record.rid,
-            prompt=record.prompt,
-            prompt_token_ids=record.prompt_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=record.metrics,
-            abort_reason=record.abort_reason,
-        )
+        return record.output(text)
 
     def reset_metrics(self) -> EngineMetrics:
         """Start the engine-wide counters afresh (e.g. after a warm-up that compiled kernels);
@@ -569,9 +437,9 @@ class Engine:
         return old
 
     def check_integrity(self) -> None:
-        self.cache.check_integrity()
+        self.port.check_integrity()
 
     def close(self) -> None:
-        self.cache.close()
+        self.port.close()
         if self._owns_l2:
             self.l2.close()

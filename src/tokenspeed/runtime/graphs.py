@@ -11,11 +11,23 @@ from __future__ import annotations
 import gc
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from tokenspeed.cache import RequestCache
 from tokenspeed.cache.host_copy import copy_into
 from tokenspeed.model import ForwardBatch
+
+
+@attrs.frozen
+class DecodeGraphConfig:
+    """What a runner's `DecodeGraphs` are built for: the padded batch sizes, the page-table
+    width (pages per request) and whether to capture (False: the same padded steps run eagerly,
+    so that eager mode on a GPU computes the numbers the graphs do)."""
+
+    sizes: tuple[int, ...] = attrs.field(converter=tuple)
+    max_pages: int
+    capture: bool = True
 
 
 class DecodeGraphs:
@@ -24,7 +36,7 @@ class DecodeGraphs:
 
     def __init__(self, runner, sizes: Sequence[int], max_pages: int, capture: bool = True):
         self.runner = runner
-        self.cache = runner.cache
+        self.pools = runner.pools
         self.sizes = tuple(sorted(sizes))
         self.max_pages = max_pages
         device = runner.device
@@ -34,9 +46,9 @@ class DecodeGraphs:
         self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
         self.token_request = torch.arange(rows, dtype=torch.long, device=device)
         self.cu_seqlens = torch.arange(rows + 1, dtype=torch.long, device=device)
-        self.slots = torch.full((rows,), self.cache.sink_slot, dtype=torch.int32, device=device)
+        self.slots = torch.full((rows,), self.pools.sink_slot, dtype=torch.int32, device=device)
         self.page_table = torch.full(
-            (rows, max_pages), self.cache.sink_page, dtype=torch.int32, device=device
+            (rows, max_pages), self.pools.sink_page, dtype=torch.int32, device=device
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -104,7 +116,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, batch_size: int, prefix_lens: Sequence[int]) -> bool:
-        page = self.cache.page_size
+        page = self.pools.page_size
         return batch_size <= self.sizes[-1] and max(prefix_lens) < self.max_pages * page
 
     def run(
@@ -128,9 +140,9 @@ class DecodeGraphs:
         self.positions[n:size].zero_()
         copy_into(self.context_lens[:n], prefix + 1)
         self.context_lens[n:size].fill_(1)
-        self.slots[:size].copy_(self.cache.live_slot_tensor(handles, num_rows=size, device=device))
+        self.slots[:size].copy_(self.pools.live_slot_tensor(handles, num_rows=size, device=device))
         self.page_table[:size].copy_(
-            self.cache.page_table_tensor(
+            self.pools.page_table_tensor(
                 handles, num_rows=size, num_cols=self.max_pages, device=device
             )
         )
@@ -144,7 +156,7 @@ class DecodeGraphs:
                 parallelism=self.parallelism,
                 max_batch=size,
                 max_splits=plan.max_splits,
-                granularity=self.cache.page_size,
+                granularity=self.pools.page_size,
                 out=plan,
             )
         if not self.captured:

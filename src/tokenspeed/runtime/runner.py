@@ -2,7 +2,7 @@
 
 It builds the step's inputs (packed tokens, positions, page tables, state slots) over the cache's
 device pools, runs the model in place on them, and returns the logits to sample from. Decode
-steps go through captured CUDA graphs when a `DecodeGraphs` is attached.
+steps go through the `DecodeGraphs` the runner builds when given a `DecodeGraphConfig`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,52 @@ import torch
 from tokenspeed.cache import CacheManager, RequestCache
 from tokenspeed.model import ForwardBatch, KimiForCausalLM, PagedKda, PagedMla, PagedState
 
+from .graphs import DecodeGraphConfig, DecodeGraphs
+
+
+class DevicePools:
+    """The read-only view of one rank's cache that a runner builds step inputs over: each
+    layer's device pool, a batch's page table and live slots, and the sink page and slot that
+    padded rows point at.
+
+    The runner holds this rather than the manager or the engine's port because it never changes
+    what the cache holds (no allocation, checkpoint or release: the scheduler decides those,
+    through the port); it reads the pools' layout, and the model writes through it only into
+    the pages and live slots the scheduler reserved for the batch."""
+
+    def __init__(self, cache: CacheManager) -> None:
+        self._cache = cache
+        self.page_size = cache.page_size
+        self.sink_page = cache.sink_page
+        self.sink_slot = cache.sink_slot
+
+    def mla_layer(self, layer: int) -> torch.Tensor:
+        return self._cache.mla_layer(layer)
+
+    def kda_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.kda_layer(layer)
+
+    def page_table_tensor(self, handles: Sequence[RequestCache], **kwargs) -> torch.Tensor:
+        """As `CacheManager.page_table_tensor` (num_rows=, num_cols=, device=)."""
+        return self._cache.page_table_tensor(handles, **kwargs)
+
+    def live_slot_tensor(self, handles: Sequence[RequestCache], **kwargs) -> torch.Tensor:
+        """As `CacheManager.live_slot_tensor` (num_rows=, device=)."""
+        return self._cache.live_slot_tensor(handles, **kwargs)
+
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, cache: CacheManager, device: torch.device):
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        pools: DevicePools,
+        device: torch.device,
+        graphs: DecodeGraphConfig | None = None,
+    ):
+        """graphs: decode steps go through `DecodeGraphs` of this configuration (a CUDA device
+        only), built once the runner is; None: every step runs eagerly, unpadded."""
         self.model = model
-        self.cache = cache
+        self.pools = pools
         self.device = device
         config = model.config
         self.kda_layers = config.kda_layers
@@ -26,17 +67,21 @@ class ModelRunner:
         # The cache orders each kind's pools by position among that kind.
         self.kda_ordinal = {layer: i for i, layer in enumerate(self.kda_layers)}
         self.mla_ordinal = {layer: i for i, layer in enumerate(self.mla_layers)}
-        self.graphs = None  # a DecodeGraphs, attached by the engine on CUDA
+        self.graphs = (
+            None
+            if graphs is None
+            else DecodeGraphs(self, graphs.sizes, graphs.max_pages, capture=graphs.capture)
+        )
 
     # ------------------------------------------------------------------ step inputs
     def paged_state(self, slots: torch.Tensor, page_table: torch.Tensor) -> PagedState:
         """A PagedState over the cache's pools for rows with these slots and page table."""
         kda = {}
         for layer in self.kda_layers:
-            conv, rec = self.cache.kda_layer(self.kda_ordinal[layer])
+            conv, rec = self.pools.kda_layer(self.kda_ordinal[layer])
             kda[layer] = PagedKda(conv, rec, slots)
         mla = {
-            layer: PagedMla(self.cache.mla_layer(self.mla_ordinal[layer]), page_table)
+            layer: PagedMla(self.pools.mla_layer(self.mla_ordinal[layer]), page_table)
             for layer in self.mla_layers
         }
         return PagedState(kda=kda, mla=mla)
@@ -81,8 +126,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """`forward` over packed token ids already on the device ([sum(seq_lens)] int64)."""
         batch = ForwardBatch.build(seq_lens, prefix_lens, device=self.device)
-        slots = self.cache.live_slot_tensor(handles, device=self.device)
-        table = self.cache.page_table_tensor(handles, device=self.device)
+        slots = self.pools.live_slot_tensor(handles, device=self.device)
+        table = self.pools.page_table_tensor(handles, device=self.device)
         last = batch.last_token_indices
         if logits_rows is not None:
             last = last[torch.tensor(list(logits_rows), dtype=torch.long, device=self.device)]
@@ -110,15 +155,3 @@ class ModelRunner:
         if isinstance(tokens, torch.Tensor):
             return self._forward(tokens.to(torch.long), [1] * len(tokens), prefix_lens, handles)
         return self.forward([[t] for t in tokens], prefix_lens, handles)
-
-    # ------------------------------------------------------------------ KDA state copies
-    def read_live_state(self, handle: RequestCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of a request's live KDA state over all KDA layers: (conv, recurrent)."""
-        storage = self.cache.storage
-        slot = handle.live_slot
-        return storage.conv[:, slot].clone(), storage.recurrent[:, slot].clone()
-
-    def write_checkpoint(self, slot: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        storage = self.cache.storage
-        storage.ckpt_conv[:, slot].copy_(state[0])
-        storage.ckpt_recurrent[:, slot].copy_(state[1])

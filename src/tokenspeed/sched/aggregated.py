@@ -23,11 +23,21 @@ from tokenspeed.sched.request import Request, RequestState
 
 
 class AggregatedScheduler:
-    def __init__(self, config: SchedulerConfig, cache: CachePort) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CachePort,
+        *,
+        save_state_on_preempt: SaveState | None = None,
+    ) -> None:
+        """save_state_on_preempt: as for `DecodeScheduler` (an engine passes the same callback
+        it gives `complete`)."""
         self.config = config
         self.cache = cache
         self.prefill = PrefillScheduler(config, cache, disaggregated=False)
-        self.decode = DecodeScheduler(config, cache, disaggregated=False)
+        self.decode = DecodeScheduler(
+            config, cache, disaggregated=False, save_state_on_preempt=save_state_on_preempt
+        )
 
     def add(self, req: Request) -> None:
         # The prefill side checks its own queues; a decoding request holds cache under its id

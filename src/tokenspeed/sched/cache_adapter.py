@@ -6,12 +6,19 @@ so an engine gets page tables and live slots through `handle(rid)`. Capacity err
 port's "not now" answers; any other cache error is a bug and propagates. Any other failure of
 `allocate` (a device error while it set the request up; it gives everything back first) becomes
 `AdmissionError`, so that the scheduler aborts that request and goes on.
+
+Besides the `CachePort` calls of the schedulers, the port is the engine's one way into the cache
+(the engine and its KDA state keeper hold it, never the manager): the handles it runs forwards
+over, the rolling checkpoints and the checkpoint withdrawals of decode rows, the copies of KDA
+states between live and checkpoint slots, and the integrity check and shutdown. The model
+runner alone reads the device pools directly, through a read-only view (`runtime.runner`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 from tokenspeed.cache import (
     BudgetTooSmallError,
@@ -24,6 +31,11 @@ from tokenspeed.cache import (
 )
 from tokenspeed.sched.cache_port import AdmissionError
 from tokenspeed.sched.request import Request
+
+if TYPE_CHECKING:
+    import torch
+
+    KdaState = tuple[torch.Tensor, torch.Tensor]
 
 logger = logging.getLogger("tokenspeed.sched")
 
@@ -112,3 +124,47 @@ class CacheManagerPort:
 
     def free_pages(self) -> int:
         return self.cache.available_pages
+
+    # ---- the engine's calls (not part of `CachePort`: the schedulers never make them) ---------
+    def rolling_checkpoint(self, rid: Hashable, length: int, *, from_live: bool) -> int | None:
+        """A decode row's history is computed up to `length` (page-aligned): make the KDA state
+        there the request's rolling checkpoint (the one kept at its latest page boundary, which
+        replaces the previous one). Same answers as `checkpoint`: with `from_live` the live state
+        (which must be at `length` now) is snapshotted; otherwise the returned slot must be
+        written (`write_checkpoint_state`) before the next cache call. None: no new slot was
+        needed (one exists at `length`: it becomes the rolling one) or none was free."""
+        return self.cache.checkpoint(
+            self._handles[rid], length, kind=CheckpointKind.ROLLING, from_live=from_live
+        )
+
+    def has_checkpoint(self, rid: Hashable, length: int) -> bool:
+        """Whether a KDA checkpoint exists at exactly `length` of the request's prefix."""
+        return self.cache.has_checkpoint(self._handles[rid], length)
+
+    def discard_checkpoint(self, rid: Hashable, length: int, slot: int) -> bool:
+        """Withdraw the checkpoint at `length` that was handed out in `slot` and whose state
+        could not be written, so that no request ever starts from it. False (nothing changed)
+        when the checkpoint at `length` is not in `slot`."""
+        return self.cache.discard_checkpoint(self._handles[rid], length, slot)
+
+    def read_live_state(self, rid: Hashable) -> KdaState:
+        """Copies of the request's live KDA state over all KDA layers: (conv, recurrent), on the
+        device (queued in stream order: the copies see every kernel launched before)."""
+        storage = self.cache.storage
+        slot = self._handles[rid].live_slot
+        return storage.conv[:, slot].clone(), storage.recurrent[:, slot].clone()
+
+    def write_checkpoint_state(self, slot: int, state: KdaState) -> None:
+        """Write a KDA state (as `read_live_state` returns it) into checkpoint slot `slot`, one
+        that `checkpoint` or `rolling_checkpoint` handed out with from_live=False."""
+        storage = self.cache.storage
+        storage.ckpt_conv[:, slot].copy_(state[0])
+        storage.ckpt_recurrent[:, slot].copy_(state[1])
+
+    def check_integrity(self) -> None:
+        """The manager's own consistency check (raises `IntegrityError`)."""
+        self.cache.check_integrity()
+
+    def close(self) -> None:
+        """Shut the manager down (its copy worker); the port is unusable afterwards."""
+        self.cache.close()

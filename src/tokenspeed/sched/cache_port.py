@@ -19,7 +19,7 @@ Contract (lengths are token counts; `req.keys` are the request's page keys):
 - `checkpoint(req, length, turn_end=, from_live=)`: [0, length) is computed and the KDA state at
   exactly `length` (page-aligned) becomes a checkpoint, making the prefix matchable on this rank.
   With `from_live` the live state is snapshotted (it must be at `length` now); otherwise the port
-  returns the checkpoint slot, which the runner fills (a chunked kernel's intermediate state, or
+  returns the checkpoint slot, which the engine fills (a chunked kernel's intermediate state, or
   the state a decode row kept at its last page boundary) before its next cache call. Returns
   None when no new slot was needed or none was free (a dropped checkpoint is not an error).
 - `publish(req, length)`: turn end: write the request's checkpointed prefix (up to `length`, which

@@ -9,7 +9,7 @@ each has pages for the steps ahead and pads the batch to a captured size. When a
 page, the youngest rows are preempted (their prefix checkpointed and published, pages released)
 and left in `preempted` for the caller to route again. At a request's end its history up to the
 last full page is checkpointed and published, so the conversation's next turn reuses it; the
-runner keeps each row's state at its latest page boundary for that snapshot.
+engine keeps each row's state at its latest page boundary for that snapshot.
 """
 
 from __future__ import annotations
@@ -26,7 +26,17 @@ from tokenspeed.sched.router import DecodeLoad
 
 
 class DecodeScheduler:
-    def __init__(self, config: SchedulerConfig, cache: CachePort, *, disaggregated: bool) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CachePort,
+        *,
+        disaggregated: bool,
+        save_state_on_preempt: SaveState | None = None,
+    ) -> None:
+        """save_state_on_preempt: writes a preempted row's kept state into its turn-end
+        checkpoint slot (preemption happens inside `schedule`, which has no `save_state`
+        argument); None (a simulator without device state): such checkpoints stay unwritten."""
         if cache.page_size != config.page_size:
             raise ValueError(
                 f"cache page_size {cache.page_size} != scheduler page_size {config.page_size}"
@@ -40,8 +50,7 @@ class DecodeScheduler:
         self.preempted: list[Request] = []  # back in WAITING; the caller routes them again
         self.aborted: list[Request] = []  # aborted by the scheduler itself; the caller drains
         self._joined_at: dict[Hashable, int] = {}  # rid -> cached tokens when it joined
-        # Preemption happens inside schedule(); an engine sets this to save the kept state.
-        self.save_state_on_preempt: SaveState | None = None
+        self.save_state_on_preempt = save_state_on_preempt
 
     # ---- admission (P/D) ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -177,7 +186,7 @@ class DecodeScheduler:
         while the step ran) are skipped, recognised by the request object: a new request under a
         reused id is not one of this batch's rows. A finishing row's history is checkpointed at its
         last full page; unless the live state is exactly there, the checkpoint slot goes to
-        `save_state(request, position, slot)`, which writes the state the runner kept when the
+        `save_state(request, position, slot)`, which writes the state the engine kept when the
         row last crossed a page boundary. live_state=False: the rows' live states may be past
         these steps (an engine that ran more steps of the batch before reporting them), so the
         checkpoint always comes from `save_state`.

@@ -25,7 +25,7 @@ from tokenspeed.sched.request import Request, RequestState
 
 SaveState = Callable[[Request, int, int], None]
 """`save_state(request, position, slot)`: write the request's KDA state at `position` into
-checkpoint slot `slot` (the runner does this from the states its kernels kept)."""
+checkpoint slot `slot` (an engine does this from the states it copied while they were live)."""
 
 
 class PrefillScheduler:

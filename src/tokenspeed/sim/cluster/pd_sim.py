@@ -1,11 +1,11 @@
 """P/D cluster: prefill ranks and decode ranks, each a real scheduler over a real cache.
 
-Flow of one request (docs/design.md, "One request's life"): the router picks a prefill rank (least outstanding
-prefill work, or conversation affinity) and a decode rank (load); the `TransferGate` decides
-whether the prefill is queued at once (independent admission) or after the decode rank has
+Flow of one request (docs/design.md, "One request's life"): the router picks a prefill rank (least
+outstanding prefill work, or conversation affinity) and a decode rank (load); the `TransferGate`
+decides whether the prefill is queued at once (independent admission) or after the decode rank has
 reserved the destination (coupled). The transfer of KV pages and KDA state starts once both are
-done, serialized on the decode rank's inbound link; until then the finished prefill stays pinned
-on its prefill rank. When the transfer lands the prefill rank releases the request and it joins
+done, serialized on the decode rank's inbound link; until then the finished prefill stays pinned on
+its prefill rank. When the transfer lands the prefill rank releases the request and it joins
 the decode batch at the next step boundary. The first token reaches the client then.
 
 Decode ranks advance several steps per event while their batch is unchanged (the scheduler
