@@ -18,7 +18,7 @@ are CUDA-graph replays (the plan and lengths live in device buffers), median of 
 The run checks the kernel against the torch reference first (small K3-shaped case, every mode
 timed below) and exits 1 on a mismatch.
 
-    python benchmarks/mla_decode.py --out docs/perf/mla_decode_table.md
+    python benchmarks/mla_decode.py --out /tmp/mla_decode.md  # docs/perf/ pages are kept by hand
     TRITON_INTERPRET=1 python benchmarks/mla_decode.py --smoke   # CPU: code paths only
 """
 
@@ -36,9 +36,8 @@ import attrs
 import torch
 
 from tokenspeed.model.ops.mla.decode import (
-    DecodeTiles,
+    MlaDecodeTuning,
     decode_parallelism,
-    default_tiles,
     gluon_applies,
     mla_decode_paged_split,
     uniform_split_count,
@@ -231,10 +230,15 @@ def kernel(
     batch: Batch,
     splits=None,
     uniform: int | None = None,
-    tiles: DecodeTiles | None = None,
+    tiles: MlaDecodeTuning | None = None,
     which: str | None = None,
 ) -> Callable[[], torch.Tensor]:
+    """The decode call on this batch; tiles: the tuning (None: the defaults), with its kernel
+    set to `which` when given."""
     scale = (env.dims.nope + env.dims.rope) ** -0.5
+    tuning = tiles or MlaDecodeTuning()
+    if which is not None:
+        tuning = attrs.evolve(tuning, kernel=which)
 
     def call() -> torch.Tensor:
         return mla_decode_paged_split(
@@ -249,8 +253,7 @@ def kernel(
             uniform_splits=uniform,
             gate=batch.gate,
             page_scales=batch.scales,
-            tiles=tiles,
-            kernel=which,
+            tuning=tuning,
         )
 
     return call
@@ -319,7 +322,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
-def check(env: Env, tiles_list: list[DecodeTiles | None]) -> list[str]:
+def check(env: Env, tiles_list: list[MlaDecodeTuning | None]) -> list[str]:
     """Every mode timed below against the reference on a small batch; returns failures."""
     scale = 1 if env.dims.heads > 8 else 0.05
     lens = [max(4, int(x * scale)) for x in (3000, 64, 700, 5)]
@@ -492,9 +495,9 @@ def main() -> int:
         if smoke
         else [
             None,
-            DecodeTiles(block_m=32, block_n=32, num_warps=8, num_stages=2),
-            DecodeTiles(block_m=64, block_n=32, num_warps=8, num_stages=3),
-            DecodeTiles(block_m=64, block_n=64, num_warps=8, num_stages=2),
+            MlaDecodeTuning(block_m=32, block_n=32, num_warps=8, num_stages=2),
+            MlaDecodeTuning(block_m=64, block_n=32, num_warps=8, num_stages=3),
+            MlaDecodeTuning(block_m=64, block_n=64, num_warps=8, num_stages=2),
         ]
     )
     failures = check(env, sweep[:1])
@@ -511,7 +514,8 @@ def main() -> int:
     sweep_lines = []
     big = make_batch(env, mixed, 1)
     for tiles in sweep:
-        t = tiles or default_tiles(rows_per_req, on_gpu=not smoke)
+        # The Triton kernel's tiles, resolved (explicit tiles keep the Triton kernel).
+        t = (tiles or MlaDecodeTuning()).resolve(rows_per_req, on_gpu=not smoke)
         par = decode_parallelism(num_sms, dims.heads, 1, tiles=t)
         label = f"m{t.block_m} n{t.block_n} w{t.num_warps} s{t.num_stages}"
         try:

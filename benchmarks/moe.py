@@ -3,8 +3,8 @@
 Claim (issue 8): bf16 path >= 1.5x the baseline at <= 256 tokens, >= 1.1x at 16384; FP8
 experts >= 1.5x our bf16 experts at 16384. FP8 runs with fast math by default and bf16 with
 exact math, so the FP8 rows are compared with both our bf16 default and our bf16 with
-fast_math=True. TFLOP/s of the expert GEMMs against a bf16 (and FP8) matmul ceiling measured
-in the same run.
+`MoeKernelConfig(fast_math=True)`. TFLOP/s of the expert GEMMs against a bf16 (and FP8) matmul
+ceiling measured in the same run.
 
 Setup: hidden 7168, latent 3584, expert intermediate 3072, 896 experts, top-16, SiTU. This
 GPU owns 56 experts (ids 0..55, expert parallelism 16), so about one of each token's 16
@@ -22,9 +22,9 @@ experts (2 x 3072 on the hidden), with the shared experts on a second stream vs 
 Correctness is checked before timing (exit 1 on a mismatch). Times: median of
 triton.testing.do_bench (L2 flushed between runs), eager and CUDA-graph replay.
 
-    python benchmarks/moe.py --out docs/perf/moe_results.md
+    python benchmarks/moe.py --out /tmp/moe_results.md   # docs/perf/ pages are kept by hand
     python benchmarks/moe.py --tokens 16,16384 --formats bf16   # a subset
-    python benchmarks/moe.py --sweep --tokens 64,16384 --out docs/perf/moe_sweep.md  # tiles
+    python benchmarks/moe.py --sweep --tokens 64,16384 --out /tmp/moe_sweep.md  # tiles
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import argparse
 import datetime
 import sys
 
+import attrs
 import torch
 import triton
 import triton.testing
@@ -181,7 +182,7 @@ def check(name: str, ok: bool, detail: str) -> None:
 
 def situ_experts(h, routing, experts, tokens, **kw):
     """Our expert path on `routing` (a `RouterOutput`) with the benchmark's SiTU; `kw` are the
-    options a caller varies (fast_math, config, norm_weight)."""
+    options a caller varies (config, which holds fast_math, and norm_weight)."""
     return fused_experts(
         h,
         routing.weights,
@@ -259,7 +260,8 @@ def run_tokens(tokens, formats, weights_by_format, ceiling, gen, layer_parts, ro
             # Our bf16 with the fast math that FP8 uses by default (bf16's default is exact):
             # the like-for-like comparison of the formats.
             def fast_experts(experts=experts):
-                return situ_experts(h, ours, experts, tokens, fast_math=True)
+                fast = MoeKernelConfig(fast_math=True)
+                return situ_experts(h, ours, experts, tokens, config=fast)
 
             err = rel_rms(fast_experts(), got)
             check("bf16 fast-math experts", err <= 2e-3, f"rel rms {err} to exact math")
@@ -316,7 +318,8 @@ def _candidates(fmt: str, rows_per_expert: float) -> list[MoeKernelConfig]:
             ],
         }[fmt]
     else:
-        up, down = default_config(fmt, rows_per_expert)[1:3]
+        default = default_config(fmt, rows_per_expert)
+        up, down = default.gate_up, default.down
         extra = {
             "dense": [
                 (128, t(128, 64, 8, 3), t(256, 64, 8, 3)),
@@ -342,12 +345,17 @@ def _candidates(fmt: str, rows_per_expert: float) -> list[MoeKernelConfig]:
         }[fmt]
     configs = [default_config(fmt, rows_per_expert)]
     if fmt == "fp8" and configs[0].block_m == 64:  # Triton vs Gluon down GEMM, same tiles
-        configs += [configs[0]._replace(gluon=not configs[0].gluon)]
+        configs += [attrs.evolve(configs[0], gluon=not configs[0].gluon)]
     if configs[0].gluon:  # other Gluon ring depths
-        configs += [configs[0]._replace(down=down._replace(num_stages=n)) for n in (3, 5)]
-    configs += [MoeKernelConfig(*c) for c in extra]  # (block_m, gate_up, down[, waves])
-    configs.append(configs[0]._replace(waves=2))
+        configs += [attrs.evolve(configs[0], down=attrs.evolve(down, num_stages=n)) for n in (3, 5)]
+    configs += [_config(*c) for c in extra]  # (block_m, gate_up, down[, waves])
+    configs.append(attrs.evolve(configs[0], waves=2))
     return configs
+
+
+def _config(block_m, gate_up, down, waves=1) -> MoeKernelConfig:
+    """A sweep candidate: these tiles, the Triton down GEMM, fast_math by format."""
+    return MoeKernelConfig(block_m=block_m, gate_up=gate_up, down=down, waves=waves, gluon=False)
 
 
 def _config_name(c: MoeKernelConfig) -> str:

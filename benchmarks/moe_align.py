@@ -1,6 +1,6 @@
 """The MoE align launch (`align.py`) by pairs per program: the current partition vs the previous.
 
-Claim (docs/perf/moe.md, "The align kernel"): with BP = 4096 / E2 pairs per program (64 at 56
+Claim (docs/perf/moe.md, bullet "The align kernel"): with BP = 4096 / E2 pairs per program (64 at 56
 local experts) the launch is ~8.6x faster than with the previous BP = 32768 / E2 (512), whose
 [BP, E2] tiles spill registers. Random top-16 routing over 896 experts, 56 of them local,
 BLOCK_M 64, at 2048 and 16384 tokens; each BP's layout is checked against BP 512's (pair rows,

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tokenspeed.model.ops.mla.decode import (
-    DecodeTiles,
+    MlaDecodeTuning,
+    decode_parallelism,
     dequantize_pages,
     longest_first,
     mla_decode_paged_split,
@@ -108,18 +109,17 @@ def plan(lens, batch, parallelism, granularity, device="cpu", out=None):
     return b
 
 
+KNOBS = {a.name for a in attrs.fields(MlaDecodeTuning)}
+ARGS = ("q", "pages", "page_table", "context_lens", "w_uk", "w_uv", "scale")
+
+
 def run(inp, splits=None, **kw):
-    return mla_decode_paged_split(
-        inp["q"],
-        inp["pages"],
-        inp["page_table"],
-        inp["context_lens"],
-        inp["w_uk"],
-        inp["w_uv"],
-        inp["scale"],
-        splits,
-        **kw,
-    )
+    """`mla_decode_paged_split` with its tuning knobs given loose: they go into an
+    `MlaDecodeTuning`."""
+    knobs = {k: kw.pop(k) for k in list(kw) if k in KNOBS}
+    if knobs:
+        kw["tuning"] = MlaDecodeTuning(**knobs)
+    return mla_decode_paged_split(*(inp[k] for k in ARGS), splits, **kw)
 
 
 def rel_err(out, ref):
@@ -137,7 +137,7 @@ def _case_planner(
     pad_rows=2,
     gate=False,
     dtype=torch.float32,
-    tiles=None,
+    tuning=None,
     granularity=8,
     parallelism=8,
     page_size=8,
@@ -146,7 +146,7 @@ def _case_planner(
     batch = inp["page_table"].shape[0]
     splits = plan(lens, batch, parallelism, granularity)
     kw = {"gate": inp["gate"]} if gate else {}
-    out = run(inp, splits, tiles=tiles, **kw)
+    out = run(inp, splits, tuning=tuning, **kw)
     ref = reference(inp)
     if gate:
         ref = ref * torch.sigmoid(inp["gate"].float().view_as(ref))
@@ -222,7 +222,10 @@ INTERP_CASES = {
     "n1_mixed_lengths": lambda: _case_planner(1, 3, [5, 37, 64, 1, 100]),
     "n2_gate": lambda: _case_planner(2, 5, [5, 37, 64, 4], gate=True),
     "n3_two_head_groups": lambda: _case_planner(
-        3, 6, [30, 7, 12], tiles=DecodeTiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
+        3,
+        6,
+        [30, 7, 12],
+        tuning=MlaDecodeTuning(block_m=16, block_n=16, num_warps=4, num_stages=1),
     ),
     # Target split 16: length 18 splits as [0, 16), [16, 18), so its last split is invisible to
     # queries 0 and 1 of the four (at 14..17); length 4: each query sees another prefix.
@@ -283,12 +286,136 @@ def test_rejects_inconsistent_arguments():
     with pytest.raises(ValueError, match="plan has"):
         run(inp, plan([10], 1, 4, 8))
     with pytest.raises(ValueError, match="kernel is"):
-        run(inp, splits, kernel="cuda")
+        run(inp, splits, kernel="cuda")  # refused by MlaDecodeTuning
     # The Gluon kernel runs on Hopper only (never on the CPU or under the interpreter).
     with pytest.raises(ValueError, match="Gluon kernel does not apply"):
         run(inp, splits, kernel="gluon")
     with pytest.raises(ValueError, match="Triton kernel only"):
-        run(inp, splits, kernel="gluon", tiles=DecodeTiles())
+        run(inp, splits, kernel="gluon", block_m=64)
+    with pytest.raises(TypeError, match="MlaDecodeTuning"):
+        run(inp, splits, tuning={"block_m": 16})
+    with pytest.raises(TypeError):
+        mla_decode_paged_split(*(inp[k] for k in ARGS), splits, use_pdl=False)  # via tuning only
+
+
+# ----------------------------------------------------------------------------- tuning knobs
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("kernel", "cuda"),
+        ("block_m", 8),
+        ("block_m", 48),
+        ("block_n", 0),
+        ("num_warps", 3),
+        ("num_warps", 64),
+        ("num_stages", 0),
+        ("gluon_block_n", 48),
+        ("gluon_block_n", 256),
+        ("gluon_stages", 1),
+        ("fp8_convert_cols", 32),
+        ("fp8_convert_cols", 384),
+        ("tail_block_t", 8),
+        ("tail_warps", 6),
+        ("use_pdl", 1),
+    ],
+    ids=str,
+)
+def test_tuning_rejects_bad_knobs_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        MlaDecodeTuning(**{field: value})
+
+
+def test_tuning_defaults_are_the_measured_ones():
+    """Everything by shape but the Gluon ring (2 stages) and the e4m3 conversion width (512)."""
+    assert MlaDecodeTuning() == MlaDecodeTuning(
+        kernel=None,
+        block_m=None,
+        block_n=None,
+        num_warps=None,
+        num_stages=None,
+        gluon_block_n=None,
+        gluon_stages=2,
+        fp8_convert_cols=512,
+        tail_block_t=None,
+        tail_warps=None,
+        use_pdl=None,
+    )
+    assert len(attrs.fields(MlaDecodeTuning)) == 11  # a new knob needs its default pinned here
+    tiles = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)  # noqa: E731
+    # GPU: K3 decode (96 rows) in 64 x 64 tiles, two programs per split; Kimi Linear (32 rows)
+    # 32 x 32; 16-row groups with 4 warps. The interpreter: 16-row cache steps, one stage.
+    assert tiles(MlaDecodeTuning().resolve(96, on_gpu=True)) == (64, 64, 8, 2)
+    assert tiles(MlaDecodeTuning().resolve(32, on_gpu=True)) == (32, 32, 8, 2)
+    assert tiles(MlaDecodeTuning().resolve(3, on_gpu=True)) == (16, 32, 4, 2)
+    assert tiles(MlaDecodeTuning().resolve(96, on_gpu=False)) == (64, 16, 4, 1)
+    assert MlaDecodeTuning().head_groups(96) == 2 and MlaDecodeTuning().head_groups(32) == 1
+    given = MlaDecodeTuning(block_m=32, num_stages=3).resolve(96, on_gpu=True)
+    assert tiles(given) == (32, 32, 8, 3) and given.head_groups(96) == 3
+    # The Gluon tiles: 64 cache rows for bf16 / fp16, 32 for e4m3.
+    assert MlaDecodeTuning().gluon_tile_rows(fp8=False) == 64
+    assert MlaDecodeTuning().gluon_tile_rows(fp8=True) == 32
+    assert MlaDecodeTuning(gluon_block_n=16).gluon_tile_rows(fp8=False) == 16
+    # The merge tail: 16 / 32 / 64-token blocks by batch, 8 warps for 64 on the GPU.
+    assert MlaDecodeTuning().tail_launch(128, on_gpu=True) == (16, 4)
+    assert MlaDecodeTuning().tail_launch(512, on_gpu=True) == (32, 4)
+    assert MlaDecodeTuning().tail_launch(513, on_gpu=True) == (64, 8)
+    assert MlaDecodeTuning().tail_launch(513, on_gpu=False) == (64, 4)
+    assert MlaDecodeTuning(tail_block_t=32, tail_warps=2).tail_launch(9, True) == (32, 2)
+    # The planner's budget (runtime/graphs.py): 4 waves over K3's two head groups.
+    assert decode_parallelism(132, 96, 1) == 4 * 132 // 2
+    assert decode_parallelism(132, 96, 1, tiles=MlaDecodeTuning(block_m=32)) == 4 * 132 // 3
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        MlaDecodeTuning().block_m = 16
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, kw))
+
+
+def _spied_launches(monkeypatch, tuning=None, tokens_per_request=1):
+    from tokenspeed.model.ops.mla import decode
+
+    split, tail = _LaunchSpy(), _LaunchSpy()
+    monkeypatch.setattr(decode, "_split_kernel", split)
+    monkeypatch.setattr(decode, "_tail_kernel", tail)
+    inp = make_inputs([10, 4], tokens_per_request, heads=6)
+    run(inp, uniform_splits=2, tuning=tuning)
+    (split_grid, split_kw), (tail_grid, tail_kw) = split.launches[0], tail.launches[0]
+    return split_grid, split_kw, tail_grid, tail_kw
+
+
+def test_default_tuning_gives_the_measured_launches(monkeypatch):
+    """On the CPU (the interpreter's tiles): 6 heads -> one 16-row group, 16-row cache steps,
+    4 warps, one stage; the tail in 16-token blocks with 4 warps; no PDL."""
+    split_grid, split_kw, tail_grid, tail_kw = _spied_launches(monkeypatch)
+    assert split_grid == (1, 4)  # (head groups, 2 requests x 2 uniform splits)
+    assert (split_kw["BLOCK_M"], split_kw["BLOCK_N"]) == (16, 16)
+    assert (split_kw["num_warps"], split_kw["num_stages"], split_kw["USE_PDL"]) == (4, 1, False)
+    assert tail_grid == (1, 6) and (tail_kw["BLOCK_T"], tail_kw["num_warps"]) == (16, 4)
+    assert "launch_pdl" not in split_kw and tail_kw["USE_PDL"] is False
+
+
+def test_tuning_reaches_the_launches(monkeypatch):
+    tuning = MlaDecodeTuning(
+        block_m=16, block_n=32, num_warps=2, num_stages=3, tail_block_t=32, tail_warps=2
+    )
+    split_grid, split_kw, tail_grid, tail_kw = _spied_launches(monkeypatch, tuning, 3)
+    assert split_grid == (2, 4)  # 18 rows per request in 16-row groups
+    assert (split_kw["BLOCK_M"], split_kw["BLOCK_N"]) == (16, 32)
+    assert (split_kw["num_warps"], split_kw["num_stages"]) == (2, 3)
+    assert tail_grid == (1, 6) and (tail_kw["BLOCK_T"], tail_kw["num_warps"]) == (32, 2)
+    # PDL as asked (the launch option itself, launch_pdl, needs a Hopper GPU to run)
+    _, split_kw, _, tail_kw = _spied_launches(monkeypatch, MlaDecodeTuning(use_pdl=True))
+    assert split_kw["USE_PDL"] is True and split_kw["launch_pdl"] is True
+    assert tail_kw["USE_PDL"] is True and tail_kw["launch_pdl"] is True
 
 
 # ----------------------------------------------------------------------------- GPU, K3 shapes
@@ -338,7 +465,7 @@ def test_gpu_k3_fp8_matches_dequantized_reference(per_row, n):
 
 @pytest.mark.gpu
 # PDL is on by default on Hopper for the merge tail and the Triton split kernel (which bf16
-# takes here only with kernel="triton" or tiles, on Hopper); this covers it off and on.
+# takes here only with kernel="triton" or Triton tile knobs, on Hopper); this covers both.
 @pytest.mark.parametrize(("uniform_splits", "use_pdl"), [(1, True), (8, False), (8, True)])
 def test_gpu_k3_uniform_mode_and_pdl(uniform_splits, use_pdl):
     inp, _ = _gpu_case(2, pad_rows=0)
@@ -350,9 +477,9 @@ def test_gpu_k3_uniform_mode_and_pdl(uniform_splits, use_pdl):
 @pytest.mark.parametrize(
     "tiles",
     [
-        DecodeTiles(block_m=32, block_n=32, num_warps=8, num_stages=2),
-        DecodeTiles(block_m=64, block_n=32, num_warps=8, num_stages=3),
-        DecodeTiles(block_m=64, block_n=64, num_warps=8, num_stages=2),
+        MlaDecodeTuning(block_m=32, block_n=32, num_warps=8, num_stages=2),
+        MlaDecodeTuning(block_m=64, block_n=32, num_warps=8, num_stages=3),
+        MlaDecodeTuning(block_m=64, block_n=64, num_warps=8, num_stages=2),
     ],
     ids=lambda t: f"m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}",
 )
@@ -362,7 +489,7 @@ def test_gpu_k3_tile_variants(tiles):
 
     inp, splits = _gpu_case(1, lens=[300, 5000, 64])
     try:
-        out = run(inp, splits, tiles=tiles)
+        out = run(inp, splits, tuning=tiles)
     except OutOfResources as exc:  # a shape that cannot launch here is no wrong answer
         pytest.skip(f"does not fit on this device: {exc}")
     _assert_close(out, reference(inp), inp["real"], TOL[torch.bfloat16])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tokenspeed.model.ops.mla.decode import (
+    MlaDecodeTuning,
     dequantize_pages,
     gluon_applies,
     quantize_fp8_pages,
@@ -46,8 +47,12 @@ def test_fits_k3_and_kimi_linear_shapes_only_where_tiles_fit():
     # e4m3 caches take 32-row tiles (three converted tiles beside the queries and the ring)
     assert gluon_decode.fits(512, 64, 32, fp8=True)
     assert not gluon_decode.fits(512, 64, 16, fp8=True)
-    assert gluon_decode.block_n_for(torch.float8_e4m3fn) == 32
-    assert gluon_decode.block_n_for(torch.bfloat16) == 64
+    # The tuning's Gluon tiles: 32-row tiles fit 32-row pages; four 64-row stages of K3's
+    # 576-wide rows do not fit beside the queries (shared memory), three do.
+    assert gluon_decode.fits(512, 64, 32, tuning=MlaDecodeTuning(gluon_block_n=32))
+    assert gluon_decode.fits(512, 64, 64, tuning=MlaDecodeTuning(gluon_stages=2))
+    assert not gluon_decode.fits(512, 64, 64, tuning=MlaDecodeTuning(gluon_stages=3))
+    assert gluon_decode.fits(512, 64, 64, tuning=MlaDecodeTuning(gluon_block_n=32, gluon_stages=3))
 
 
 def test_transposed_kernel_takes_whole_32_row_bf16_calls_only():
@@ -56,6 +61,48 @@ def test_transposed_kernel_takes_whole_32_row_bf16_calls_only():
     for rows in (96, 288, 64, 128, 192, 384, 16, 48):
         assert not gluon_transposed.takes_remainder(rows, fp8=False)
     assert not gluon_transposed.takes_remainder(32, fp8=True)  # e4m3 caches: padded
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, kw))
+
+
+@pytest.mark.parametrize("heads", [6, 32])
+def test_gluon_tuning_reaches_the_launch(heads, monkeypatch):
+    """On the CPU with the launches recorded (the Gluon kernels run on Hopper only): the
+    defaults (64-row tiles, two stages, 512-column conversions; Kimi Linear's 32 rows in the
+    transposed kernel alone) and a given tuning's Gluon knobs reach the launch arguments."""
+    from tokenspeed.model.ops.mla import decode
+
+    monkeypatch.setattr(decode, "gluon_applies", lambda *args, **kw: True)
+    monkeypatch.setattr(decode, "_tail_kernel", _Recorder())
+    padded, transposed, boxes = _Recorder(), _Recorder(), []
+    monkeypatch.setattr(gluon_decode, "_split_kernel_gluon", padded)
+    monkeypatch.setattr(gluon_transposed, "_split_kernel_transposed", transposed)
+    monkeypatch.setattr(
+        gluon_ring, "descriptors", lambda pages, rank, block_n: boxes.append(block_n) or (0, 0)
+    )
+    inp = make_inputs([10, 4], 1, heads=heads)
+    run(inp, uniform_splits=2)  # kernel None: Gluon where it applies
+    if heads == 32:
+        assert not padded.launches and transposed.launches[0][0] == (1, 4)
+        assert transposed.launches[0][1]["STAGES"] == 2
+    else:
+        assert padded.launches[0][0] == (1, 4) and not transposed.launches
+        kw = padded.launches[0][1]
+        assert (kw["STAGES"], kw["CONVERT_COLS"], kw["num_warps"]) == (2, 512, 8)
+    assert boxes == [64]
+    padded.launches.clear()
+    tuning = {"gluon_block_n": 32, "gluon_stages": 3, "fp8_convert_cols": 128}
+    run(inp, uniform_splits=2, kernel="gluon", **tuning)
+    kw = padded.launches[0][1]  # 32-row tiles: the padded kernel, also for 32 rows
+    assert (kw["STAGES"], kw["CONVERT_COLS"]) == (3, 128) and boxes == [64, 32]
 
 
 def test_never_applies_on_the_cpu():

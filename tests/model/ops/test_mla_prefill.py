@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 
 from tokenspeed.model.ops.mla.decode import dequantize_pages, quantize_fp8_pages
-from tokenspeed.model.ops.mla.prefill import _segments, mla_prefill_paged
+from tokenspeed.model.ops.mla.prefill import MlaPrefillTuning, _segments, mla_prefill_paged
 from tokenspeed.model.ops.mla.reference import mla_prefill
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -179,6 +180,71 @@ def test_rejects_more_queries_than_rows():
     inp["q"] = torch.randn(5, 2, 32)
     with pytest.raises(ValueError, match="more queries than cached rows"):
         run(inp)
+
+
+# ----------------------------------------------------------------------------- tuning knobs
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_m", 8),
+        ("block_m", 96),
+        ("block_n", 0),
+        ("num_warps", 3),
+        ("num_warps", 64),
+        ("num_stages", 0),
+        ("num_stages", 2.0),
+    ],
+    ids=str,
+)
+def test_tuning_rejects_bad_knobs_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        MlaPrefillTuning(**{field: value})
+
+
+def test_tuning_defaults_by_shape():
+    """GPU: 64 x 64 tiles, 4 warps, 2 stages; 128 x 64, 8 warps, 3 stages past 64 new tokens
+    of a request; the interpreter: 16 x 16, 4 warps, 1 stage. Given knobs win."""
+    assert MlaPrefillTuning() == MlaPrefillTuning(
+        block_m=None, block_n=None, num_warps=None, num_stages=None
+    )
+    assert len(attrs.fields(MlaPrefillTuning)) == 4  # a new knob needs its default pinned here
+    tiles = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)  # noqa: E731
+    assert tiles(MlaPrefillTuning().resolve(64, on_gpu=True)) == (64, 64, 4, 2)
+    assert tiles(MlaPrefillTuning().resolve(65, on_gpu=True)) == (128, 64, 8, 3)
+    assert tiles(MlaPrefillTuning().resolve(65, on_gpu=False)) == (16, 16, 4, 1)
+    given = MlaPrefillTuning(block_m=32, num_stages=4).resolve(65, on_gpu=True)
+    assert tiles(given) == (32, 64, 8, 4)
+
+
+def _launch_kwargs(monkeypatch, tuning=None):
+    from tokenspeed.model.ops.mla import prefill
+
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, kw))
+
+    monkeypatch.setattr(prefill, "_prefill_kernel", Spy())
+    run(make_inputs([5, 37, 20, 9], [5, 3, 17, 1]), tuning=tuning)
+    return seen[0]
+
+
+def test_default_tuning_gives_the_expected_launch(monkeypatch):
+    grid, kw = _launch_kwargs(monkeypatch)
+    assert grid == (2, 2, 4)  # (17 queries in 16-row blocks, heads, segments)
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (16, 16, 4, 1)
+
+
+def test_tuning_reaches_the_launch(monkeypatch):
+    tuning = MlaPrefillTuning(block_m=32, block_n=64, num_warps=2, num_stages=3)
+    grid, kw = _launch_kwargs(monkeypatch, tuning)
+    assert grid == (1, 2, 4)
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (32, 64, 2, 3)
+    with pytest.raises(TypeError, match="MlaPrefillTuning"):
+        run(make_inputs([4], [4]), tuning={"block_m": 16})
 
 
 # ----------------------------------------------------------------------------- GPU, K3 shapes

@@ -12,15 +12,18 @@ in bf16 with relative RMS error <= 1e-2 and max error <= 5% of the output's max.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
 from tokenspeed.model.ops.activation import silu_glu, situ_glu
 from tokenspeed.model.ops.moe.align import align_pairs, count_pairs
+from tokenspeed.model.ops.moe.combine import CombineTuning
 from tokenspeed.model.ops.moe.experts import (
     ExpertWeights,
     GemmTile,
     MoeKernelConfig,
+    default_config,
     fused_experts,
 )
 from tokenspeed.model.ops.moe.fp8 import (
@@ -200,7 +203,13 @@ def _case_fp8_wide_down():
     x, w1, w2, w3, ids, weights = random_problem(6, 2, 4, 256, 128, seed=8)
     (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
     experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
-    config = MoeKernelConfig(16, GemmTile(128, 128, 4, 2), GemmTile(256, 128, 4, 2))
+    config = MoeKernelConfig(
+        block_m=16,
+        gate_up=GemmTile(128, 128, 4, 2),
+        down=GemmTile(256, 128, 4, 2),
+        waves=1,
+        gluon=False,
+    )
     got = fused_experts(x, weights, ids, experts, config=config)
     assert_close_scaled(got, fp8_reference(x, weights, ids, q1, s1, q2, s2, q3, s3, "silu"), 1e-5)
 
@@ -230,6 +239,10 @@ def _combine_reference(y, pair_row, weights, norm_w=None):
     return out if norm_w is None else rms_norm(out, norm_w, 1e-6)
 
 
+def _combine_tuning(block_l):
+    return CombineTuning(block_l=block_l)
+
+
 def _case_combine(norm, block_l=None):
     # 13 tokens, 600 columns (with block_l 512: two column programs, the second partial),
     # dropped slots (-1) and a token with no local pair at all.
@@ -243,13 +256,13 @@ def _case_combine(norm, block_l=None):
         pair_row[5] = -1  # zeros (or zeros through the norm)
         weights = torch.rand(13, 3, generator=gen)
         norm_w = torch.rand(600, generator=gen) + 0.5 if norm else None
-        got = combine(y, pair_row, weights, torch.float32, norm_w, block_l=block_l)
+        got = combine(y, pair_row, weights, torch.float32, norm_w, tuning=_combine_tuning(block_l))
         want = _combine_reference(y, pair_row, weights, norm_w)
         assert_close_scaled(got, want, 1e-6)
         assert torch.equal(got[5], torch.zeros(600))
         if norm:
             with pytest.raises(ValueError, match="whole rows"):
-                combine(y, pair_row, weights, torch.float32, norm_w, block_l=512)
+                combine(y, pair_row, weights, torch.float32, norm_w, tuning=_combine_tuning(512))
 
     return case
 
@@ -300,7 +313,9 @@ CASES = {
     "dense-fp32-blockm32": _case_dense(
         torch.float32,
         "silu",
-        config=MoeKernelConfig(32, GemmTile(32, 32, 4, 2), GemmTile(32, 16, 4, 2)),
+        config=MoeKernelConfig(
+            block_m=32, gate_up=GemmTile(32, 32, 4, 2), down=GemmTile(32, 16, 4, 2), waves=1
+        ),
     ),
     "padding-ids": _case_padding_ids,
     "fused-gate-up-views": _case_fused_gate_up_views,
@@ -378,6 +393,152 @@ def rel_rms(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+# ----------------------------------------------------------------------------- tuning knobs
+
+
+@pytest.mark.parametrize(
+    "make,field",
+    [
+        (lambda: MoeKernelConfig(block_m=8), "block_m"),
+        (lambda: MoeKernelConfig(block_m=48), "block_m"),
+        (lambda: MoeKernelConfig(gate_up=(64, 128, 4, 4)), "gate_up"),
+        (lambda: MoeKernelConfig(down="256x64"), "down"),
+        (lambda: MoeKernelConfig(waves=0), "waves"),
+        (lambda: MoeKernelConfig(gluon=1), "gluon"),
+        (lambda: MoeKernelConfig(fast_math="yes"), "fast_math"),
+        (lambda: MoeKernelConfig(combine={"block_l": 512}), "combine"),
+        (lambda: GemmTile(24, 64, 4, 3), "block_n"),
+        (lambda: GemmTile(64, 8, 4, 3), "block_k"),
+        (lambda: GemmTile(64, 64, 3, 3), "num_warps"),
+        (lambda: GemmTile(64, 64, 4, 0), "num_stages"),
+        (lambda: CombineTuning(block_l=600), "block_l"),
+        (lambda: CombineTuning(num_warps=6), "num_warps"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_tuning_rejects_bad_knobs_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_kernel_config_defaults_are_the_measured_ones():
+    """Everything by shape (the tile table, fast math by format); the table pinned."""
+    assert MoeKernelConfig() == MoeKernelConfig(
+        block_m=None,
+        gate_up=None,
+        down=None,
+        waves=None,
+        gluon=None,
+        fast_math=None,
+        combine=CombineTuning(block_l=None, num_warps=None),
+    )
+    assert len(attrs.fields(MoeKernelConfig)) == 7  # a new knob needs its default pinned here
+    assert len(attrs.fields(CombineTuning)) == 2
+
+    def entry(fmt, rows):
+        c = default_config(fmt, rows)
+        assert c == MoeKernelConfig().resolve(fmt, rows) and c.combine == CombineTuning()
+        tile = lambda t: (t.block_n, t.block_k, t.num_warps, t.num_stages)  # noqa: E731
+        return c.block_m, tile(c.gate_up), tile(c.down), c.waves, c.gluon, c.fast_math
+
+    assert entry("dense", 16) == (16, (64, 128, 4, 4), (64, 128, 4, 4), 2, False, False)
+    assert entry("dense", 96) == (64, (128, 64, 8, 3), (256, 64, 8, 3), 1, False, False)
+    assert entry("dense", 97) == (128, (64, 64, 8, 4), (256, 64, 8, 4), 1, False, False)
+    assert entry("fp8", 16) == (16, (128, 128, 4, 3), (128, 128, 4, 3), 2, False, True)
+    assert entry("fp8", 96) == (64, (128, 128, 8, 3), (256, 128, 8, 3), 1, True, True)
+    assert entry("fp8", 1e9) == (64, (128, 128, 8, 4), (256, 128, 8, 4), 1, True, True)
+    assert entry("mxfp4", 16) == (16, (64, 256, 4, 3), (64, 256, 4, 3), 2, False, False)
+    assert entry("mxfp4", 96) == (32, (64, 128, 4, 3), (128, 128, 4, 3), 2, False, False)
+    assert entry("mxfp4", 97) == (64, (128, 64, 4, 3), (128, 64, 4, 3), 2, False, False)
+    # Given knobs win; the others still come by shape.
+    given = MoeKernelConfig(block_m=32, fast_math=False, gluon=False).resolve("fp8", 1e9)
+    assert (given.block_m, given.fast_math, given.gluon, given.waves) == (32, False, False, 1)
+    assert given.down == GemmTile(256, 128, 8, 4)
+    # The combine: whole rows; 8 warps from 4096 columns, 4 from 1024, else one per 256.
+    assert CombineTuning().resolve(3584) == (4096, 8)
+    assert CombineTuning().resolve(600) == (1024, 4)
+    assert CombineTuning().resolve(300) == (512, 2)
+    assert CombineTuning(block_l=512, num_warps=1).resolve(3584) == (512, 1)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        MoeKernelConfig().block_m = 16
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, kw))
+
+
+def _expert_launches(monkeypatch, fmt, config=None):
+    """fused_experts on the CPU with its kernels recorded (the layout's launches stubbed)."""
+    from tokenspeed.model.ops.moe import combine as combine_mod
+    from tokenspeed.model.ops.moe import experts as moe_experts
+    from tokenspeed.model.ops.moe.align import PairLayout
+
+    def align(ids, ranks, counts, first, block_m, max_pairs):
+        rows = torch.zeros(4 * block_m, dtype=torch.int32)
+        one = torch.zeros(4, dtype=torch.int32)
+        return PairLayout(ids.flatten(), rows, one, one, one, one[:1], block_m)
+
+    launches = {name: _Recorder() for name in ("up", "down", "combine")}
+    monkeypatch.setattr(moe_experts, "align_pairs", align)
+    monkeypatch.setattr(moe_experts.gg, "_gate_up_kernel", launches["up"])
+    monkeypatch.setattr(moe_experts.gg, "_down_kernel", launches["down"])
+    monkeypatch.setattr(combine_mod, "_combine_kernel", launches["combine"])
+    x, w1, w2, w3, ids, weights = random_problem(6, 2, 4, 256, 128, seed=8)
+    if fmt == "fp8":
+        (q1, s1), (q2, s2), (q3, s3) = (quantize_fp8_blocks(w) for w in (w1, w2, w3))
+        experts = ExpertWeights(format="fp8", w1=q1, w2=q2, w3=q3, s1=s1, s2=s2, s3=s3)
+        monkeypatch.setattr(
+            moe_experts, "quantize_fp8_rows", lambda t: (t, torch.ones(t.shape[0], 2))
+        )
+    else:
+        experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3)
+    counts = torch.zeros(4, dtype=torch.int32)
+    fused_experts(
+        x, weights, ids, experts, counts=counts, ranks=counts, config=config, activation="situ"
+    )
+    return {name: spy.launches[0][1] for name, spy in launches.items()}
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+def test_default_config_gives_the_table_launches(fmt, monkeypatch):
+    """12 pairs over 4 experts: the table's decode entry (BLOCK_M 16, its tiles fitted to the
+    tiny widths) and whole-row combines. (fast_math reaches the kernels only on the GPU, where
+    test_fast_math_is_the_fp8_default_and_stays_close_to_exact checks it.)"""
+    kw = _expert_launches(monkeypatch, fmt)
+    up = default_config(fmt, 3).gate_up
+    assert (kw["up"]["BM"], kw["up"]["num_warps"], kw["up"]["num_stages"]) == (
+        16,
+        up.num_warps,
+        up.num_stages,
+    )
+    assert kw["down"]["BM"] == 16
+    assert (kw["combine"]["BL"], kw["combine"]["num_warps"]) == (256, 1)
+
+
+def test_kernel_config_reaches_the_launches(monkeypatch):
+    config = MoeKernelConfig(
+        block_m=32,
+        gate_up=GemmTile(32, 32, 2, 2),
+        down=GemmTile(16, 16, 1, 3),
+        waves=1,
+        combine=CombineTuning(block_l=128, num_warps=2),
+    )
+    kw = _expert_launches(monkeypatch, "dense", config)
+    assert (kw["up"]["BM"], kw["up"]["BN"], kw["up"]["BK"]) == (32, 32, 32)
+    assert (kw["up"]["num_warps"], kw["up"]["num_stages"]) == (2, 2)
+    assert (kw["down"]["BM"], kw["down"]["BN"], kw["down"]["BK"]) == (32, 16, 16)
+    assert (kw["down"]["num_warps"], kw["down"]["num_stages"]) == (1, 3)
+    assert (kw["combine"]["BL"], kw["combine"]["num_warps"]) == (128, 2)
+    with pytest.raises(TypeError, match="MoeKernelConfig"):
+        fused_experts(torch.zeros(2, 64), None, None, None, config={"block_m": 16})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [16, 256, 2048])
 @pytest.mark.parametrize("activation", ["situ", "silu"])
@@ -444,7 +605,9 @@ def test_combine_k3_matches_reference():
     weights = torch.rand(pair_row.shape, device="cuda", generator=gen)
     norm_w = torch.rand(K3["width"], device="cuda", generator=gen) + 0.5
     for nw, block_l in ((None, None), (None, 512), (norm_w, None)):
-        got = combine(y, pair_row.int(), weights, torch.bfloat16, nw, block_l=block_l)
+        got = combine(
+            y, pair_row.int(), weights, torch.bfloat16, nw, tuning=_combine_tuning(block_l)
+        )
         want = _combine_reference(
             y.float().cpu(), pair_row.cpu(), weights.cpu(), None if nw is None else nw.cpu()
         )
@@ -481,8 +644,8 @@ def test_fast_math_is_the_fp8_default_and_stays_close_to_exact(fmt):
         experts = ExpertWeights(format="dense", w1=w1, w2=w2, w3=w3)
     kw = dict(activation="situ", linear_beta=25.0)
     default = fused_experts(x, weights, ids, experts, **kw)
-    fast = fused_experts(x, weights, ids, experts, fast_math=True, **kw)
-    exact = fused_experts(x, weights, ids, experts, fast_math=False, **kw)
+    fast = fused_experts(x, weights, ids, experts, config=MoeKernelConfig(fast_math=True), **kw)
+    exact = fused_experts(x, weights, ids, experts, config=MoeKernelConfig(fast_math=False), **kw)
     assert torch.equal(default, fast if fmt == "fp8" else exact)
     assert not torch.equal(fast, exact)  # the switch reaches the kernels
     # bf16: the GLU's last fp32 bits move a few bf16 roundings of h; FP8: a few e4m3 codes.

@@ -9,10 +9,11 @@ weights and grouped selection; random inputs where only near-ties may differ; CU
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
-from tokenspeed.model.ops.moe.gate import route_fused, router_weight_for_kernel
+from tokenspeed.model.ops.moe.gate import RouterTuning, route_fused, router_weight_for_kernel
 from tokenspeed.model.ops.moe.reference import route
 
 from .triton_interpreter import results_for
@@ -101,7 +102,15 @@ def _case_fp16_weight():
     torch.testing.assert_close(out.weights, ref_w, atol=1e-6, rtol=1e-5)
 
 
+def _case_tuned_logits():
+    # Three K splits of 16-wide steps, 16 x 16 tiles: exact dyadic logits in another order.
+    x, w, bias = dyadic_inputs(20, 32, 48, seed=11)
+    tuning = RouterTuning(block_t=16, block_e=16, block_k=16, splits=3, num_warps=2)
+    check_against_reference(x, w, bias, 4, 4, 2, True, 1.0, tuning=tuning)
+
+
 CASES = {
+    "tuned-logits-splits-3": _case_tuned_logits,
     "selection-g1": _case_selection(1, 1, True),
     "selection-g4-keep2-norenorm": _case_selection(4, 2, False),
     "selection-g8-keep3": _case_selection(8, 3, True),
@@ -139,6 +148,64 @@ def test_router_rejects_bad_groups_and_logits():
         route_fused(x, w, None, 7, num_groups=4, topk_groups=1)
     with pytest.raises(ValueError, match="logits"):
         route_fused(x, w, None, 2, logits=torch.zeros(3, 12))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_t", 8),
+        ("block_e", 48),
+        ("block_k", 0),
+        ("splits", 0),
+        ("num_warps", 3),
+        ("num_stages", 0),
+    ],
+    ids=str,
+)
+def test_tuning_rejects_bad_knobs_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RouterTuning(**{field: value})
+
+
+def test_tuning_defaults_by_shape():
+    """K3's router (896 experts, 7168 wide, bf16 weight) on 132 SMs: decode batches split K
+    in 8 (>= 4 K steps of 128 each; 16 of 64-wide steps for an fp32 weight), prefill batches
+    not at all."""
+    assert RouterTuning() == RouterTuning(
+        block_t=None, block_e=None, block_k=None, splits=None, num_warps=4, num_stages=None
+    )
+    assert len(attrs.fields(RouterTuning)) == 6  # a new knob needs its default pinned here
+    assert RouterTuning().resolve(16, 896, 7168, True, 132) == (16, 32, 128, 8, 896, 4, 4)
+    assert RouterTuning().resolve(64, 896, 7168, True, 132) == (64, 64, 128, 8, 896, 4, 4)
+    assert RouterTuning().resolve(16384, 896, 7168, True, 132) == (64, 128, 128, 1, 7168, 4, 4)
+    assert RouterTuning().resolve(16, 896, 7168, False, 132) == (16, 32, 64, 16, 448, 4, 3)
+    # Given splits are rounded to whole K steps: 3 splits of 7168 take 2432 columns each.
+    given = RouterTuning(splits=3, num_stages=2, block_t=32).resolve(16, 896, 7168, True, 132)
+    assert given == (32, 32, 128, 3, 2432, 4, 2)
+
+
+def test_tuning_reaches_the_launch(monkeypatch):
+    from tokenspeed.model.ops.moe import gate
+
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, kw))
+
+    monkeypatch.setattr(gate, "_logits_kernel", Spy())
+    x, w = torch.zeros(20, 1024), torch.zeros(48, 1024)
+    gate.router_logits(x, w)  # 4 stand-in SMs: one tile in 4 K splits covers them twice
+    grid, kw = seen[-1]
+    assert grid == (1, 1, 4) and (kw["BT"], kw["BE"], kw["BK"]) == (32, 64, 64)
+    assert (kw["num_warps"], kw["num_stages"]) == (4, 3)
+    tuning = RouterTuning(block_t=16, block_e=16, block_k=32, splits=4, num_warps=8, num_stages=2)
+    out = gate.router_logits(x, w, tuning=tuning)
+    grid, kw = seen[-1]
+    assert out.shape == (4, 20, 48) and grid == (2, 3, 4)
+    assert (kw["BT"], kw["BE"], kw["BK"], kw["num_warps"], kw["num_stages"]) == (16, 16, 32, 8, 2)
+    with pytest.raises(TypeError, match="RouterTuning"):
+        gate.router_logits(x, w, tuning={"splits": 2})
 
 
 # ---------------------------------------------------------------- GPU (K3 widths)

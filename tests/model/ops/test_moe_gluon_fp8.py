@@ -9,6 +9,7 @@ test_moe_experts.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -69,7 +70,9 @@ def test_gluon_matches_triton_fp8_and_emulation(activation):
     kw = dict(activation=activation, linear_beta=25.0 if activation == "situ" else None)
     assert moe_experts._gluon_down(x, experts, LARGE, torch.bfloat16)
     got = fused_experts(x, weights, ids, experts, config=LARGE, **kw)
-    triton_path = fused_experts(x, weights, ids, experts, config=LARGE._replace(gluon=False), **kw)
+    triton_path = fused_experts(
+        x, weights, ids, experts, config=attrs.evolve(LARGE, gluon=False), **kw
+    )
     assert rel_rms(got, triton_path) <= 1e-3
     local = ids < K3["local"]
     w_local, ids_local = torch.where(local, weights, 0.0), torch.where(local, ids, 0)

@@ -29,9 +29,10 @@ would); a per-head program reads w_uv[h] once per token block, so merge + W_UV +
 pass over the partials and no extra pass over anything.
 
 On Hopper, bf16 / fp16 caches take `gluon_decode._split_kernel_gluon` for step 2 instead (same
-inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 2.0-2.7x faster than
-`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.7x); `kernel="triton"` or
-explicit `tiles` keep the Triton kernel, which also serves other GPUs and the interpreter.
+inputs and outputs; warpgroup MMAs pipelined across tiles, TMA loads; 2.04-2.95x faster than
+`_split_kernel` on the H200, docs/perf/mla.md), e4m3 caches too (1.71x); a tuning with
+kernel="triton" or any of the Triton tile knobs (`MlaDecodeTuning`) keeps the Triton kernel,
+which also serves other GPUs and the interpreter.
 Calls of exactly 32 query rows per request (Kimi Linear's 32 heads, one query) take
 `gluon_transposed` instead, which puts cache rows on the MMA's M side rather than padding the
 rows to 64 (1.17x on the H200).
@@ -79,40 +80,158 @@ class SplitMetadata(Protocol):
     split_order: torch.Tensor
 
 
-@attrs.frozen(kw_only=True)
-class DecodeTiles:
-    """Launch shape of the split kernel. block_m query-head rows per program (K3 decode: 96 rows
-    -> two programs of 64 per split), block_n cache rows per step."""
+KERNELS = ("gluon", "triton")
 
-    block_m: int = 64
-    block_n: int = 32
-    num_warps: int = 8
-    num_stages: int = 2
+
+def _kernel(instance, attribute, value) -> None:
+    if value is not None and value not in KERNELS:
+        raise ValueError(f"{attribute.name} is 'gluon', 'triton' or None, not {value!r}")
+
+
+def _rows(instance, attribute, value) -> None:
+    """Tile rows of a tl.dot / wgmma operand: a power of two >= 16."""
+    if value is not None and not (isinstance(value, int) and value >= 16 and _is_pow2(value)):
+        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value!r}")
+
+
+def _warps(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and 1 <= value <= 32 and _is_pow2(value)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
+
+
+def _at_least(low: int):
+    def check(instance, attribute, value) -> None:
+        if value is not None and not (isinstance(value, int) and value >= low):
+            raise ValueError(f"{attribute.name} must be an int >= {low}, got {value!r}")
+
+    return check
+
+
+def _gluon_rows(instance, attribute, value) -> None:
+    if value is not None and value not in (16, 32, 64, 128):
+        raise ValueError(f"{attribute.name} must be 16, 32, 64 or 128, got {value!r}")
+
+
+def _convert_cols(instance, attribute, value) -> None:
+    if not (isinstance(value, int) and value >= 64 and _is_pow2(value)):
+        raise ValueError(f"{attribute.name} must be a power of two >= 64, got {value!r}")
+
+
+def _optional_bool(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@attrs.frozen(kw_only=True)
+class MlaDecodeTuning:
+    """The tuning knobs of `mla_decode_paged_split` (and of `decode_parallelism`'s head
+    groups); the defaults are the measured ones (H200, benchmarks/mla_decode.py,
+    docs/perf/mla.md). None means "by shape", filled in by `resolve` (and `tail_launch`,
+    `gluon_tile_rows`). None of them changes the math; the split kernel chosen and its tiles
+    change the summation order, so the last bits of the result.
+
+    kernel: the split kernel, "gluon" (the pipelined Hopper kernels of `gluon_decode` /
+    `gluon_transposed`), "triton" (`_split_kernel`) or None: Gluon wherever `gluon_applies`
+    and none of the Triton tile knobs below is given, else Triton.
+
+    The Triton split kernel (`_split_kernel`), None: `resolve`'s by-shape tiles:
+    block_m: query-head rows per program (GPU: 64, one Hopper warpgroup MMA tile, fewer when
+    a request has fewer rows; K3 decode: 96 rows -> two programs of 64 per split);
+    block_n: cache rows per step (GPU: 64 with 64-row groups, measured 1.45x faster than 32
+    on the H200; else 32); num_warps: its warps (GPU: 8, 4 for 16-row groups); num_stages:
+    its software pipeline depth (GPU: 2). The interpreter gets 16-row tiles, 4 warps and one
+    stage so that CPU tests stay fast.
+
+    The Gluon split kernels (Hopper):
+    gluon_block_n: cache rows per tile (None: 64 for bf16 / fp16 caches, 32 for e4m3). 64-row
+    tiles with two stages measured faster than 32 x 4 and 16 x 6 on the H200 (fewer softmax
+    steps): 2.82 vs 3.01 and 5.0 ms on the mixed 36-request batch. e4m3 caches take 32-row
+    tiles so that three converted tiles fit beside the queries and the ring (the conversion
+    of one tile then overlaps the MMAs of the previous one). The 32-row transposed kernel
+    (`gluon_transposed`) computes 64 cache rows per MMA and runs only with 64-row tiles.
+    gluon_stages: shared-memory stages of the TMA ring (2; more only where `gluon_decode.fits`
+    finds the shared memory for them);
+    fp8_convert_cols: e4m3 caches: latent columns converted per pass of
+    `gluon_convert._convert_tile` (512). Each pass's store into the converted buffer is
+    another access to one shared allocation, so another block-wide barrier: one 512-column
+    pass ran 1.07x faster than four 128-column ones on the H200 (4.20 against 4.49 ms, mixed
+    36-request batch); with P in shared memory too, a tile has 6 barriers at 245 registers,
+    no spills.
+
+    The merge tail (`_tail_kernel`): tail_block_t: tokens per program (None: 16 up to 128
+    tokens, 32 up to 512, else 64: small blocks while tokens are few, so that the tail has
+    programs (tokens / block_t x H) to spread the partials' reads; each re-reads w_uv[h] from
+    L2); tail_warps: its warps (None: 8 for 64-token blocks on the GPU, else 4).
+
+    use_pdl: programmatic dependent launch of the Triton split kernel and the merge tail
+    (None: `pdl_supported`; the Gluon split kernel launches without it).
+    """
+
+    kernel: str | None = attrs.field(default=None, validator=_kernel)
+    block_m: int | None = attrs.field(default=None, validator=_rows)
+    block_n: int | None = attrs.field(default=None, validator=_rows)
+    num_warps: int | None = attrs.field(default=None, validator=_warps)
+    num_stages: int | None = attrs.field(default=None, validator=_at_least(1))
+    gluon_block_n: int | None = attrs.field(default=None, validator=_gluon_rows)
+    gluon_stages: int = attrs.field(default=2, validator=_at_least(2))
+    fp8_convert_cols: int = attrs.field(default=512, validator=_convert_cols)
+    tail_block_t: int | None = attrs.field(default=None, validator=_rows)
+    tail_warps: int | None = attrs.field(default=None, validator=_warps)
+    use_pdl: bool | None = attrs.field(default=None, validator=_optional_bool)
+
+    @property
+    def triton_tiles_given(self) -> bool:
+        """Whether any of the Triton split kernel's tile knobs is set (then kernel=None takes
+        the Triton kernel)."""
+        return any(
+            v is not None for v in (self.block_m, self.block_n, self.num_warps, self.num_stages)
+        )
+
+    def resolve(self, rows_per_request: int, on_gpu: bool) -> MlaDecodeTuning:
+        """These knobs with the Triton split kernel's tiles filled in for n * H query-head rows
+        per request. On the GPU, 64 rows (one Hopper warpgroup MMA tile; acc [64, 512] fp32 is
+        128 registers a thread over 8 warps); smaller groups when fewer rows. Below 64 rows the
+        MMA takes the query tile from registers (16 rows x 576 per warp, ~144 registers), so
+        32 rows keep 8 warps to halve the accumulator's share."""
+        block_m = self.block_m or max(16, min(64, triton.next_power_of_2(rows_per_request)))
+        if not on_gpu:
+            block_n, num_warps, num_stages = 16, 4, 1
+        else:
+            block_n = 64 if block_m == 64 else 32
+            num_warps, num_stages = (4 if block_m == 16 else 8), 2
+        return attrs.evolve(
+            self,
+            block_m=block_m,
+            block_n=self.block_n or block_n,
+            num_warps=self.num_warps or num_warps,
+            num_stages=self.num_stages or num_stages,
+        )
 
     def head_groups(self, rows_per_request: int) -> int:
-        return -(-rows_per_request // self.block_m)
+        """Programs per split of the Triton kernel (block_m: by shape on the GPU when None)."""
+        block_m = self.block_m or self.resolve(rows_per_request, on_gpu=True).block_m
+        return -(-rows_per_request // block_m)
 
+    def tail_launch(self, tokens: int, on_gpu: bool) -> tuple[int, int]:
+        """(block_t, num_warps) of the merge tail over this many query tokens."""
+        block_t = self.tail_block_t or (16 if tokens <= 128 else 32 if tokens <= 512 else 64)
+        warps = self.tail_warps or (8 if on_gpu and block_t == 64 else 4)
+        return block_t, warps
 
-def default_tiles(rows_per_request: int, on_gpu: bool) -> DecodeTiles:
-    """Tiles for n * H rows per request. On the GPU, 64 rows (one Hopper warpgroup MMA tile;
-    acc [64, 512] fp32 is 128 registers a thread over 8 warps); smaller groups when fewer rows.
-    Below 64 rows the MMA takes the query tile from registers (16 rows x 576 per warp, ~144
-    registers), so 32 rows keep 8 warps to halve the accumulator's share. The interpreter gets
-    small tiles so CPU tests stay fast."""
-    block_m = max(16, min(64, triton.next_power_of_2(rows_per_request)))
-    if not on_gpu:
-        return DecodeTiles(block_m=block_m, block_n=16, num_warps=4, num_stages=1)
-    # 64-row groups read 64 cache rows a step: measured 1.45x faster than 32 on the H200
-    # (benchmarks/mla_decode.py tile sweep, docs/perf/mla.md).
-    block_n = 64 if block_m == 64 else 32
-    return DecodeTiles(block_m=block_m, block_n=block_n, num_warps=4 if block_m == 16 else 8)
+    def gluon_tile_rows(self, fp8: bool) -> int:
+        """Cache rows per tile of the Gluon kernel for an e4m3 (fp8) or bf16 / fp16 cache."""
+        return self.gluon_block_n or (32 if fp8 else 64)
 
 
 def decode_parallelism(
     num_sms: int,
     num_heads: int,
     queries_per_request: int,
-    tiles: DecodeTiles | None = None,
+    tiles: MlaDecodeTuning | None = None,
     programs_per_sm: int = 1,
     waves: int = 4,
 ) -> int:
@@ -122,9 +241,10 @@ def decode_parallelism(
     budget: launched longest first, those fill in behind the full ones. A scheduling model of
     mixed and equal batches (132 SMs, 2 head groups) put 4 waves within a few percent of a
     perfect balance and 1 wave up to 1.7x off it on equal lengths (wave quantisation);
-    benchmarks/mla_decode.py measures 1, 2 and 4."""
+    benchmarks/mla_decode.py measures 1, 2 and 4. tiles: the decode's tuning, whose Triton
+    block_m sets the head groups (None: the default, by shape on the GPU)."""
     rows = num_heads * queries_per_request
-    tiles = tiles or default_tiles(rows, on_gpu=True)
+    tiles = tiles or MlaDecodeTuning()
     return max(1, waves * num_sms * programs_per_sm // tiles.head_groups(rows))
 
 
@@ -142,11 +262,12 @@ def gluon_applies(
     rank: int,
     rope: int,
     page_size: int,
+    tuning: MlaDecodeTuning | None = None,
 ) -> bool:
     """Whether the Hopper Gluon split kernel (`gluon_decode`) can take this call: a CUDA device
     of compute capability 9.x (its MMAs are wgmma), not the interpreter (Gluon does not run
     there), a bf16 / fp16 cache in the queries' dtype or an e4m3 cache with its scales, and
-    shapes it tiles (`gluon_decode.fits`)."""
+    shapes it tiles with the tuning's Gluon tiles (`gluon_decode.fits`; None: the defaults)."""
     if interpreting() or not q.is_cuda:
         return False
     fp8 = pages.dtype == torch.float8_e4m3fn and page_scales is not None
@@ -162,7 +283,7 @@ def gluon_applies(
         from . import gluon_decode
     except ImportError:  # a Triton without Gluon's Hopper API
         return False
-    return gluon_decode.fits(rank, rope, page_size, fp8=fp8)
+    return gluon_decode.fits(rank, rope, page_size, fp8=fp8, tuning=tuning)
 
 
 def quantize_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,10 +545,8 @@ def mla_decode_paged_split(
     uniform_splits: int | None = None,
     gate: torch.Tensor | None = None,
     page_scales: torch.Tensor | None = None,
-    tiles: DecodeTiles | None = None,
-    use_pdl: bool | None = None,
     split_order: torch.Tensor | None = None,
-    kernel: str | None = None,
+    tuning: MlaDecodeTuning | None = None,
 ) -> torch.Tensor:
     """Split-KV absorbed decode; `reference.mla_decode_paged` with an optional output gate.
 
@@ -441,10 +560,13 @@ def mla_decode_paged_split(
     attention * sigmoid(gate) when a gate is given. No host sync; static shapes.
     split_order: overrides `splits.split_order`, the launch order the planner wrote (longest
     first; `longest_first` computes the same on the device).
-    kernel: "gluon" (the pipelined Hopper kernel of `gluon_decode`), "triton" (`_split_kernel`)
-    or None: Gluon wherever `gluon_applies` and no `tiles` are given, else Triton. `tiles` and
-    the split kernel's PDL apply to the Triton kernel (the merge tail uses PDL either way).
+    tuning: the launch knobs (`MlaDecodeTuning`: which split kernel, its tiles, the tail's,
+    PDL; None: the measured defaults).
     """
+    if tuning is None:
+        tuning = MlaDecodeTuning()
+    elif not isinstance(tuning, MlaDecodeTuning):
+        raise TypeError(f"tuning must be an MlaDecodeTuning, got {type(tuning).__name__}")
     _check(
         (splits is None) != (uniform_splits is None),
         "pass exactly one of splits (planner metadata) and uniform_splits",
@@ -490,13 +612,19 @@ def mla_decode_paged_split(
 
     on_gpu = q.is_cuda
     rows = n_query * heads
-    _check(kernel in (None, "gluon", "triton"), f"kernel is 'gluon' or 'triton', not {kernel!r}")
-    fits_gluon = gluon_applies(q, pages, page_scales, rank, rope, page_size)
-    _check(kernel != "gluon" or tiles is None, "tiles configure the Triton kernel only")
-    _check(kernel != "gluon" or fits_gluon, "the Gluon kernel does not apply (gluon_applies)")
-    use_gluon = kernel == "gluon" or (kernel is None and tiles is None and fits_gluon)
-    tiles = tiles or default_tiles(rows, on_gpu)
-    pdl = pdl_supported(q.device) if use_pdl is None else use_pdl
+    fits_gluon = gluon_applies(q, pages, page_scales, rank, rope, page_size, tuning)
+    _check(
+        tuning.kernel != "gluon" or not tuning.triton_tiles_given,
+        "block_m, block_n, num_warps and num_stages configure the Triton kernel only",
+    )
+    _check(
+        tuning.kernel != "gluon" or fits_gluon, "the Gluon kernel does not apply (gluon_applies)"
+    )
+    use_gluon = tuning.kernel == "gluon" or (
+        tuning.kernel is None and not tuning.triton_tiles_given and fits_gluon
+    )
+    tiles = tuning.resolve(rows, on_gpu)
+    pdl = pdl_supported(q.device) if tuning.use_pdl is None else tuning.use_pdl
     launch = {"launch_pdl": True} if pdl else {}
 
     # 1. Absorb W_UK: [H, T, Dn] @ [H, Dn, R] -> [H, T, R], read below as [T, H, R] by strides.
@@ -547,27 +675,28 @@ def mla_decode_paged_split(
     if use_gluon:
         from . import gluon_decode, gluon_ring, gluon_transposed
 
-        block_n = gluon_decode.block_n_for(pages.dtype)
+        block_n = tuning.gluon_tile_rows(fp8)
         desc_c, desc_r = gluon_ring.descriptors(pages, rank, block_n)
         operands = (q_lat, q_rope, pages, scales_arg, desc_c, desc_r, *tail_args)
         # The last 32 query rows may go to a program that puts cache rows on the MMA's M side
-        # instead of padding a 64-row one (`takes_remainder` says when).
+        # instead of padding a 64-row one (`takes_remainder` says when; its MMAs take 64 cache
+        # rows, so 64-row tiles only).
         full = rows // gluon_decode.BLOCK_M
-        transposed = gluon_transposed.takes_remainder(rows, fp8)
+        transposed = gluon_transposed.takes_remainder(rows, fp8) and block_n == 64
         blocks = full if transposed else -(-rows // gluon_decode.BLOCK_M)
         if blocks:
             gluon_decode._split_kernel_gluon[(blocks, num_slots)](
                 *operands,
                 **shape,
-                STAGES=gluon_decode.STAGES,
-                CONVERT_COLS=gluon_decode.FP8_CONVERT_COLS,
+                STAGES=tuning.gluon_stages,
+                CONVERT_COLS=tuning.fp8_convert_cols,
                 num_warps=8,
             )
         if transposed:
             gluon_transposed._split_kernel_transposed[(1, num_slots)](
                 *operands,
                 **shape,
-                STAGES=gluon_decode.STAGES,
+                STAGES=tuning.gluon_stages,
                 ROW0=full * gluon_decode.BLOCK_M,
                 num_warps=4,
             )
@@ -592,9 +721,7 @@ def mla_decode_paged_split(
         gate = gate.reshape(tokens, heads, v_dim)
         _check(gate.stride(2) == 1, "gate channels must be contiguous")
     g_arg = gate if gate is not None else out
-    # Small token blocks while tokens are few: the tail needs programs (tokens / block_t x H)
-    # to spread the partials' reads; each re-reads w_uv[h] from L2.
-    block_t = 16 if tokens <= 128 else 32 if tokens <= 512 else 64
+    block_t, tail_warps = tuning.tail_launch(tokens, on_gpu)
     block_r = min(rank, 128)
     w_uv_c = w_uv.to(q.dtype)
     _check(w_uv_c.stride(2) == 1, "w_uv rows must be contiguous")
@@ -625,7 +752,7 @@ def mla_decode_paged_split(
         HAS_GATE=gate is not None,
         UNIFORM=splits is None,
         USE_PDL=pdl,
-        num_warps=8 if on_gpu and block_t == 64 else 4,
+        num_warps=tail_warps,
         **launch,
     )
     return out

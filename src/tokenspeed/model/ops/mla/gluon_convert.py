@@ -62,7 +62,7 @@ def _convert_tile(
     LD: gl.constexpr,
 ):
     """e4m3 caches: wait for full tile t's raw rows, convert them exactly into converted buffer
-    t % 3 (by CHUNK-column slices, `gluon_decode.FP8_CONVERT_COLS`), then refill the
+    t % 3 (by CHUNK-column slices, `MlaDecodeTuning.fp8_convert_cols`), then refill the
     tile's ring stage with tile t + STAGES. split: (n_full, first, row, page_table,
     stride_table); ring: (desc_c, desc_r, c_bufs, r_bufs, ready); conv: (cv_c, cv_r)."""
     n_full, first, row, page_table, stride_table = split

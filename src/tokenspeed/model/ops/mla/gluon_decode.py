@@ -34,7 +34,6 @@ The split kernel launches without programmatic dependent launch (the merge tail 
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -44,30 +43,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .decode import MlaDecodeTuning
 from .gluon_convert import _convert_tile, _tile_scales, _to_mma_type
 from .gluon_ring import _chunk_bar, _issue, _page_of, _split_bounds, _start_ring
 
+# Query rows per program: one Hopper warpgroup MMA tile (m64), the layouts' [4, 2] warps. The
+# tunable parts (cache rows per tile, ring stages, e4m3 conversion width, and their measured
+# defaults) are `decode.MlaDecodeTuning`'s gluon_block_n, gluon_stages and fp8_convert_cols.
 BLOCK_M = 64
-# 64-row tiles with two stages measured faster than 32 x 4 and 16 x 6 on the H200 (fewer
-# softmax steps): 2.82 vs 3.01 and 5.0 ms on the mixed 36-request batch
-# (docs/perf/mla.md).
-BLOCK_N = 64
-STAGES = 2
-# e4m3 caches: 32-row tiles, so that three converted tiles fit beside the queries and the ring
-# (the conversion of one tile then overlaps the MMAs of the previous one).
-BLOCK_N_FP8 = 32
-# e4m3 caches: latent columns converted per pass of `gluon_convert._convert_tile`. Each pass's
-# store into the converted buffer is another access to one shared allocation, so another
-# block-wide barrier: one 512-column pass ran 1.07x faster than four 128-column ones on the
-# H200 (4.20 against 4.49 ms, mixed 36-request batch;
-# docs/perf/mla.md). With P in shared memory too, a tile has 6 barriers at
-# 245 registers, no spills (docs/perf/mla.md).
-FP8_CONVERT_COLS = 512
-
-
-def block_n_for(dtype: torch.dtype) -> int:
-    """Rows per tile of the kernel for a cache of this dtype."""
-    return BLOCK_N_FP8 if dtype == torch.float8_e4m3fn else BLOCK_N
 
 
 @gluon.jit
@@ -237,9 +220,9 @@ def _split_kernel_gluon(
     PAGE_SIZE: gl.constexpr,
     UNIFORM: gl.constexpr,
     GRANULE: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr,  # `MlaDecodeTuning.gluon_stages`
     SCALE_MODE: gl.constexpr,  # 0 none (bf16 / fp16 cache), 1 per page, 2 per row (e4m3)
-    CONVERT_COLS: gl.constexpr = 512,  # e4m3: `FP8_CONVERT_COLS`
+    CONVERT_COLS: gl.constexpr,  # e4m3: `MlaDecodeTuning.fp8_convert_cols`
 ):
     BM: gl.constexpr = 64
     BN: gl.constexpr = desc_c.block_type.shape[0]
@@ -456,15 +439,18 @@ def _split_kernel_gluon(
     )
 
 
-def fits(rank: int, rope: int, page_size: int, fp8: bool = False) -> bool:
-    """Shapes the kernel tiles: R and Dr powers of two (64 <= R <= 512: each warpgroup's MMA is
-    R/2 wide; 16 <= Dr <= 256), whole tiles inside a page, and the shared memory it takes
-    (queries, the ring of cache tiles and, for e4m3 caches, three converted tiles, else P's
-    buffer)."""
+def fits(
+    rank: int, rope: int, page_size: int, fp8: bool = False, tuning: MlaDecodeTuning | None = None
+) -> bool:
+    """Shapes the kernel tiles with the tuning's Gluon tiles (None: the defaults): R and Dr
+    powers of two (64 <= R <= 512: each warpgroup's MMA is R/2 wide; 16 <= Dr <= 256), whole
+    tiles inside a page, and the shared memory it takes (queries, the ring of cache tiles and,
+    for e4m3 caches, three converted tiles, else P's buffer)."""
+    tuning = tuning or MlaDecodeTuning()
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
     width = rank + rope
-    block_n = BLOCK_N_FP8 if fp8 else BLOCK_N
-    smem = 2 * BLOCK_M * width + STAGES * block_n * width * (1 if fp8 else 2)
+    block_n = tuning.gluon_tile_rows(fp8)
+    smem = 2 * BLOCK_M * width + tuning.gluon_stages * block_n * width * (1 if fp8 else 2)
     if fp8:
         smem += 3 * block_n * width * 2
     else:

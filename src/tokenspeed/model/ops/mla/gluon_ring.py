@@ -146,7 +146,7 @@ def descriptors(
     """TMA descriptors over the page pool [NP, P, R + Dr] (bf16, fp16 or e4m3) as rows:
     [block_n, chunk] boxes of the latent part (the kernel loads a tile chunk by chunk, one
     barrier each) and [block_n, Dr] shared-key boxes. block_n: rows per tile
-    (`gluon_decode.block_n_for`); chunk: all R
+    (`MlaDecodeTuning.gluon_tile_rows`); chunk: all R
     columns by default. Chunks of 64 or 128 columns measured slower on the H200 (2.43 / 2.30
     against 2.08 ms on the mixed 36-request batch, docs/perf/mla.md): the compiler puts a
     block-wide barrier around every barrier expect and TMA copy, which costs more than

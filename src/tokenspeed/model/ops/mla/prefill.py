@@ -25,20 +25,60 @@ import triton.language as tl
 from .decode import LOG2E
 
 
+def _rows(instance, attribute, value) -> None:
+    """Tile rows of a tl.dot operand: a power of two >= 16."""
+    if value is not None and not (isinstance(value, int) and value >= 16 and _is_pow2(value)):
+        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value!r}")
+
+
+def _warps(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and 1 <= value <= 32 and _is_pow2(value)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
+
+
+def _stages(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 @attrs.frozen(kw_only=True)
-class PrefillTiles:
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+class MlaPrefillTuning:
+    """The tuning knobs of `mla_prefill_paged`'s `_prefill_kernel`; None means "by shape",
+    filled in by `resolve` from the longest query run of the call (the prefill is checked but
+    not timed in docs/perf/mla.md). On the GPU: 64 x 64 tiles,
+    4 warps, 2 stages, and 128 x 64 tiles with 8 warps and 3 stages once a request has more
+    than 64 new tokens; the interpreter gets 16 x 16 tiles, 4 warps and one stage so that CPU
+    tests stay fast. None of them changes the math (the summation order, so the last bits).
 
+    block_m: query rows (tokens of one request, one head) per program; block_n: key rows per
+    step; num_warps: the kernel's warps; num_stages: its software pipeline depth.
+    """
 
-def default_prefill_tiles(max_queries: int, on_gpu: bool) -> PrefillTiles:
-    if not on_gpu:
-        return PrefillTiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if max_queries > 64:
-        return PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return PrefillTiles()
+    block_m: int | None = attrs.field(default=None, validator=_rows)
+    block_n: int | None = attrs.field(default=None, validator=_rows)
+    num_warps: int | None = attrs.field(default=None, validator=_warps)
+    num_stages: int | None = attrs.field(default=None, validator=_stages)
+
+    def resolve(self, max_queries: int, on_gpu: bool) -> MlaPrefillTuning:
+        """These knobs with every by-shape default filled in for a call whose longest request
+        has `max_queries` new tokens: what `mla_prefill_paged` launches with."""
+        if not on_gpu:
+            auto = (16, 16, 4, 1)
+        elif max_queries > 64:
+            auto = (128, 64, 8, 3)
+        else:
+            auto = (64, 64, 4, 2)
+        given = (self.block_m, self.block_n, self.num_warps, self.num_stages)
+        block_m, block_n, num_warps, num_stages = (
+            a if g is None else g for g, a in zip(given, auto, strict=True)
+        )
+        return MlaPrefillTuning(
+            block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages
+        )
 
 
 @triton.jit
@@ -175,7 +215,7 @@ def mla_prefill_paged(
     *,
     page_scales: torch.Tensor | None = None,
     max_chunk_rows: int = 16384,
-    tiles: PrefillTiles | None = None,
+    tuning: MlaPrefillTuning | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new tokens over their requests' paged latent rows.
 
@@ -184,7 +224,13 @@ def mla_prefill_paged(
     request including its new tokens, which are its last n rows; kv_b_weight: [H * (Dn + Dv), R].
     The chunk plan is made on the host: host cu_seqlens_q / context_lens spare a device read.
     Returns [T, H, Dv] in q's dtype; `reference.mla_prefill` over the same rows.
+    max_chunk_rows: key rows expanded per launch (the memory bound); tuning: the launch knobs
+    (`MlaPrefillTuning`; None: the defaults, by shape).
     """
+    if tuning is None:
+        tuning = MlaPrefillTuning()
+    elif not isinstance(tuning, MlaPrefillTuning):
+        raise TypeError(f"tuning must be an MlaPrefillTuning, got {type(tuning).__name__}")
     tokens, heads, qk_dim = q.shape
     rank = kv_b_weight.shape[1]
     width = pages.shape[2]
@@ -203,7 +249,7 @@ def mla_prefill_paged(
         raise ValueError(f"requests {bad} have more queries than cached rows")
 
     device = q.device
-    tiles = tiles or default_prefill_tiles(max(n_queries, default=1), q.is_cuda)
+    tiles = tuning.resolve(max(n_queries, default=1), q.is_cuda)
     o_acc = torch.zeros(tokens, heads, v_head_dim, dtype=torch.float32, device=device)
     lse_acc = torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=device)
     weight = kv_b_weight.to(q.dtype)

@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
+
+
+def _optional_pow2(instance, attribute, value) -> None:
+    if value is not None and not (
+        isinstance(value, int) and value >= 1 and not value & (value - 1)
+    ):
+        raise ValueError(f"{attribute.name} must be a power of two, got {value!r}")
+
+
+def _optional_warps(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class CombineTuning:
+    """The tuning knobs of `combine` (and so of `fused_experts`' last launch, through
+    `MoeKernelConfig.combine`); None means "by shape" (`resolve`). Neither changes the result.
+
+    block_l: columns per program (None: whole rows, one program per token; the fused norm needs
+    them); num_warps: the kernel's warps (None: 8 from 4096 columns, 4 from 1024, else one per
+    256 columns).
+    """
+
+    block_l: int | None = attrs.field(default=None, validator=_optional_pow2)
+    num_warps: int | None = attrs.field(default=None, validator=_optional_warps)
+
+    def resolve(self, width: int) -> tuple[int, int]:
+        """(block_l, num_warps) of a combine over rows of `width` columns."""
+        bl = self.block_l or triton.next_power_of_2(width)
+        if self.num_warps is not None:
+            return bl, self.num_warps
+        return bl, 8 if bl >= 4096 else 4 if bl >= 1024 else max(1, bl // 256)
 
 
 @triton.jit
@@ -56,23 +90,23 @@ def combine(
     out_dtype: torch.dtype,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    block_l: int | None = None,
-    num_warps: int | None = None,
+    tuning: CombineTuning | None = None,
 ) -> torch.Tensor:
     """Token outputs [T, L] from expert rows y [rows, L]; pair_row, weights: [T, k].
 
-    block_l / num_warps: columns and warps of a program (default: whole rows; the norm needs
-    them)."""
+    tuning: the launch knobs (`CombineTuning`; None: whole rows, warps by width)."""
+    if tuning is None:
+        tuning = CombineTuning()
+    elif not isinstance(tuning, CombineTuning):
+        raise TypeError(f"tuning must be a CombineTuning, got {type(tuning).__name__}")
     tokens, top_k = weights.shape
     width = y.shape[1]
     out = torch.empty(tokens, width, dtype=out_dtype, device=y.device)
     if tokens == 0:
         return out
-    bl = block_l or triton.next_power_of_2(width)
+    bl, num_warps = tuning.resolve(width)
     if norm_weight is not None and bl < width:
         raise ValueError(f"the fused norm needs whole rows: block_l {bl} < width {width}")
-    if num_warps is None:
-        num_warps = 8 if bl >= 4096 else 4 if bl >= 1024 else max(1, bl // 256)
     _combine_kernel[(tokens, triton.cdiv(width, bl))](
         y,
         pair_row.contiguous(),

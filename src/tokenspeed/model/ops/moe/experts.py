@@ -12,16 +12,14 @@ tiles is the Gluon kernel of gluon_fp8.py.
 
 Math: the gate/up epilogue (the GLU's exp, tanh and divisions, and with FP8 the quantisation
 of h) is IEEE-exact (libdevice, `div_rn`: the GLU as torch computes it on the same gate/up
-values) unless `fast_math`, the default for FP8 experts only: their h is quantised anyway, and
-the exact epilogue costs ~20% of the FP8 gate/up GEMM at 16384 tokens and an exp-based fast
-one another ~15% (docs/perf/moe.md, "Fast math for FP8" and "Combine, quantisation and
-tanh.approx"). The activations' FP8 quantisation stays exact either way: one e4m3 code
-moved in x moves many codes of h, which a reference quantisation no longer tracks.
+values) unless `MoeKernelConfig.fast_math`, the default for FP8 experts only: their h is
+quantised anyway, and the exact epilogue costs ~20% of the FP8 gate/up GEMM at 16384 tokens
+and an exp-based fast one another ~15% (docs/perf/moe.md, bullet "Fast math for FP8"). The
+activations' FP8 quantisation stays exact either way: one e4m3 code moved in x moves many
+codes of h, which a reference quantisation no longer tracks.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import attrs
 import torch
@@ -32,7 +30,7 @@ from ..interpret import interpreting
 from . import grouped_gemm as gg
 from ._launch import num_sms
 from .align import align_pairs, capacity_blocks, count_pairs
-from .combine import combine
+from .combine import CombineTuning, combine
 from .fp8 import FP8_DTYPE, quantize_fp8_rows
 from .fp8 import GROUP as FP8_GROUP
 from .mxfp4 import GROUP as MX_GROUP
@@ -126,23 +124,96 @@ class ExpertWeights:
         return self.w2.shape[1]
 
 
-class GemmTile(NamedTuple):
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+def _pow2_at_least(low: int):
+    def check(instance, attribute, value) -> None:
+        if value is not None and not (
+            isinstance(value, int) and value >= low and not value & (value - 1)
+        ):
+            raise ValueError(f"{attribute.name} must be a power of two >= {low}, got {value!r}")
+
+    return check
 
 
-class MoeKernelConfig(NamedTuple):
-    """Tiles of one call: block_m (the segment alignment) is shared by both GEMMs."""
+def _warps(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
 
-    block_m: int
-    gate_up: GemmTile
-    down: GemmTile
-    waves: int = 1  # persistent programs per SM
-    # FP8 on Hopper: the down GEMM in Gluon (gluon_fp8.py) where its tiles apply (BLOCK_M 64,
-    # bf16 out, latent width a multiple of 256); the Triton kernel otherwise.
-    gluon: bool = False
+
+def _positive(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _optional_bool(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
+
+
+def _instance_of(cls):
+    def check(instance, attribute, value) -> None:
+        if value is not None and not isinstance(value, cls):
+            raise ValueError(f"{attribute.name} must be a {cls.__name__}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class GemmTile:
+    """Tiles of one grouped GEMM: block_n output columns (of each of gate and up for the
+    gate/up GEMM), block_k the K step, the kernel's warps and pipeline stages (for the Gluon
+    FP8 down GEMM: its TMA ring's depth). Shrunk to small problems by `_fit`."""
+
+    block_n: int = attrs.field(validator=_pow2_at_least(16))
+    block_k: int = attrs.field(validator=_pow2_at_least(16))
+    num_warps: int = attrs.field(validator=_warps)
+    num_stages: int = attrs.field(validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class MoeKernelConfig:
+    """The tuning knobs of `fused_experts` (its gate/up, down and combine launches); the
+    defaults are the measured ones (H200, `benchmarks/moe.py --sweep`, docs/perf/moe.md). None
+    means "by shape": `resolve` fills the tiles from the table by weight format and expected
+    rows per expert (`default_config`), and fast_math by format. The router (`gate.py`) has
+    its own `RouterTuning`: it is another call, made before the experts' and with other shapes.
+
+    block_m: rows per segment block, the segment alignment, shared by both GEMMs; gate_up,
+    down: the two GEMMs' `GemmTile`s; waves: persistent programs per SM; gluon: FP8 on Hopper,
+    the down GEMM in Gluon (gluon_fp8.py) where its tiles apply (block_m 64, bf16 out, latent
+    width a multiple of 256), the Triton kernel otherwise; fast_math: PTX tanh.approx and
+    approximate divisions in the gate/up epilogue instead of libdevice and IEEE-exact ones
+    (None: for FP8 experts only, whose h is quantised anyway; this one changes the result);
+    combine: the weighted combine's `CombineTuning`.
+    """
+
+    block_m: int | None = attrs.field(default=None, validator=_pow2_at_least(16))
+    gate_up: GemmTile | None = attrs.field(default=None, validator=_instance_of(GemmTile))
+    down: GemmTile | None = attrs.field(default=None, validator=_instance_of(GemmTile))
+    waves: int | None = attrs.field(default=None, validator=_positive)
+    gluon: bool | None = attrs.field(default=None, validator=_optional_bool)
+    fast_math: bool | None = attrs.field(default=None, validator=_optional_bool)
+    combine: CombineTuning = attrs.field(
+        factory=CombineTuning, validator=_instance_of(CombineTuning)
+    )
+
+    def resolve(self, fmt: str, rows_per_expert: float) -> MoeKernelConfig:
+        """These knobs with every by-shape default filled in for a weight format ("dense",
+        "fp8", "mxfp4") and an expected number of rows per expert: what `fused_experts`
+        launches with."""
+        entry = _table_entry(fmt, rows_per_expert)
+        return attrs.evolve(
+            self,
+            block_m=self.block_m or entry.block_m,
+            gate_up=self.gate_up or entry.gate_up,
+            down=self.down or entry.down,
+            waves=self.waves or entry.waves,
+            gluon=entry.gluon if self.gluon is None else self.gluon,
+            fast_math=fmt == "fp8" if self.fast_math is None else self.fast_math,
+        )
+
+
+def _entry(block_m: int, gate_up: GemmTile, down: GemmTile, waves: int = 1, gluon=False):
+    return MoeKernelConfig(block_m=block_m, gate_up=gate_up, down=down, waves=waves, gluon=gluon)
 
 
 # Rows per expert -> tiles, by format (BLOCK_N counts the columns of each of gate and up).
@@ -154,37 +225,39 @@ class MoeKernelConfig(NamedTuple):
 # and 1.67x (bf16) / 3.0x (FP8) at 16384 over the previous table.
 _TABLE = {
     "dense": (
-        (16, MoeKernelConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4), waves=2)),
-        (96, MoeKernelConfig(64, GemmTile(128, 64, 8, 3), GemmTile(256, 64, 8, 3))),
-        (None, MoeKernelConfig(128, GemmTile(64, 64, 8, 4), GemmTile(256, 64, 8, 4))),
+        (16, _entry(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4), waves=2)),
+        (96, _entry(64, GemmTile(128, 64, 8, 3), GemmTile(256, 64, 8, 3))),
+        (None, _entry(128, GemmTile(64, 64, 8, 4), GemmTile(256, 64, 8, 4))),
     ),
     "fp8": (
-        (16, MoeKernelConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
+        (16, _entry(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
         # BLOCK_M 64: the down GEMM in Gluon on Hopper (1.07x / 1.15x the Triton kernel at
-        # 2048 / 16384 tokens, docs/perf/moe.md "FP8 in Gluon").
-        (96, MoeKernelConfig(64, GemmTile(128, 128, 8, 3), GemmTile(256, 128, 8, 3), gluon=True)),
-        (
-            None,
-            MoeKernelConfig(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4), gluon=True),
-        ),
+        # 2048 / 16384 tokens, docs/perf/moe.md, bullet "FP8 in Gluon (down GEMM)").
+        (96, _entry(64, GemmTile(128, 128, 8, 3), GemmTile(256, 128, 8, 3), gluon=True)),
+        (None, _entry(64, GemmTile(128, 128, 8, 4), GemmTile(256, 128, 8, 4), gluon=True)),
     ),
     # MXFP4: two persistent programs per SM, so that one's in-register decode overlaps the
     # other's loads and MMAs: 1.36-1.51x one program at 64, 2048 and 16384 tokens (H200 sweep,
-    # docs/perf/moe.md "MXFP4"); the tiles themselves were the best of the sweep.
+    # docs/perf/moe.md, bullet "MXFP4"); the tiles themselves were the best of the sweep.
     "mxfp4": (
-        (16, MoeKernelConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3), waves=2)),
-        (96, MoeKernelConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
-        (None, MoeKernelConfig(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3), waves=2)),
+        (16, _entry(16, GemmTile(64, 256, 4, 3), GemmTile(64, 256, 4, 3), waves=2)),
+        (96, _entry(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3), waves=2)),
+        (None, _entry(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3), waves=2)),
     ),
 }
 
 
-def default_config(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
-    """The tile table entry for a format and an expected number of rows per expert."""
+def _table_entry(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
     for bound, config in _TABLE[fmt]:
         if bound is None or rows_per_expert <= bound:
             return config
     raise AssertionError("unreachable")
+
+
+def default_config(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
+    """The measured knobs for a format and an expected number of rows per expert: the tile
+    table's entry, fast_math by format, the combine's defaults (`MoeKernelConfig().resolve`)."""
+    return MoeKernelConfig().resolve(fmt, rows_per_expert)
 
 
 def _fit(tile: GemmTile, n: int, k: int, fmt: str, fixed_n: int | None) -> GemmTile:
@@ -196,7 +269,7 @@ def _fit(tile: GemmTile, n: int, k: int, fmt: str, fixed_n: int | None) -> GemmT
         bk = max(MX_GROUP, min(tile.block_k, triton.next_power_of_2(k)))
     else:
         bk = min(tile.block_k, max(16, triton.next_power_of_2(k)))
-    return tile._replace(block_n=bn, block_k=bk)
+    return attrs.evolve(tile, block_n=bn, block_k=bk)
 
 
 def _gluon_down(x: torch.Tensor, experts: ExpertWeights, cfg: MoeKernelConfig, compute) -> bool:
@@ -230,7 +303,6 @@ def fused_experts(
     norm_eps: float = 1e-6,
     out_dtype: torch.dtype | None = None,
     config: MoeKernelConfig | None = None,
-    fast_math: bool | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over the local experts, [T, L].
 
@@ -241,11 +313,14 @@ def fused_experts(
     max_pairs: static bound on local pairs (default T*k); pairs_hint: expected local pairs,
     picks the tiles (default max_pairs). counts, ranks: from `route_fused` (skips a launch).
     norm_weight: fuse `rms_norm(out, norm_weight, norm_eps)` into the combine (only valid when
-    this call sees all of a token's experts). fast_math: PTX tanh.approx and approximate
-    divisions in the gate/up epilogue instead of libdevice and IEEE-exact ones (None: for FP8
-    experts only).
+    this call sees all of a token's experts). config: the launch knobs and the epilogue's
+    fast_math (`MoeKernelConfig`; None: the measured defaults, by format and pairs_hint).
     Returns out_dtype (default x's, bf16 for FP8 x).
     """
+    if config is None:
+        config = MoeKernelConfig()
+    elif not isinstance(config, MoeKernelConfig):
+        raise TypeError(f"config must be a MoeKernelConfig, got {type(config).__name__}")
     if activation not in ("silu", "situ"):
         raise ValueError(f"activation must be 'silu' or 'situ', got {activation!r}")
     tokens, top_k = ids.shape
@@ -267,12 +342,11 @@ def fused_experts(
     max_pairs = tokens * top_k if max_pairs is None else max_pairs
     if counts is None or ranks is None:
         counts, ranks = count_pairs(ids, experts.first_expert, num_local)
-    cfg = config or default_config(fmt, (pairs_hint or max_pairs) / num_local)
+    cfg = config.resolve(fmt, (pairs_hint or max_pairs) / num_local)
     layout = align_pairs(ids, ranks, counts, experts.first_expert, cfg.block_m, max_pairs)
     rows = layout.capacity_rows
     device = x.device
 
-    fast = fmt == "fp8" if fast_math is None else bool(fast_math)
     xs = x_scale
     if fmt == "fp8" and not x_is_fp8:
         x, xs = quantize_fp8_rows(x)
@@ -284,7 +358,7 @@ def fused_experts(
         hs = h  # unused
     y = torch.empty(rows, width, dtype=compute, device=device)
     wfmt = _FORMATS[fmt]
-    exact = x.is_cuda and not interpreting() and not fast
+    exact = x.is_cuda and not interpreting() and not cfg.fast_math
     programs = num_sms(x) * cfg.waves
     max_blocks = capacity_blocks(max_pairs, num_local, cfg.block_m)
     s1, s2, s3 = experts.s1, experts.s2, experts.s3
@@ -336,7 +410,7 @@ def fused_experts(
         gluon_fp8.down_fp8(
             h, hs, layout, experts.w2, s2, y, programs=programs, stages=cfg.down.num_stages
         )
-        return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps)
+        return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps, cfg.combine)
     down = _fit(cfg.down, width, inter, fmt, None)
     grid = (max(1, min(programs, max_blocks * triton.cdiv(width, down.block_n))),)
     gg._down_kernel[grid](
@@ -365,4 +439,4 @@ def fused_experts(
         num_warps=down.num_warps,
         num_stages=down.num_stages,
     )
-    return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps)
+    return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps, cfg.combine)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -224,30 +225,88 @@ def router_weight_for_kernel(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def _logits_config(tokens: int, experts: int, dim: int, low: bool, sms: int):
-    bt = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
-    be = 32 if tokens <= 16 else 64 if tokens <= 64 else 128
-    bk = 128 if low else 64
-    tiles = triton.cdiv(tokens, bt) * triton.cdiv(experts, be)
-    splits = 1
-    # Split K until the grid covers the GPU twice, keeping >= 4 K-steps per split.
-    while tiles * splits < 2 * sms and dim // (2 * splits) >= 4 * bk:
-        splits *= 2
-    k_per_split = triton.cdiv(triton.cdiv(dim, splits), bk) * bk
-    splits = triton.cdiv(dim, k_per_split)
-    return bt, be, bk, splits, k_per_split
+def _optional_pow2(low: int):
+    def check(instance, attribute, value) -> None:
+        if value is not None and not (
+            isinstance(value, int) and value >= low and not value & (value - 1)
+        ):
+            raise ValueError(f"{attribute.name} must be a power of two >= {low}, got {value!r}")
+
+    return check
+
+
+def _optional_positive(instance, attribute, value) -> None:
+    if value is not None and not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _warps(instance, attribute, value) -> None:
+    if not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RouterTuning:
+    """The tuning knobs of the router's logits GEMM (`router_logits`, `route_fused`); None
+    means "by shape", filled in by `resolve`. Separate from `MoeKernelConfig`: the router is
+    its own call on the full hidden width, made before (and without knowing) the experts'.
+
+    block_t: tokens per program (None: 16 up to 16 tokens, 32 up to 32, else 64); block_e:
+    experts per program (None: 32 up to 16 tokens, 64 up to 64, else 128); block_k: the K step
+    (None: 128 for 16-bit weights, 64 for fp32); splits: partial sums over K (None: doubled
+    until the grid covers the GPU twice, keeping >= 4 K steps per split, so that decode-sized
+    batches still spread the 13-26 MB weight over all SMs; then as many as needed at whole K
+    steps); num_warps: 4; num_stages: the pipeline depth (None: 4 for 16-bit weights, 3 for
+    fp32). block_k and splits set the fp32 summation order of the logits, so their last bits
+    (and possibly a near-tied selection); the others do not change the result.
+    """
+
+    block_t: int | None = attrs.field(default=None, validator=_optional_pow2(16))
+    block_e: int | None = attrs.field(default=None, validator=_optional_pow2(16))
+    block_k: int | None = attrs.field(default=None, validator=_optional_pow2(16))
+    splits: int | None = attrs.field(default=None, validator=_optional_positive)
+    num_warps: int = attrs.field(default=4, validator=_warps)
+    num_stages: int | None = attrs.field(default=None, validator=_optional_positive)
+
+    def resolve(
+        self, tokens: int, experts: int, dim: int, low: bool, sms: int
+    ) -> tuple[int, int, int, int, int, int, int]:
+        """(block_t, block_e, block_k, splits, k_per_split, num_warps, num_stages) of a logits
+        launch over [tokens, dim] x [experts, dim]^T (low: 16-bit weights) on `sms` SMs."""
+        bt = self.block_t or (16 if tokens <= 16 else 32 if tokens <= 32 else 64)
+        be = self.block_e or (32 if tokens <= 16 else 64 if tokens <= 64 else 128)
+        bk = self.block_k or (128 if low else 64)
+        splits = self.splits
+        if splits is None:
+            tiles = triton.cdiv(tokens, bt) * triton.cdiv(experts, be)
+            splits = 1
+            # Split K until the grid covers the GPU twice, keeping >= 4 K-steps per split.
+            while tiles * splits < 2 * sms and dim // (2 * splits) >= 4 * bk:
+                splits *= 2
+        k_per_split = triton.cdiv(triton.cdiv(dim, splits), bk) * bk
+        splits = triton.cdiv(dim, k_per_split)
+        stages = self.num_stages or (4 if low else 3)
+        return bt, be, bk, splits, k_per_split, self.num_warps, stages
 
 
 def router_logits(
-    x: torch.Tensor, weight: torch.Tensor, precision: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    precision: str | None = None,
+    tuning: RouterTuning | None = None,
 ) -> torch.Tensor:
     """Partial router logits [S, T, E] fp32 whose sum over S (in order) is x W^T.
 
     x: [T, D] (bf16/fp16/fp32); weight: [E, D]. bf16/fp16 weights with an x of the same
     dtype use a 16-bit dot (exact products, fp32 accumulation). Otherwise operands are fp32
     and `precision` is Triton's input_precision: default "tf32x3" on GPU (about fp32
-    accuracy, on tensor cores) and "ieee" under the interpreter.
+    accuracy, on tensor cores) and "ieee" under the interpreter. tuning: the launch knobs
+    (`RouterTuning`; None: by shape).
     """
+    if tuning is None:
+        tuning = RouterTuning()
+    elif not isinstance(tuning, RouterTuning):
+        raise TypeError(f"tuning must be a RouterTuning, got {type(tuning).__name__}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if weight.stride(1) != 1 or x.stride(1) != 1:
@@ -257,7 +316,9 @@ def router_logits(
     low = weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
     if precision is None:
         precision = "ieee" if interpreting() or not x.is_cuda else "tf32x3"
-    bt, be, bk, splits, k_per_split = _logits_config(tokens, experts, dim, low, num_sms(x))
+    bt, be, bk, splits, k_per_split, warps, stages = tuning.resolve(
+        tokens, experts, dim, low, num_sms(x)
+    )
     out = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(tokens, bt), triton.cdiv(experts, be), splits)
     _logits_kernel[grid](
@@ -275,8 +336,8 @@ def router_logits(
         BK=bk,
         LOW_PRECISION=low,
         PRECISION=precision,
-        num_warps=4,
-        num_stages=4 if low else 3,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 
@@ -295,6 +356,7 @@ def route_fused(
     num_local: int | None = None,
     logits: torch.Tensor | None = None,
     precision: str | None = None,
+    tuning: RouterTuning | None = None,
 ) -> RouterOutput:
     """`reference.route` plus the local pair counts, in two Triton launches.
 
@@ -303,7 +365,8 @@ def route_fused(
     counts and ranks cover only pairs whose expert lies in [first_expert, first_expert +
     num_local). logits: optional precomputed [T, E] or [S, T, E] fp32 logits (then x and
     weight are not read): with logits from `x.float() @ weight.float().t()` the selections
-    equal the reference's bit for bit on the same device.
+    equal the reference's bit for bit on the same device. tuning: the logits launch's knobs
+    (`RouterTuning`; None: by shape).
     Preconditions: top_k <= E / num_groups * topk_groups, E % num_groups == 0, E/groups >= 2.
     """
     experts = weight.shape[0]
@@ -317,7 +380,7 @@ def route_fused(
     if top_k > experts // num_groups * topk_groups:
         raise ValueError(f"top_k {top_k} exceeds the experts of {topk_groups} kept groups")
     if logits is None:
-        logits = router_logits(x, weight, precision)
+        logits = router_logits(x, weight, precision, tuning)
     elif logits.dim() == 2:
         logits = logits.unsqueeze(0)
     if logits.shape[1:] != (tokens, experts) or logits.dtype != torch.float32:

@@ -9,17 +9,18 @@ waits for each MMA before that promotion. Here the MMA of K step k+1 is issued b
 k's partial is promoted (`warpgroup_mma_wait(num_outstanding=1)`), and one [64, 256] product
 per tile gives each warpgroup 128-column wgmma instructions (the Triton tile's two [64, 128]
 products issue 64-column ones). On the H200 at 16384 tokens this kernel takes 597 us where
-the Triton one takes 687 us (docs/perf/moe.md, "FP8 in Gluon"); the outputs agree within 1e-3
-relative RMS (tests/model/ops/test_moe_gluon_fp8.py). Caveat: ptxas (Triton 3.6, sm_90a)
-reports C7514 for this loop, "wgmma.mma_async instructions are serialized": the promotion reads
-accumulator registers inside the wgmma pipeline, so the issued overlap is not what runs
-(docs/perf/moe.md, "Fast math for FP8").
+the Triton one takes 687 us (docs/perf/moe.md, bullet "FP8 in Gluon (down GEMM)"); the outputs agree
+within 1e-3 relative RMS (tests/model/ops/test_moe_gluon_fp8.py). Caveat: ptxas (Triton 3.6,
+sm_90a) reports C7514 for this loop, "wgmma.mma_async instructions are serialized": the
+promotion reads accumulator registers inside the wgmma pipeline, so the issued overlap is not
+what runs (docs/perf/moe.md, bullet "FP8 GEMMs run at ~39% of the FP8 matmul").
 
 Persistent over (block, n-tile), block-major, bound read on the device; TMA fills a ring of
 shared-memory stages across tile boundaries and the scales are loaded three K steps ahead.
 Shapes: BLOCK_M 64 (the segment alignment), 256 output columns per tile (two weight-scale
 blocks: a column's scale is picked per warpgroup half), BK 128; L a multiple of 256 and I
-of 128.
+of 128. These are the layout's, not knobs; the one knob, the ring's depth, is `stages`, which
+`fused_experts` takes from `MoeKernelConfig.down.num_stages`.
 """
 
 from __future__ import annotations

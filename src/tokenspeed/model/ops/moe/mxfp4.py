@@ -108,7 +108,7 @@ def mxfp4_dequant_pair(packed, scale):
     exponent 0 reads as an fp32 subnormal (0 or 2^-127 = 0.5 x 2^-126), as E2M1's does. So
     decoding is a few integer operations and a product, with no int-to-float conversion
     (those issue at a fraction of the FMA rate; with the conversion-based decode the MXFP4
-    experts were 2.2-3.1x slower on the H200, docs/perf/moe.md)."""
+    experts were 2.2-3.0x slower on the H200, docs/perf/moe.md)."""
     p = packed.to(tl.int32)
     lo = ((p & 7) << 22) | ((p & 8) << 28)
     hi = ((p & 0x70) << 18) | ((p & 0x80) << 24)
