@@ -15,7 +15,7 @@ from .config import EngineConfig, EngineConfigError
 # Below this many parameters a model runs fastest single-threaded on the CPU: torch's intra-op
 # threads cost more than they save on its small matrices, and they stall whenever another
 # process holds a core (benchmarks/cpu_threads.py: the tiny preset, 1.03x idle and 6.6x with
-# the other core busy on the 2-core dev machine; docs/perf/runtime.md).
+# the other core busy on the 2-core dev machine; docs/perf/cpu_threads.md).
 SINGLE_THREAD_PARAMS = 100_000_000
 
 
