@@ -2,7 +2,7 @@
 
 The metadata paths update many dict / list entries per call (a page run, a batch of slots);
 `exhaust(map(d.__setitem__, keys, values))` does that in C rather than in a Python loop, which
-the simulator's profile showed matters at millions of updates (docs/perf/sim.md).
+the simulator's profile showed matters at millions of updates (docs/perf/sim_speed.md).
 """
 
 from __future__ import annotations
