@@ -29,29 +29,8 @@ import triton.language as tl
 from ..interpret import interpreting
 from ..moe._launch import EVICTION_POLICIES
 from ..norm import rms_norm
+from ..tuning import check, integer, one_of, tuning_or_default, warp_count
 from .reference import attn_res_mix
-
-
-def _optional_warps(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
-
-
-def _block_entries(instance, attribute, value) -> None:
-    if value is not None and not (
-        isinstance(value, int) and value >= 0 and not value & (value - 1)
-    ):
-        raise ValueError(f"{attribute.name} must be 0 or a power of two, got {value!r}")
-
-
-def _stages(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and (value == 0 or value >= 2)):
-        raise ValueError(f"{attribute.name} must be 0 or >= 2, got {value!r}")
-
-
-def _eviction(instance, attribute, value) -> None:
-    if value not in EVICTION_POLICIES:
-        raise ValueError(f"{attribute.name} {value!r} is not one of {EVICTION_POLICIES}")
 
 
 @attrs.frozen(kw_only=True)
@@ -69,10 +48,13 @@ class AttnResTuning:
     not again until the next layer's call.
     """
 
-    block_entries: int | None = attrs.field(default=None, validator=_block_entries)
-    num_warps: int | None = attrs.field(default=None, validator=_optional_warps)
-    stages: int | None = attrs.field(default=None, validator=_stages)
-    bank_eviction: str = attrs.field(default="evict_first", validator=_eviction)
+    block_entries: int | None = attrs.field(default=None, validator=integer(low=0, pow2=True))
+    num_warps: int | None = attrs.field(default=None, validator=warp_count())
+    stages: int | None = attrs.field(
+        default=None,
+        validator=check(lambda v: isinstance(v, int) and (v == 0 or v >= 2), "0 or >= 2"),
+    )
+    bank_eviction: str = attrs.field(default="evict_first", validator=one_of(EVICTION_POLICIES))
 
     def resolve(self, entries: int, dim: int, tokens: int) -> tuple[int, int, int]:
         """(block_entries, num_warps, stages) of a launch over an [entries, tokens, dim] bank."""
@@ -303,10 +285,7 @@ def attn_res_mix_norm(
     the same.
     """
     n, tokens, dim = bank.shape
-    if tuning is None:
-        tuning = AttnResTuning()
-    elif not isinstance(tuning, AttnResTuning):
-        raise TypeError(f"tuning must be an AttnResTuning, got {type(tuning).__name__}")
+    tuning = tuning_or_default(tuning, AttnResTuning)
     block_entries, num_warps, stages = tuning.resolve(n, dim, tokens)
     if not 1 <= n <= 16:
         raise ValueError(f"bank holds {n} entries; 1..16 supported")

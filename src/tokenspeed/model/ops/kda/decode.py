@@ -54,6 +54,7 @@ import triton
 
 from ..interpret import interpreting
 from ..moe._launch import EVICTION_POLICIES
+from ..tuning import boolean, integer, is_pow2, one_of, pair_of, tuning_or_default, warp_count
 from .decode_kernels import _kda_prep_kernel, _kda_recurrent_kernel
 
 GATE_FORMS = ("softplus", "lower_bound")
@@ -70,33 +71,6 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     if not t.is_cuda or interpreting():
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
-
-
-def _warps(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and 1 <= value <= 32 and _is_pow2(value)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
-
-
-def _block(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and _is_pow2(value)):
-        raise ValueError(f"{attribute.name} must be a positive power of two, got {value!r}")
-
-
-def _eviction_pair(instance, attribute, value) -> None:
-    if not (isinstance(value, tuple) and len(value) == 2 and set(value) <= set(EVICTION_POLICIES)):
-        raise ValueError(
-            f"{attribute.name} {value!r} is not a (load, store) pair of {EVICTION_POLICIES}"
-        )
-
-
-def _eviction(instance, attribute, value) -> None:
-    if value not in EVICTION_POLICIES:
-        raise ValueError(f"{attribute.name} {value!r} is not one of {EVICTION_POLICIES}")
-
-
-def _optional_bool(instance, attribute, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -117,16 +91,16 @@ class KdaDecodeTuning:
     use_pdl: chain the two launches with programmatic dependent launch (None: `pdl_enabled`).
     """
 
-    block_v: int | None = attrs.field(default=None, validator=_block)
-    num_warps: int | None = attrs.field(default=None, validator=_warps)
-    prep_warps: int = attrs.field(default=2, validator=_warps)
-    overlap_prep: bool | None = attrs.field(default=None, validator=_optional_bool)
-    v_in_prep: bool | None = attrs.field(default=None, validator=_optional_bool)
+    block_v: int | None = attrs.field(default=None, validator=integer(pow2=True))
+    num_warps: int | None = attrs.field(default=None, validator=warp_count())
+    prep_warps: int = attrs.field(default=2, validator=warp_count())
+    overlap_prep: bool | None = attrs.field(default=None, validator=boolean())
+    v_in_prep: bool | None = attrs.field(default=None, validator=boolean())
     state_eviction: tuple[str, str] = attrs.field(
-        default=("evict_last", ""), validator=_eviction_pair
+        default=("evict_last", ""), validator=pair_of(EVICTION_POLICIES)
     )
-    record_eviction: str = attrs.field(default="", validator=_eviction)
-    use_pdl: bool | None = attrs.field(default=None, validator=_optional_bool)
+    record_eviction: str = attrs.field(default="", validator=one_of(EVICTION_POLICIES))
+    use_pdl: bool | None = attrs.field(default=None, validator=boolean())
 
     def resolve(self, k_dim: int, v_dim: int, steps: int) -> KdaDecodeTuning:
         """These knobs with every by-shape default (all but use_pdl, which depends on the
@@ -188,10 +162,6 @@ def decode_scratch(
     return torch.empty(
         batch, steps, heads, scratch_width(k_dim, v_dim), dtype=torch.float32, device=device
     )
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _is_buffer(t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> bool:
@@ -278,10 +248,7 @@ def _plan(
 ) -> tuple[torch.Tensor, list]:
     """Validate the arguments of `kda_decode`; return (out, the launches still to run)."""
     check_gate_form(gate)
-    if tuning is None:
-        tuning = KdaDecodeTuning()
-    elif not isinstance(tuning, KdaDecodeTuning):
-        raise TypeError(f"tuning must be a KdaDecodeTuning, got {type(tuning).__name__}")
+    tuning = tuning_or_default(tuning, KdaDecodeTuning)
     check_inputs(
         qkv, f, beta, conv_weight, conv_state, recurrent_state, slots, a_log, dt_bias,
         step_states, step_conv,
@@ -291,7 +258,7 @@ def _plan(
     width = conv_weight.shape[1]
     t = tuning.resolve(k_dim, v_dim, steps)
     block_v = t.block_v
-    if not (_is_pow2(k_dim) and _is_pow2(v_dim) and _is_pow2(block_v) and block_v <= v_dim):
+    if not (is_pow2(k_dim) and is_pow2(v_dim) and is_pow2(block_v) and block_v <= v_dim):
         raise ValueError(
             f"K={k_dim}, V={v_dim}, block_v={block_v} must be powers of two, block_v <= V"
         )

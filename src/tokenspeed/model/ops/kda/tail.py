@@ -12,20 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning import boolean, tuning_or_default, warp_count
 from .decode import pdl_enabled
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MIN_AMAX = 1e-10  # keeps the scale of an all-zero row finite
-
-
-def _optional_warps(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
-
-
-def _optional_bool(instance, attribute, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -35,8 +26,8 @@ class KdaTailTuning:
     per thread, 1..16); use_pdl: programmatic dependent launch (None: `pdl_enabled`). Neither
     changes the result."""
 
-    num_warps: int | None = attrs.field(default=None, validator=_optional_warps)
-    use_pdl: bool | None = attrs.field(default=None, validator=_optional_bool)
+    num_warps: int | None = attrs.field(default=None, validator=warp_count())
+    use_pdl: bool | None = attrs.field(default=None, validator=boolean())
 
     def warps(self, heads: int, v_dim: int) -> int:
         """The warps of a launch over H heads of V values."""
@@ -119,10 +110,7 @@ def kda_output_tail(
     Preconditions: each token's H*V values of o and gate are contiguous (token rows may be
     strided, e.g. a slice of a fused projection); V is a power of two. No host sync.
     """
-    if tuning is None:
-        tuning = KdaTailTuning()
-    elif not isinstance(tuning, KdaTailTuning):
-        raise TypeError(f"tuning must be a KdaTailTuning, got {type(tuning).__name__}")
+    tuning = tuning_or_default(tuning, KdaTailTuning)
     v_dim = weight.shape[0]
     tokens = o.shape[0]
     width = o.shape[1:].numel()

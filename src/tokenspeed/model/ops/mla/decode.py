@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from ..interpret import interpreting
+from ..tuning import boolean, integer, one_of, tuning_or_default, warp_count
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -81,49 +82,6 @@ class SplitMetadata(Protocol):
 
 
 KERNELS = ("gluon", "triton")
-
-
-def _kernel(instance, attribute, value) -> None:
-    if value is not None and value not in KERNELS:
-        raise ValueError(f"{attribute.name} is 'gluon', 'triton' or None, not {value!r}")
-
-
-def _rows(instance, attribute, value) -> None:
-    """Tile rows of a tl.dot / wgmma operand: a power of two >= 16."""
-    if value is not None and not (isinstance(value, int) and value >= 16 and _is_pow2(value)):
-        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value!r}")
-
-
-def _warps(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and 1 <= value <= 32 and _is_pow2(value)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
-
-
-def _at_least(low: int):
-    def check(instance, attribute, value) -> None:
-        if value is not None and not (isinstance(value, int) and value >= low):
-            raise ValueError(f"{attribute.name} must be an int >= {low}, got {value!r}")
-
-    return check
-
-
-def _gluon_rows(instance, attribute, value) -> None:
-    if value is not None and value not in (16, 32, 64, 128):
-        raise ValueError(f"{attribute.name} must be 16, 32, 64 or 128, got {value!r}")
-
-
-def _convert_cols(instance, attribute, value) -> None:
-    if not (isinstance(value, int) and value >= 64 and _is_pow2(value)):
-        raise ValueError(f"{attribute.name} must be a power of two >= 64, got {value!r}")
-
-
-def _optional_bool(instance, attribute, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @attrs.frozen(kw_only=True)
@@ -171,17 +129,21 @@ class MlaDecodeTuning:
     (None: `pdl_supported`; the Gluon split kernel launches without it).
     """
 
-    kernel: str | None = attrs.field(default=None, validator=_kernel)
-    block_m: int | None = attrs.field(default=None, validator=_rows)
-    block_n: int | None = attrs.field(default=None, validator=_rows)
-    num_warps: int | None = attrs.field(default=None, validator=_warps)
-    num_stages: int | None = attrs.field(default=None, validator=_at_least(1))
-    gluon_block_n: int | None = attrs.field(default=None, validator=_gluon_rows)
-    gluon_stages: int = attrs.field(default=2, validator=_at_least(2))
-    fp8_convert_cols: int = attrs.field(default=512, validator=_convert_cols)
-    tail_block_t: int | None = attrs.field(default=None, validator=_rows)
-    tail_warps: int | None = attrs.field(default=None, validator=_warps)
-    use_pdl: bool | None = attrs.field(default=None, validator=_optional_bool)
+    kernel: str | None = attrs.field(default=None, validator=one_of(KERNELS, optional=True))
+    block_m: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    block_n: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    num_warps: int | None = attrs.field(default=None, validator=warp_count())
+    num_stages: int | None = attrs.field(default=None, validator=integer())
+    gluon_block_n: int | None = attrs.field(
+        default=None, validator=one_of((16, 32, 64, 128), optional=True)
+    )
+    gluon_stages: int = attrs.field(default=2, validator=integer(low=2))
+    fp8_convert_cols: int = attrs.field(
+        default=512, validator=integer(low=64, pow2=True, optional=False)
+    )
+    tail_block_t: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    tail_warps: int | None = attrs.field(default=None, validator=warp_count())
+    use_pdl: bool | None = attrs.field(default=None, validator=boolean())
 
     @property
     def triton_tiles_given(self) -> bool:
@@ -563,10 +525,7 @@ def mla_decode_paged_split(
     tuning: the launch knobs (`MlaDecodeTuning`: which split kernel, its tiles, the tail's,
     PDL; None: the measured defaults).
     """
-    if tuning is None:
-        tuning = MlaDecodeTuning()
-    elif not isinstance(tuning, MlaDecodeTuning):
-        raise TypeError(f"tuning must be an MlaDecodeTuning, got {type(tuning).__name__}")
+    tuning = tuning_or_default(tuning, MlaDecodeTuning)
     _check(
         (splits is None) != (uniform_splits is None),
         "pass exactly one of splits (planner metadata) and uniform_splits",

@@ -22,27 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning import integer, tuning_or_default, warp_count
 from .decode import LOG2E
-
-
-def _rows(instance, attribute, value) -> None:
-    """Tile rows of a tl.dot operand: a power of two >= 16."""
-    if value is not None and not (isinstance(value, int) and value >= 16 and _is_pow2(value)):
-        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value!r}")
-
-
-def _warps(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and 1 <= value <= 32 and _is_pow2(value)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
-
-
-def _stages(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @attrs.frozen(kw_only=True)
@@ -58,10 +39,10 @@ class MlaPrefillTuning:
     step; num_warps: the kernel's warps; num_stages: its software pipeline depth.
     """
 
-    block_m: int | None = attrs.field(default=None, validator=_rows)
-    block_n: int | None = attrs.field(default=None, validator=_rows)
-    num_warps: int | None = attrs.field(default=None, validator=_warps)
-    num_stages: int | None = attrs.field(default=None, validator=_stages)
+    block_m: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    block_n: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    num_warps: int | None = attrs.field(default=None, validator=warp_count())
+    num_stages: int | None = attrs.field(default=None, validator=integer())
 
     def resolve(self, max_queries: int, on_gpu: bool) -> MlaPrefillTuning:
         """These knobs with every by-shape default filled in for a call whose longest request
@@ -227,10 +208,7 @@ def mla_prefill_paged(
     max_chunk_rows: key rows expanded per launch (the memory bound); tuning: the launch knobs
     (`MlaPrefillTuning`; None: the defaults, by shape).
     """
-    if tuning is None:
-        tuning = MlaPrefillTuning()
-    elif not isinstance(tuning, MlaPrefillTuning):
-        raise TypeError(f"tuning must be an MlaPrefillTuning, got {type(tuning).__name__}")
+    tuning = tuning_or_default(tuning, MlaPrefillTuning)
     tokens, heads, qk_dim = q.shape
     rank = kv_b_weight.shape[1]
     width = pages.shape[2]

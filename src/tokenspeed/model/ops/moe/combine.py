@@ -7,17 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _optional_pow2(instance, attribute, value) -> None:
-    if value is not None and not (
-        isinstance(value, int) and value >= 1 and not value & (value - 1)
-    ):
-        raise ValueError(f"{attribute.name} must be a power of two, got {value!r}")
-
-
-def _optional_warps(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
+from ..tuning import integer, tuning_or_default, warp_count
 
 
 @attrs.frozen(kw_only=True)
@@ -30,8 +20,8 @@ class CombineTuning:
     256 columns).
     """
 
-    block_l: int | None = attrs.field(default=None, validator=_optional_pow2)
-    num_warps: int | None = attrs.field(default=None, validator=_optional_warps)
+    block_l: int | None = attrs.field(default=None, validator=integer(pow2=True))
+    num_warps: int | None = attrs.field(default=None, validator=warp_count())
 
     def resolve(self, width: int) -> tuple[int, int]:
         """(block_l, num_warps) of a combine over rows of `width` columns."""
@@ -95,10 +85,7 @@ def combine(
     """Token outputs [T, L] from expert rows y [rows, L]; pair_row, weights: [T, k].
 
     tuning: the launch knobs (`CombineTuning`; None: whole rows, warps by width)."""
-    if tuning is None:
-        tuning = CombineTuning()
-    elif not isinstance(tuning, CombineTuning):
-        raise TypeError(f"tuning must be a CombineTuning, got {type(tuning).__name__}")
+    tuning = tuning_or_default(tuning, CombineTuning)
     tokens, top_k = weights.shape
     width = y.shape[1]
     out = torch.empty(tokens, width, dtype=out_dtype, device=y.device)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..interpret import interpreting
+from ..tuning import boolean, instance_of, integer, tuning_or_default, warp_count
 from . import grouped_gemm as gg
 from ._launch import num_sms
 from .align import align_pairs, capacity_blocks, count_pairs
@@ -124,49 +125,16 @@ class ExpertWeights:
         return self.w2.shape[1]
 
 
-def _pow2_at_least(low: int):
-    def check(instance, attribute, value) -> None:
-        if value is not None and not (
-            isinstance(value, int) and value >= low and not value & (value - 1)
-        ):
-            raise ValueError(f"{attribute.name} must be a power of two >= {low}, got {value!r}")
-
-    return check
-
-
-def _warps(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
-
-
-def _positive(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _optional_bool(instance, attribute, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
-
-
-def _instance_of(cls):
-    def check(instance, attribute, value) -> None:
-        if value is not None and not isinstance(value, cls):
-            raise ValueError(f"{attribute.name} must be a {cls.__name__}, got {value!r}")
-
-    return check
-
-
 @attrs.frozen
 class GemmTile:
     """Tiles of one grouped GEMM: block_n output columns (of each of gate and up for the
     gate/up GEMM), block_k the K step, the kernel's warps and pipeline stages (for the Gluon
     FP8 down GEMM: its TMA ring's depth). Shrunk to small problems by `_fit`."""
 
-    block_n: int = attrs.field(validator=_pow2_at_least(16))
-    block_k: int = attrs.field(validator=_pow2_at_least(16))
-    num_warps: int = attrs.field(validator=_warps)
-    num_stages: int = attrs.field(validator=_positive)
+    block_n: int = attrs.field(validator=integer(low=16, pow2=True))
+    block_k: int = attrs.field(validator=integer(low=16, pow2=True))
+    num_warps: int = attrs.field(validator=warp_count())
+    num_stages: int = attrs.field(validator=integer())
 
 
 @attrs.frozen(kw_only=True)
@@ -186,14 +154,14 @@ class MoeKernelConfig:
     combine: the weighted combine's `CombineTuning`.
     """
 
-    block_m: int | None = attrs.field(default=None, validator=_pow2_at_least(16))
-    gate_up: GemmTile | None = attrs.field(default=None, validator=_instance_of(GemmTile))
-    down: GemmTile | None = attrs.field(default=None, validator=_instance_of(GemmTile))
-    waves: int | None = attrs.field(default=None, validator=_positive)
-    gluon: bool | None = attrs.field(default=None, validator=_optional_bool)
-    fast_math: bool | None = attrs.field(default=None, validator=_optional_bool)
+    block_m: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    gate_up: GemmTile | None = attrs.field(default=None, validator=instance_of(GemmTile))
+    down: GemmTile | None = attrs.field(default=None, validator=instance_of(GemmTile))
+    waves: int | None = attrs.field(default=None, validator=integer())
+    gluon: bool | None = attrs.field(default=None, validator=boolean())
+    fast_math: bool | None = attrs.field(default=None, validator=boolean())
     combine: CombineTuning = attrs.field(
-        factory=CombineTuning, validator=_instance_of(CombineTuning)
+        factory=CombineTuning, validator=instance_of(CombineTuning)
     )
 
     def resolve(self, fmt: str, rows_per_expert: float) -> MoeKernelConfig:
@@ -317,10 +285,7 @@ def fused_experts(
     fast_math (`MoeKernelConfig`; None: the measured defaults, by format and pairs_hint).
     Returns out_dtype (default x's, bf16 for FP8 x).
     """
-    if config is None:
-        config = MoeKernelConfig()
-    elif not isinstance(config, MoeKernelConfig):
-        raise TypeError(f"config must be a MoeKernelConfig, got {type(config).__name__}")
+    config = tuning_or_default(config, MoeKernelConfig, "config")
     if activation not in ("silu", "situ"):
         raise ValueError(f"activation must be 'silu' or 'situ', got {activation!r}")
     tokens, top_k = ids.shape

@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..interpret import interpreting
+from ..tuning import integer, tuning_or_default, warp_count
 from ._launch import num_sms
 
 _KEY_MIN = tl.constexpr(-(2**63))  # below every real key: padding lanes and taken experts
@@ -225,26 +226,6 @@ def router_weight_for_kernel(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def _optional_pow2(low: int):
-    def check(instance, attribute, value) -> None:
-        if value is not None and not (
-            isinstance(value, int) and value >= low and not value & (value - 1)
-        ):
-            raise ValueError(f"{attribute.name} must be a power of two >= {low}, got {value!r}")
-
-    return check
-
-
-def _optional_positive(instance, attribute, value) -> None:
-    if value is not None and not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _warps(instance, attribute, value) -> None:
-    if not (isinstance(value, int) and value in (1, 2, 4, 8, 16, 32)):
-        raise ValueError(f"{attribute.name} must be a power of two in 1..32, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class RouterTuning:
     """The tuning knobs of the router's logits GEMM (`router_logits`, `route_fused`); None
@@ -261,12 +242,12 @@ class RouterTuning:
     (and possibly a near-tied selection); the others do not change the result.
     """
 
-    block_t: int | None = attrs.field(default=None, validator=_optional_pow2(16))
-    block_e: int | None = attrs.field(default=None, validator=_optional_pow2(16))
-    block_k: int | None = attrs.field(default=None, validator=_optional_pow2(16))
-    splits: int | None = attrs.field(default=None, validator=_optional_positive)
-    num_warps: int = attrs.field(default=4, validator=_warps)
-    num_stages: int | None = attrs.field(default=None, validator=_optional_positive)
+    block_t: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    block_e: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    block_k: int | None = attrs.field(default=None, validator=integer(low=16, pow2=True))
+    splits: int | None = attrs.field(default=None, validator=integer())
+    num_warps: int = attrs.field(default=4, validator=warp_count(optional=False))
+    num_stages: int | None = attrs.field(default=None, validator=integer())
 
     def resolve(
         self, tokens: int, experts: int, dim: int, low: bool, sms: int
@@ -303,10 +284,7 @@ def router_logits(
     accuracy, on tensor cores) and "ieee" under the interpreter. tuning: the launch knobs
     (`RouterTuning`; None: by shape).
     """
-    if tuning is None:
-        tuning = RouterTuning()
-    elif not isinstance(tuning, RouterTuning):
-        raise TypeError(f"tuning must be a RouterTuning, got {type(tuning).__name__}")
+    tuning = tuning_or_default(tuning, RouterTuning)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if weight.stride(1) != 1 or x.stride(1) != 1:
