@@ -35,3 +35,31 @@ def test_numpy_and_tensor_integers_are_lengths():
     batch = ForwardBatch.build(np.array([3, 1]), torch.tensor([0, 7]))
     assert batch.seq_lens == (3, 1) and batch.prefix_lens == (0, 7)
     assert all(type(n) is int for n in (*batch.seq_lens, *batch.prefix_lens))
+
+
+def test_a_batch_of_no_requests():
+    """An idle rank still runs the step (its collectives must line up with the other ranks')."""
+    for batch in (ForwardBatch.build([]), ForwardBatch.build([], prefix_lens=[])):
+        assert batch.batch_size == 0 and batch.num_tokens == 0
+        assert batch.cu_seqlens.tolist() == [0] and torch.equal(
+            batch.cu_seqlens_host, torch.zeros(1, dtype=torch.int64)
+        )
+        for t in (batch.positions, batch.token_request, batch.context_lens):
+            assert t.shape == (0,) and t.dtype == torch.int64
+        assert batch.last_token_indices.shape == (0,)
+        assert batch.total_lens == () and list(batch.segments()) == []
+        assert batch.uniform_len is None  # no common length: the per-request paths, run 0 times
+
+
+def test_requests_without_new_tokens_are_still_refused():
+    for lens in ([0], [3, 0, 2], [-1]):
+        with pytest.raises(BatchError, match="have no new tokens"):
+            ForwardBatch.build(lens)
+    with pytest.raises(BatchError, match="0 seq_lens but 1 prefix_lens"):
+        ForwardBatch.build([], [0])
+
+
+def test_uniform_len():
+    assert ForwardBatch.build([2, 2, 2]).uniform_len == 2
+    assert ForwardBatch.build([1]).uniform_len == 1
+    assert ForwardBatch.build([1, 2]).uniform_len is None

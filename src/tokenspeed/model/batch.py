@@ -42,6 +42,9 @@ class ForwardBatch:
     Request i owns tokens cu_seqlens[i]:cu_seqlens[i+1] of the step (seq_lens[i] of them) and
     already has prefix_lens[i] tokens in its state. The same layout serves full prefill
     (prefix 0), extension of a cached prefix, decode (1 new token) and verification (a few).
+    B may be 0: a rank with no requests in a step still runs the forward over 0 tokens (so the
+    collectives inside parallel layers line up across ranks); a request with 0 new tokens is
+    refused.
 
     The tensor fields are all a CUDA graph needs: a graph runner builds one batch over static
     buffers (`prefix_lens=None`, since the prefixes change between replays) and refills them.
@@ -68,8 +71,6 @@ class ForwardBatch:
         prefix_lens = (
             (0,) * len(seq_lens) if prefix_lens is None else _int_tuple(prefix_lens, "prefix_lens")
         )
-        if not seq_lens:
-            raise BatchError("a forward step needs at least one request")
         if len(prefix_lens) != len(seq_lens):
             raise BatchError(
                 f"{len(seq_lens)} seq_lens but {len(prefix_lens)} prefix_lens; need one each"
@@ -111,9 +112,11 @@ class ForwardBatch:
 
     @property
     def uniform_len(self) -> int | None:
-        """The common number of new tokens when every request has the same, else None."""
-        first = self.seq_lens[0]
-        return first if all(n == first for n in self.seq_lens) else None
+        """The common number of new tokens when every request has the same, else None (also
+        for a batch of no requests, which has no common length: it takes the per-request
+        paths, whose loops run zero times)."""
+        lengths = set(self.seq_lens)
+        return lengths.pop() if len(lengths) == 1 else None
 
     @property
     def last_token_indices(self) -> torch.Tensor:

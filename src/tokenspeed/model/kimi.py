@@ -241,7 +241,7 @@ class KimiForCausalLM(nn.Module):
             _check_shape(f"state.kda[{layer}].slots", kda.slots, (size,))
         if not state.mla:
             return
-        longest = max(batch.total_lens)
+        longest = max(batch.total_lens, default=0)
         for layer, mla in state.mla.items():
             table = mla.page_table
             if table.dim() != 2 or table.shape[0] != size:

@@ -53,12 +53,13 @@ class KdaAttention(nn.Module):
         """qkv: [T, 3P] -> (conv output [T, 3P], new conv state [B, 3P, W-1])."""
         if batch.uniform_len == 1:
             return causal_conv_update(qkv, state.conv, self.conv_weight)
-        outs, states = [], []
+        # Filled request by request (causal_conv keeps qkv's dtype): a batch of no requests
+        # gives [0, 3P] and [0, 3P, W-1], where concatenating no pieces would fail.
+        out = qkv.new_empty(qkv.shape)
+        conv = qkv.new_empty(state.conv.shape)
         for i, seg in batch.segments():
-            y, conv = causal_conv(qkv[seg], self.conv_weight, state.conv[i])
-            outs.append(y)
-            states.append(conv)
-        return torch.cat(outs), torch.stack(states)
+            out[seg], conv[i] = causal_conv(qkv[seg], self.conv_weight, state.conv[i])
+        return out, conv
 
     def _recurrence(self, q, k, v, g, beta, batch: ForwardBatch, state: KdaState):
         """q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H] -> (o [T, H, V], state [B, H, K, V])."""
@@ -73,7 +74,10 @@ class KdaAttention(nn.Module):
                 fold(q), fold(k), fold(v), fold(g), fold(beta), initial_state=state.recurrent
             )
             return o.reshape(-1, *o.shape[2:]), final
-        outs, finals = [], []
+        # Filled request by request (the forms return o in v's dtype and the state in fp32), so
+        # that a batch of no requests gives [0, H, V] and [0, H, K, V].
+        out = v.new_empty(v.shape)
+        finals = torch.empty_like(state.recurrent, dtype=torch.float32)
         for i, seg in batch.segments():
             kda = kda_recurrent if batch.seq_lens[i] <= RECURRENT_MAX_TOKENS else kda_chunked
             o, final = kda(
@@ -84,9 +88,8 @@ class KdaAttention(nn.Module):
                 beta[seg][None],
                 initial_state=state.recurrent[i : i + 1],
             )
-            outs.append(o[0])
-            finals.append(final)
-        return torch.cat(outs), torch.cat(finals)
+            out[seg], finals[i] = o[0], final[0]
+        return out, finals
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, state: KdaState | PagedKda

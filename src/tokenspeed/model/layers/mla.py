@@ -78,7 +78,7 @@ class GatedMla(nn.Module):
         return cached[1], cached[2]
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        o = o.reshape(x.shape[0], -1)
+        o = o.flatten(1)
         if self.config.output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
@@ -89,8 +89,10 @@ class GatedMla(nn.Module):
         if isinstance(latents, PagedMla):
             return self._forward_paged(x, batch, latents), latents
         q = self._queries(x)
-        rows = self.latent_rows(x).to(latents[0].dtype)
-        new_latents = [torch.cat([latents[i], rows[seg]]) for i, seg in batch.segments()]
+        rows = self.latent_rows(x)
+        new_latents = [
+            torch.cat([latents[i], rows[seg].to(latents[i].dtype)]) for i, seg in batch.segments()
+        ]
         return self._output(self._attend_rows(q, new_latents, batch, x.dtype), x), new_latents
 
     def _attend_rows(
@@ -101,8 +103,10 @@ class GatedMla(nn.Module):
         c = self.config
         cu_k = torch.zeros(batch.batch_size + 1, dtype=torch.int64)
         cu_k[1:] = torch.tensor([r.shape[0] for r in latents]).cumsum(0)
-        latent = torch.cat(latents).to(dtype)
-        if max(batch.seq_lens) <= ABSORBED_MAX_TOKENS:
+        # The empty piece keeps the concatenation valid for a batch of no requests (a [0, R + Dr]
+        # cache); it changes no value (a cast back to `dtype` follows any promotion).
+        latent = torch.cat([q.new_empty(0, c.latent_width, dtype=dtype), *latents]).to(dtype)
+        if max(batch.seq_lens, default=0) <= ABSORBED_MAX_TOKENS:
             w_uk, w_uv = self._absorbed()
             return mla_decode(q, latent, w_uk, w_uv, batch.cu_seqlens, cu_k, c.softmax_scale)
         return mla_prefill(
@@ -142,7 +146,7 @@ class GatedMla(nn.Module):
                 gate,
                 plan=batch.attn_plan,
             )
-            return self.o_proj(o.reshape(x.shape[0], -1))  # the gate is applied already
+            return self.o_proj(o.flatten(1))  # the gate is applied already
         # Lengths from the host: the kernel plans its key chunks on the host, and reading them
         # from the device would wait for every kernel queued so far.
         o = dispatch.mla_prefill_paged(

@@ -84,7 +84,7 @@ def kda_output_tail(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, e
         return kernel(o, gate, weight, eps)
     from .norm import gated_rms_norm
 
-    return gated_rms_norm(o, gate, weight, eps).reshape(o.shape[0], -1)
+    return gated_rms_norm(o, gate, weight, eps).flatten(1)
 
 
 def half_kernels(x: torch.Tensor) -> bool:
