@@ -35,12 +35,13 @@ class CommLog:
         self.calls.clear()
 
 
-def gather_counts(count: int, group: Group) -> list[int]:
-    """Every group member's `count`, in group order."""
+def gather_counts(count: int, group: Group, device: torch.device | str = "cpu") -> list[int]:
+    """Every group member's `count`, in group order. `device`: where the group's backend takes
+    tensors (the data's device: NCCL needs CUDA tensors, gloo takes CPU ones)."""
     if group.size == 1:
         return [count]
-    mine = torch.tensor([count], dtype=torch.int64)
-    out = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(group.size)]
     dist.all_gather(out, mine, group=group.handle)
     return [int(t) for t in out]
 
@@ -49,7 +50,7 @@ def all_gather_rows(
     x: torch.Tensor, group: Group, log: CommLog | None = None, name: str = "all_gather"
 ) -> tuple[torch.Tensor, list[int]]:
     """x: [n_i, ...] on member i -> ([sum n, ...] in group order, [n_0, n_1, ...])."""
-    counts = gather_counts(x.shape[0], group)
+    counts = gather_counts(x.shape[0], group, x.device)
     if group.size == 1:
         return x, counts
     if log is not None:
@@ -74,10 +75,10 @@ def all_to_all_rows(
     send_counts = [int(c) for c in send_counts]
     if group.size == 1:
         return x, send_counts
-    mine = torch.tensor(send_counts, dtype=torch.int64)
+    mine = torch.tensor(send_counts, dtype=torch.int64, device=x.device)
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group.handle)
-    recv_counts = theirs.tolist()
+    recv_counts = theirs.tolist()  # the one host sync: the receive buffer's size
     if log is not None:
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
         log.record(name, (sum(send_counts) - send_counts[group.index]) * row)
