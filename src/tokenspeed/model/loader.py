@@ -12,6 +12,11 @@ A checkpoint whose config ties the LM head to the embedding (`tie_word_embedding
 exports that keep the redundant copy). A copy equal to the embedding is loaded tied, quietly; one
 that differs is used as the head, untied, with a warning: transformers does not tie weights a
 checkpoint stores with different values, and its Kimi Linear model never ties at all.
+
+`load_checkpoint_into` loads into a model already built (on the meta device, say) whose tensors
+may hold only slices of the checkpoint's, given as (dim, start, stop) per parameter name; it
+reads exactly those bytes with a minimal safetensors reader and reports them (`ReadStats`).
+`load_checkpoint`'s own path (safetensors' `safe_open`) is unchanged by it.
 """
 
 from __future__ import annotations
@@ -181,8 +186,14 @@ class _Plan:
     sources: dict[str, list[str]]
 
 
-def _plan(specs: Iterable[TensorSpec], index: CheckpointIndex, strict: bool) -> _Plan:
-    shapes, file_problems = index.shapes()
+def _plan(
+    specs: Iterable[TensorSpec],
+    index: CheckpointIndex,
+    strict: bool,
+    shapes: tuple[dict[str, tuple[int, ...]], list[str]] | None = None,
+) -> _Plan:
+    """shapes: `index.shapes()` when not given (the sliced loader reads its own headers)."""
+    shapes, file_problems = index.shapes() if shapes is None else shapes
     missing, mis_shaped, used, sources = [], [], set(), {}
     for spec in specs:
         names = []
@@ -291,6 +302,48 @@ def checkpoint_footprint(path: str | Path, dtype: torch.dtype | str | None = "au
     return weight_footprint(config, resolve_dtype(dtype, raw), experts)
 
 
+def _a_log_padding_problems(spec: TensorSpec, name: str, stored: torch.Tensor) -> list[str]:
+    """K3 stores A_log [head_dim] zero-padded beyond the H heads: anything else is refused."""
+    padding = stored.reshape(-1)[spec.shape[0] :]
+    if padding.numel() and bool(padding.ne(0).any()):
+        return [
+            f"{name}: has {stored.numel()} entries for {spec.shape[0]} heads and the extra ones "
+            "are not zero padding"
+        ]
+    return []
+
+
+def _check_parts(
+    spec: TensorSpec,
+    names: list[str],
+    parts: list[torch.Tensor],
+    dtype: torch.dtype,
+    problems: list[str],
+) -> torch.dtype:
+    """Append to `problems` what makes `parts` unusable for `spec`; returns the dtype the
+    assembled tensor is loaded in."""
+    if spec.packed:
+        bad = [n for n, t in zip(names, parts, strict=True) if t.dtype != torch.uint8]
+        problems += [f"{n}: packed MXFP4 must be uint8" for n in bad]
+        return torch.uint8
+    # A cast would turn integer data into floats silently; such a tensor is not the weight the
+    # parameter expects.
+    problems += [
+        f"{n}: dtype {str(t.dtype).removeprefix('torch.')}, expected a floating-point tensor"
+        for n, t in zip(names, parts, strict=True)
+        if not t.dtype.is_floating_point
+    ]
+    # FP8 weights are stored scaled (a `weight_scale` / `weight_scale_inv` beside them); a
+    # plain cast reads them without their scales, as wrong weights.
+    problems += [
+        f"{n}: dtype {str(t.dtype).removeprefix('torch.')}: FP8 weights need their scales, "
+        "which the loader does not apply (bf16/fp16/fp32 weights and MXFP4 routed experts only)"
+        for n, t in zip(names, parts, strict=True)
+        if t.dtype.is_floating_point and t.element_size() == 1
+    ]
+    return torch.float32 if spec.keep_fp32 else dtype
+
+
 def load_checkpoint(
     path: str | Path,
     dtype: torch.dtype | str | None = "auto",
@@ -338,39 +391,8 @@ def load_checkpoint(
             if len(parts) < len(plan.sources[spec.target]):
                 continue
             if spec.combine == "a_log":
-                padding = parts[0].reshape(-1)[spec.shape[0] :]
-                if padding.numel() and bool(padding.ne(0).any()):
-                    problems.append(
-                        f"{plan.sources[spec.target][0]}: has {parts[0].numel()} entries for "
-                        f"{spec.shape[0]} heads and the extra ones are not zero padding"
-                    )
-            if spec.packed:
-                bad = [
-                    n
-                    for n, t in zip(plan.sources[spec.target], parts, strict=True)
-                    if t.dtype != torch.uint8
-                ]
-                problems += [f"{n}: packed MXFP4 must be uint8" for n in bad]
-                target_dtype = torch.uint8
-            else:
-                # A cast would turn integer data into floats silently; such a tensor is not
-                # the weight the parameter expects.
-                problems += [
-                    f"{n}: dtype {str(t.dtype).removeprefix('torch.')}, expected a "
-                    "floating-point tensor"
-                    for n, t in zip(plan.sources[spec.target], parts, strict=True)
-                    if not t.dtype.is_floating_point
-                ]
-                # FP8 weights are stored scaled (a `weight_scale` / `weight_scale_inv` beside
-                # them); a plain cast reads them without their scales, as wrong weights.
-                problems += [
-                    f"{n}: dtype {str(t.dtype).removeprefix('torch.')}: FP8 weights need "
-                    "their scales, which the loader does not apply (bf16/fp16/fp32 weights "
-                    "and MXFP4 routed experts only)"
-                    for n, t in zip(plan.sources[spec.target], parts, strict=True)
-                    if t.dtype.is_floating_point and t.element_size() == 1
-                ]
-                target_dtype = torch.float32 if spec.keep_fp32 else dtype
+                problems += _a_log_padding_problems(spec, plan.sources[spec.target][0], parts[0])
+            target_dtype = _check_parts(spec, plan.sources[spec.target], parts, dtype, problems)
             if len(problems) > known_problems:
                 continue  # reported; combining parts of mixed FP8 / float dtypes would raise
             tensors[spec.target] = combine_parts(spec, parts).to(device=device, dtype=target_dtype)
