@@ -49,10 +49,13 @@ def gather_counts(count: int, group: Group, device: torch.device | str = "cpu") 
 def all_gather_rows(
     x: torch.Tensor, group: Group, log: CommLog | None = None, name: str = "all_gather"
 ) -> tuple[torch.Tensor, list[int]]:
-    """x: [n_i, ...] on member i -> ([sum n, ...] in group order, [n_0, n_1, ...])."""
+    """x: [n_i, ...] on member i -> ([sum n, ...] in group order, [n_0, n_1, ...]). Every member
+    takes part, with no rows too."""
     counts = gather_counts(x.shape[0], group, x.device)
     if group.size == 1:
         return x, counts
+    if sum(counts) == 0:  # every member idle: the counts were the whole exchange
+        return x.new_empty((0, *x.shape[1:])), counts
     if log is not None:
         log.record(name, (group.size - 1) * x.numel() * x.element_size())
     most = max(counts)

@@ -40,7 +40,7 @@ from torch import nn
 from ..model.layers.kda import KdaAttention
 from ..model.layers.mla import GatedMla
 from ..model.layers.mlp import GluMlp
-from .comm import CommLog
+from .comm import CommLog, all_gather_rows
 from .dims import ParallelError
 from .groups import Group, ParallelGroups
 from .linear import as_parameter, take
@@ -93,31 +93,12 @@ DEFAULT_PROJECTIONS = (
 )
 
 
-def _gather_counts(count: int, group: Group, device: torch.device) -> list[int]:
-    """Every member's row count (a tensor on the rows' device: NCCL exchanges CUDA tensors)."""
-    if group.size == 1:
-        return [count]
-    mine = torch.tensor([count], dtype=torch.int64, device=device)
-    out = torch.empty(group.size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group.handle)
-    return out.tolist()
-
-
 def gather_rows(
     x: torch.Tensor, group: Group, log: CommLog | None, name: str = GATHER
 ) -> tuple[torch.Tensor, list[int]]:
-    """x [t_r, ...] on member r -> ([sum t, ...] in member order, [t_0, t_1, ...]). Every member
-    takes part even with no rows; when no member has any, only the counts are exchanged."""
-    counts = _gather_counts(x.shape[0], group, x.device)
-    if group.size == 1 or sum(counts) == 0:
-        return x.new_empty((sum(counts), *x.shape[1:])), counts
-    if log is not None:
-        log.record(name, (group.size - 1) * x.numel() * x.element_size())
-    padded = x.new_zeros((max(counts), *x.shape[1:]))
-    padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(group.size)]
-    dist.all_gather(parts, padded, group=group.handle)
-    return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]), counts
+    """x [t_r, ...] on member r -> ([sum t, ...] in member order, [t_0, t_1, ...]) (see
+    `comm.all_gather_rows`); logged under this transform's name."""
+    return all_gather_rows(x, group, log, name)
 
 
 def return_columns(
