@@ -143,3 +143,26 @@ def test_composed_strategies_give_the_single_process_logits(name, world):
         assert all(d < ATOL for d in diffs), (rank, diffs)
         if requests[rank] and world == 4:
             assert sent.get("dep.dispatch", 0) > 0
+
+
+def _two_layouts(rank, world):
+    """Two models with different layouts in one process, stepped in turns."""
+    a_groups = ParallelGroups.build(ParallelDims(world_size=world, tp=world))
+    b_groups = ParallelGroups.build(ParallelDims(world_size=world, ep=world))
+    reference, a, b = _tiny(), _tiny(), _tiny()
+    parallelize(a, a_groups)
+    parallelize(b, b_groups)
+    diffs = []
+    for step in range(2):
+        n = 3 + rank + step
+        ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(rank + step))
+        batch = ForwardBatch.build([n])
+        want = reference(ids, batch, reference.empty_state(1)).logits
+        for model in (a, b, a):
+            diffs.append((model(ids, batch, model.empty_state(1)).logits - want).abs().max().item())
+    return diffs, a_groups["tp"].handle is not b_groups["ep"].handle
+
+
+def test_two_layouts_live_in_one_process():
+    for diffs, distinct in run_ranks(_two_layouts, 2):
+        assert distinct and len(diffs) == 6 and max(diffs) < ATOL
