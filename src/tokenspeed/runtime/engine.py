@@ -23,7 +23,13 @@ import torch
 
 from tokenspeed.cache import CacheManager, HostCache, KeyChain, LocalHostCache
 from tokenspeed.model import KimiForCausalLM
-from tokenspeed.sched import AggregatedScheduler, Request, SchedulerConfig
+from tokenspeed.sched import (
+    AggregatedScheduler,
+    PrefillBatch,
+    Request,
+    SchedulerConfig,
+    StepPlan,
+)
 from tokenspeed.sched.cache_adapter import CacheManagerPort
 
 from .cache_sizing import fit_config, plan_cache
@@ -195,7 +201,26 @@ class Engine:
         them (finish_reason "abort", the error in abort_reason); the other requests go on as if
         nothing happened. The step raises `StepError`, naming the aborted requests (an interrupt,
         such as KeyboardInterrupt, aborts the batch the same way and is raised as it is)."""
-        plan = self.scheduler.schedule(max_decode_steps=self.config.decode_steps)
+        return self.run_plan(self.plan_step())
+
+    def plan_step(self) -> StepPlan:
+        """The first half of `step`: the scheduler's plan of the next step (pages reserved).
+        Every plan taken must be run, by `run_plan`, before the next one is taken."""
+        return self.scheduler.schedule(max_decode_steps=self.config.decode_steps)
+
+    def forwards_in(self, plan: StepPlan) -> int:
+        """How many model forwards `run_plan(plan)` issues: one per round of prefill pieces, then
+        one decode forward, or `plan.decode.steps` of them in a multi-step run (0: an empty
+        plan). Ranks whose forwards are coupled (`LockstepEngine`) agree on this number."""
+        n = 0
+        if plan.prefill is not None:
+            n += max((len(p) for p in _prefill_pieces(plan.prefill)), default=0)
+        if plan.decode is not None:
+            n += plan.decode.steps if _multi_step(plan) else 1
+        return n
+
+    def run_plan(self, plan: StepPlan) -> list[RequestOutput]:
+        """The second half of `step`: run `plan` (from `plan_step`); as `step` does."""
         moved: dict[Hashable, RequestRecord] = {r.rid: r for r in self._aborted}
         self._aborted.clear()
         try:
@@ -208,6 +233,11 @@ class Engine:
                 f"step failed ({exc!r}); {len(aborted)} requests of its batch aborted", aborted
             ) from exc
 
+    def idle_forward(self) -> None:
+        """One model forward over no requests, which changes nothing: what a rank with nothing
+        to do runs so that its forward's collectives (DEP all-to-alls) meet its peers'."""
+        self.runner.empty_forward()
+
     def _step(self, plan, moved: dict[Hashable, RequestRecord]) -> list[RequestOutput]:
         finished: set[Hashable] = set()
         self.keeper.clear_stash()
@@ -215,7 +245,7 @@ class Engine:
         steps = 1
         if plan.prefill is not None:
             self._run_prefill(plan.prefill, moved, finished)
-        if plan.decode is not None and plan.prefill is None and plan.decode.steps > 1:
+        if _multi_step(plan):
             steps = self._run_decode_steps(plan, moved)  # reports each step to the scheduler
         elif plan.decode is not None:
             self._run_decode(plan.decode, moved, finished)
@@ -280,13 +310,8 @@ class Engine:
     def _run_prefill(self, batch, moved, finished) -> None:
         chunks = list(batch.chunks)
         now = time.monotonic()
-        # Cut every chunk at the checkpoint positions strictly inside it, so that the KDA state
-        # at each of them is live once and can be stashed for the scheduler's save_state.
-        pieces = []
+        pieces = _prefill_pieces(batch)
         for chunk in chunks:
-            cuts = sorted(p for p in chunk.checkpoints if chunk.start < p < chunk.end)
-            bounds = [chunk.start, *cuts, chunk.end]
-            pieces.append(list(itertools.pairwise(bounds)))
             record = self._records[chunk.request.rid]
             if record.metrics.first_scheduled_time is None:
                 record.metrics.first_scheduled_time = now
@@ -443,3 +468,19 @@ class Engine:
         self.port.close()
         if self._owns_l2:
             self.l2.close()
+
+
+def _prefill_pieces(batch: PrefillBatch) -> list[list[tuple[int, int]]]:
+    """Each chunk's pieces [(start, end)]: the chunk cut at the checkpoint positions strictly
+    inside it, so that the KDA state at each of them is live once and can be stashed for the
+    scheduler's save_state. Round r of a prefill runs every chunk's piece r in one forward."""
+    pieces = []
+    for chunk in batch.chunks:
+        cuts = sorted(p for p in chunk.checkpoints if chunk.start < p < chunk.end)
+        pieces.append(list(itertools.pairwise([chunk.start, *cuts, chunk.end])))
+    return pieces
+
+
+def _multi_step(plan: StepPlan) -> bool:
+    """Whether the plan's decode runs as a multi-step run (no prefill pending)."""
+    return plan.decode is not None and plan.prefill is None and plan.decode.steps > 1

@@ -67,6 +67,10 @@ class ModelRunner:
         # The cache orders each kind's pools by position among that kind.
         self.kda_ordinal = {layer: i for i, layer in enumerate(self.kda_layers)}
         self.mla_ordinal = {layer: i for i, layer in enumerate(self.mla_layers)}
+        # Model forwards begun and completed (graph replays included; not the captures): a
+        # `LockstepEngine` checks that a step issued as many forwards as its peers expect.
+        self.forwards_started = 0
+        self.forwards_done = 0
         self.graphs = (
             None
             if graphs is None
@@ -125,6 +129,7 @@ class ModelRunner:
         logits_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """`forward` over packed token ids already on the device ([sum(seq_lens)] int64)."""
+        self.forwards_started += 1
         batch = ForwardBatch.build(seq_lens, prefix_lens, device=self.device)
         slots = self.pools.live_slot_tensor(handles, device=self.device)
         table = self.pools.page_table_tensor(handles, device=self.device)
@@ -138,7 +143,15 @@ class ModelRunner:
             logits_indices=last,
             before_layer=self._waiter(handles),
         )
+        self.forwards_done += 1
         return out.logits
+
+    def empty_forward(self) -> torch.Tensor:
+        """One forward over no requests ([0, vocab] logits), on the cache's pools over zero rows:
+        every layer runs on 0 tokens, joining whatever collectives its forward issues (the DEP
+        all-to-alls), and nothing in the cache is read or written."""
+        ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        return self._forward(ids, [], [], [])
 
     def decode(
         self,
@@ -151,7 +164,10 @@ class ModelRunner:
         tokens: the B input tokens, as ints or as a [B] int64 device tensor (a previous step's
         samples: multi-step decoding feeds them without a trip through the host)."""
         if self.graphs is not None and self.graphs.fits(len(tokens), prefix_lens):
-            return self.graphs.run(tokens, prefix_lens, handles)
+            self.forwards_started += 1
+            logits = self.graphs.run(tokens, prefix_lens, handles)
+            self.forwards_done += 1
+            return logits
         if isinstance(tokens, torch.Tensor):
             return self._forward(tokens.to(torch.long), [1] * len(tokens), prefix_lens, handles)
         return self.forward([[t] for t in tokens], prefix_lens, handles)

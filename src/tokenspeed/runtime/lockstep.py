@@ -1,0 +1,140 @@
+"""`LockstepEngine`: one rank of a group of engines whose model forwards are coupled.
+
+Under DEP every forward of the model issues the same collectives on every rank of the expert
+group (the MoE all-to-alls), so the ranks must issue the same number of forwards, in step, even
+though each has its own requests, scheduler and cache. Each step they agree on that number:
+
+    lock = LockstepEngine(engine, control)     # control: a gloo Group over the coupled ranks
+    lock.engine.add_request(...)                # requests go to this rank's own engine
+    while True:                                 # every rank of `control` runs this loop
+        outputs = lock.step()                   # (at least once: a rank with no requests too)
+        if not lock.engine.has_unfinished() and not lock.group_busy:
+            break                               # every rank leaves at the same step
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tokenspeed.parallel.groups import Group
+
+from .engine import Engine, StepError
+from .outputs import RequestOutput
+
+__all__ = ["LockstepEngine", "LockstepError"]
+
+
+class LockstepError(RuntimeError):
+    """The group's forwards are out of step (or its control collective failed): this rank cannot
+    go on with its peers. The group is broken: peers waiting in a collective fail by the group's
+    timeout; the rank's engine must not be stepped again (tear the group down)."""
+
+
+class LockstepEngine:
+    """One rank of a group of engines whose model forwards are coupled (DEP: the MoE
+    all-to-alls of every forward join all ranks of the expert group).
+
+    Contract:
+    - `step()` is collective: every rank of `control` calls it in its loop, the same number of
+      times, with or without work of its own. It plans this rank's step (`Engine.plan_step`),
+      counts the plan's model forwards n (`Engine.forwards_in`), and agrees with the others in
+      one all-reduce (MAX) on `control` of [n, has_unfinished] (a CPU int64 tensor; `control` is
+      a gloo group whatever the model's device, and its timeout bounds the wait). It then runs
+      its plan (`Engine.run_plan`) and `N - n` empty forwards (`Engine.idle_forward`), N being
+      the group's maximum, and returns this rank's outputs. When no rank has a forward to run,
+      no forward runs (a cheap idle iteration: the all-reduce only).
+    - `group_busy`: whether any rank had unfinished requests when the last step was planned
+      (before it ran). The loop above leaves after the first step at which no rank had any, on
+      every rank at once: they all see the same value, and a rank with nothing before a step has
+      nothing after it. (`while has_unfinished() or group_busy` would not do: a rank without
+      requests would skip a new round, `group_busy` being False from the last one.) Requests
+      added later on one rank need every rank to enter `step()` again (the front end tells
+      them all).
+    - `engine`: the wrapped engine; add_request and abort go to it directly, between steps.
+
+    Failures. A plan's forwards are counted by the runner as they begin and end:
+    - `run_plan` raises `StepError` between forwards (sampling, host bookkeeping): the rank's
+      collectives are whole, so it still runs empty forwards up to N, keeping its peers in step,
+      and then raises the StepError (its batch aborted, as `Engine.step` does). The group goes on.
+    - If it fails inside a forward, that forward's collectives may be half issued: no forward
+      can pair with the peers' any more. LockstepError (chained to the cause) is raised at once;
+      the peers, blocked in a collective of that forward or of the next, fail by the group's
+      timeout. So does an interrupt (KeyboardInterrupt), raised as it is.
+    - A plan that issued a number of forwards other than `forwards_in` said (a bug: peers would
+      deadlock or pair the wrong collectives) raises LockstepError, after topping up to N when it
+      issued fewer, so that the peers finish the step.
+    """
+
+    def __init__(self, engine: Engine, control: Group) -> None:
+        self.engine = engine
+        self.control = control
+        self._busy = False
+        self.steps = 0  # step() calls
+        self.forwards = 0  # forwards this rank ran for its own plans
+        self.idle_forwards = 0  # empty forwards run to keep in step with the group
+
+    @property
+    def group_busy(self) -> bool:
+        """Whether any rank of the group had unfinished requests at the last `step()`."""
+        return self._busy
+
+    def step(self) -> list[RequestOutput]:
+        """One step of the group (collective on `control`); this rank's outputs."""
+        engine = self.engine
+        plan = engine.plan_step()
+        n = engine.forwards_in(plan)
+        total = self._agree(n, engine.has_unfinished())
+        self.steps += 1
+        runner = engine.runner
+        started, done = runner.forwards_started, runner.forwards_done
+        error: StepError | None = None
+        try:
+            outputs = engine.run_plan(plan)
+        except StepError as exc:
+            error = exc
+        issued = runner.forwards_started - started
+        self.forwards += issued
+        if issued != runner.forwards_done - done:
+            raise LockstepError(
+                f"rank {self.control.rank}: a forward failed midway ({issued} begun, "
+                f"{runner.forwards_done - done} completed of {total} agreed); the group is "
+                "broken and its peers fail by its collective timeout"
+            ) from error
+        if issued > total:
+            raise LockstepError(
+                f"rank {self.control.rank}: its plan issued {issued} forwards, more than the "
+                f"{total} the group agreed (forwards_in said {n}); the group is broken"
+            ) from error
+        for _ in range(total - issued):
+            try:
+                engine.idle_forward()
+            except Exception as exc:
+                raise LockstepError(
+                    f"rank {self.control.rank}: an empty forward failed; the group is broken"
+                ) from exc
+            self.idle_forwards += 1
+        if error is not None:
+            raise error
+        if issued != n:
+            raise LockstepError(
+                f"rank {self.control.rank}: its plan issued {issued} forwards but forwards_in "
+                f"said {n} (the group ran {total}); the forward count is wrong"
+            )
+        return outputs
+
+    def _agree(self, forwards: int, unfinished: bool) -> int:
+        """The group's maximum of `forwards`; sets `group_busy` (any rank unfinished)."""
+        agreed = torch.tensor([forwards, int(unfinished)], dtype=torch.int64)
+        if self.control.size > 1:
+            try:
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.control.handle)
+            except Exception as exc:
+                raise LockstepError(
+                    f"rank {self.control.rank}: the step's all-reduce on the control group "
+                    f"{self.control.ranks} failed (a peer gone or out of step); this engine must "
+                    "not be stepped again"
+                ) from exc
+        total, busy = agreed.tolist()
+        self._busy = bool(busy)
+        return total
