@@ -14,7 +14,6 @@ scheduler preempts requests (their progress checkpointed and published) and they
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -25,7 +24,6 @@ from tokenspeed.cache import CacheManager, HostCache, KeyChain, LocalHostCache
 from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import (
     AggregatedScheduler,
-    PrefillBatch,
     Request,
     SchedulerConfig,
     StepPlan,
@@ -43,6 +41,7 @@ from .request_record import RequestError, RequestRecord, check_prompt
 from .runner import DevicePools, ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
+from .step_plan import forwards_in, is_multi_step, prefill_pieces
 from .stop import StopChecker
 from .tokenizer import Tokenizer
 
@@ -212,12 +211,7 @@ class Engine:
         """How many model forwards `run_plan(plan)` issues: one per round of prefill pieces, then
         one decode forward, or `plan.decode.steps` of them in a multi-step run (0: an empty
         plan). Ranks whose forwards are coupled (`LockstepEngine`) agree on this number."""
-        n = 0
-        if plan.prefill is not None:
-            n += max((len(p) for p in _prefill_pieces(plan.prefill)), default=0)
-        if plan.decode is not None:
-            n += plan.decode.steps if _multi_step(plan) else 1
-        return n
+        return forwards_in(plan)
 
     def run_plan(self, plan: StepPlan) -> list[RequestOutput]:
         """The second half of `step`: run `plan` (from `plan_step`); as `step` does."""
@@ -245,7 +239,7 @@ class Engine:
         steps = 1
         if plan.prefill is not None:
             self._run_prefill(plan.prefill, moved, finished)
-        if _multi_step(plan):
+        if is_multi_step(plan):
             steps = self._run_decode_steps(plan, moved)  # reports each step to the scheduler
         elif plan.decode is not None:
             self._run_decode(plan.decode, moved, finished)
@@ -310,7 +304,7 @@ class Engine:
     def _run_prefill(self, batch, moved, finished) -> None:
         chunks = list(batch.chunks)
         now = time.monotonic()
-        pieces = _prefill_pieces(batch)
+        pieces = prefill_pieces(batch)
         for chunk in chunks:
             record = self._records[chunk.request.rid]
             if record.metrics.first_scheduled_time is None:
@@ -388,15 +382,11 @@ class Engine:
                 plan, finished=finished, save_state=self.keeper.save_state, live_state=False
             )
             alive = [i for i in alive if records[i].finish_reason is None]
-        # The run's tokens reached the host together: each gets an equal share of the time since
-        # the row's previous token as its inter-token latency (the first would get it all and
-        # the rest about nothing, which makes P90 ITL meaningless).
         for record, prev, n in zip(records, last, counts, strict=True):
-            m, new = record.metrics, len(record.output_ids) - n
-            if prev is None:  # the run's first token was the request's first (a TTFT)
-                prev, new = m.first_token_time, new - 1
-            for _ in range(new):
-                self.metrics.record_itl((m.last_token_time - prev) / new)
+            m = record.metrics
+            self.metrics.record_run_itls(
+                prev, m.first_token_time, m.last_token_time, len(record.output_ids) - n
+            )
         return batch.steps
 
     def _sample(self, records: list[RequestRecord], logits: torch.Tensor, moved, finished) -> None:
@@ -468,19 +458,3 @@ class Engine:
         self.port.close()
         if self._owns_l2:
             self.l2.close()
-
-
-def _prefill_pieces(batch: PrefillBatch) -> list[list[tuple[int, int]]]:
-    """Each chunk's pieces [(start, end)]: the chunk cut at the checkpoint positions strictly
-    inside it, so that the KDA state at each of them is live once and can be stashed for the
-    scheduler's save_state. Round r of a prefill runs every chunk's piece r in one forward."""
-    pieces = []
-    for chunk in batch.chunks:
-        cuts = sorted(p for p in chunk.checkpoints if chunk.start < p < chunk.end)
-        pieces.append(list(itertools.pairwise([chunk.start, *cuts, chunk.end])))
-    return pieces
-
-
-def _multi_step(plan: StepPlan) -> bool:
-    """Whether the plan's decode runs as a multi-step run (no prefill pending)."""
-    return plan.decode is not None and plan.prefill is None and plan.decode.steps > 1

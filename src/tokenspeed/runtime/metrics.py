@@ -58,6 +58,16 @@ class EngineMetrics:
     def record_itl(self, seconds: float) -> None:
         self.itls.append(seconds)
 
+    def record_run_itls(self, prev, first_token_time, last_token_time, new: int) -> None:
+        """A multi-step run's `new` tokens of one request reached the host together: each gets
+        an equal share of the time since the request's previous token (`prev`; None when the
+        run's first token was the request's first, a TTFT) as its inter-token latency (the
+        first would get it all and the rest about nothing, which makes P90 ITL meaningless)."""
+        if prev is None:
+            prev, new = first_token_time, new - 1
+        for _ in range(new):
+            self.record_itl((last_token_time - prev) / new)
+
     def record_finished(self, first_token_time, last_token_time, tokens: int) -> None:
         """A request that finished (not aborted) with `tokens` output tokens. Its mean ITL is
         what a user of it saw; one token, or all tokens at once, has none (as in the sim)."""
