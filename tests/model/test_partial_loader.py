@@ -1,5 +1,7 @@
 """Loading into a built model, and only slices of tensors (per-rank loading reads through this)."""
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -103,7 +105,8 @@ def test_sliced_loading_reads_exactly_the_slices(tiny, tmp_path, layout):
 
     save_checkpoint(tiny, tmp_path, layout=layout, max_shard_bytes=256 << 10)
     model = _shrink(_meta(tiny.config), SLICES)
-    stats = load_checkpoint_into(model, tmp_path, slices=SLICES)
+    # max_gap_bytes=0: every range of a slice along a later dim read on its own (exact bytes).
+    stats = load_checkpoint_into(model, tmp_path, slices=SLICES, max_gap_bytes=0)
     full = tiny.state_dict()
     state = model.state_dict()
     for name, tensor in state.items():
@@ -144,7 +147,7 @@ def test_sliced_loading_of_k3_padded_a_log_and_mxfp4_experts(tiny, tmp_path):
         "model.layers.3.mlp.experts.w3_packed": (1, 0, 16),
     }
     model = _shrink(_meta(tiny.config, mxfp4=True), slices)
-    stats = load_checkpoint_into(model, dst, slices=slices)
+    stats = load_checkpoint_into(model, dst, slices=slices, max_gap_bytes=0)
     full = packed_model.state_dict()
     for name, tensor in model.state_dict().items():
         want = full[name]
@@ -159,6 +162,53 @@ def test_sliced_loading_of_k3_padded_a_log_and_mxfp4_experts(tiny, tmp_path):
         stats.bytes_read
         == sum(t.numel() * t.element_size() for t in state.values()) + padding * (dim - heads) * 4
     )
+
+
+def _span_bytes(shape, dim, start, stop, itemsize=4):
+    """Bytes of one read through the holes: from the slice's first byte to its last."""
+    inner = math.prod(shape[dim + 1 :]) * itemsize
+    outer = math.prod(shape[:dim])
+    return ((outer - 1) * shape[dim] + stop - start) * inner if stop - start < shape[dim] else 0
+
+
+def test_a_slice_along_a_later_dim_is_read_in_spans_and_counted_honestly(
+    tiny, tmp_path, monkeypatch
+):
+    """By default the ranges of a slice along dim > 0 (one per leading index) are read through
+    their small holes as one span: few reads, and `bytes_read` counts the holes too."""
+    save_checkpoint(tiny, tmp_path, layout="k3", max_shard_bytes=256 << 10)
+    slices = {
+        "model.layers.0.self_attn.q_proj.weight": (1, 16, 48),  # [64, 64]: 64 ranges
+        "model.layers.2.mlp.experts.w2": (2, 8, 24),  # 16 experts of [32, 32]: 16 x 32 ranges
+    }
+    exact = load_checkpoint_into(
+        _shrink(_meta(tiny.config), slices), tmp_path, slices=slices, max_gap_bytes=0
+    )
+    model = _shrink(_meta(tiny.config), slices)
+    stats = load_checkpoint_into(model, tmp_path, slices=slices)
+    full = tiny.state_dict()
+    for name, tensor in model.state_dict().items():
+        want = full[name]
+        if name in slices:
+            dim, start, stop = slices[name]
+            want = want.narrow(dim, start, stop - start)
+        assert torch.equal(tensor, want), name
+    # The holes read through: q_proj from row 0 col 16 to row 63 col 48; each expert's w2
+    # ([32, 32] in the checkpoint, sliced along its dim 1) from row 0 col 8 to row 31 col 24.
+    q_span = _span_bytes((64, 64), 1, 16, 48)
+    w2_span = 16 * _span_bytes((32, 32), 1, 8, 24)
+    q_exact, w2_exact = 64 * 32 * 4, 16 * 32 * 16 * 4
+    assert stats.bytes_read - exact.bytes_read == (q_span - q_exact) + (w2_span - w2_exact)
+    assert stats.bytes_read <= stats.checkpoint_bytes
+    # One read per tensor read (17 instead of 64 + 16 * 32 for these two).
+    assert exact.reads - stats.reads == (64 - 1) + 16 * (32 - 1)
+    # Spans are bounded (here to 5 ranges of q_proj, 10 of an expert's w2): the same tensors.
+    monkeypatch.setattr("tokenspeed.model.partial_loader._MAX_SPAN", 1280)
+    bounded = _shrink(_meta(tiny.config), slices)
+    few = load_checkpoint_into(bounded, tmp_path, slices=slices)
+    for name, tensor in bounded.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    assert few.reads - stats.reads == (13 - 1) + 16 * (4 - 1)
 
 
 def test_sliced_loading_refuses_bad_slices_and_mismatched_models(tiny, tmp_path):

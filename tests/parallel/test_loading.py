@@ -135,17 +135,26 @@ def test_a_tep_rank_reads_its_heads_and_expert_columns(checkpoint):
                 for kind in ("tp", "ep", "tep", "dcp", "dwdp")
             },
         )
-        model = _meta_model()
-        apply_tp(model, groups)
-        conv = slices_of(model)["model.layers.0.self_attn.conv_weight"]
-        assert conv[3] == 3  # one slice of each of three blocks
-        stats = load_rank_checkpoint(path, model)
         expected = copy.deepcopy(full)
         apply_tp(expected, groups)
         want = expected.state_dict()
-        for name, tensor in model.state_dict().items():
-            assert torch.equal(tensor, want[name]), name
-        assert stats.bytes_read == _tensor_bytes(model) < _tensor_bytes(full)
+        # max_gap_bytes=0: exactly the rank's bytes; the default reads the expert columns and
+        # o_proj's input columns in spans through their holes (fewer reads, more bytes).
+        reads = {}
+        for gap in (0, None):
+            model = _meta_model()
+            apply_tp(model, groups)
+            conv = slices_of(model)["model.layers.0.self_attn.conv_weight"]
+            assert conv[3] == 3  # one slice of each of three blocks
+            options = {} if gap is None else {"max_gap_bytes": gap}
+            stats = load_rank_checkpoint(path, model, **options)
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(tensor, want[name]), name
+            reads[gap] = stats
+        exact, spans = reads[0], reads[None]
+        assert exact.bytes_read == _tensor_bytes(model) < _tensor_bytes(full)
+        assert exact.bytes_read < spans.bytes_read <= spans.checkpoint_bytes
+        assert spans.reads < exact.reads / 4
 
 
 def test_a_rank_model_with_a_wrong_slice_is_refused_before_reading(checkpoint):

@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenspeed.model import ForwardBatch, KimiForCausalLM, get_preset
 from tokenspeed.model.init import init_random_weights
+from tokenspeed.parallel.accounting import tp_subgroup_layer_bytes
 from tokenspeed.parallel.comm import CommLog
 from tokenspeed.parallel.dims import ParallelDims, ParallelError
 from tokenspeed.parallel.groups import Group, ParallelGroups
@@ -116,6 +117,21 @@ def _ranks_check(rank, world):
     )
     results["default"] = _run_plan(model, ref, rank, world, idle)
 
+    # 1b. Shared gathers: one all-gather per distinct input per layer (KDA's six readers of the
+    # hidden share one), nothing gathered kept after the forward, and the bytes the closed
+    # forms of `accounting` give (t tokens on every member).
+    log.reset()
+    tokens = 6
+    model(_ids(rank, 8, tokens), ForwardBatch.build([4, 2]), model.empty_state(2))
+    shares = {id(m.share): m.share for m in model.modules() if getattr(m, "share", None)}
+    results["shared"] = (
+        dict(log.sent),
+        dict(log.calls),
+        tokens,
+        len(shares),
+        any(share.holding for share in shares.values()),
+    )
+
     # 2. One gather per projection, the low-rank KDA gate and a plain MLA q_proj (Kimi Linear's
     # forms), the dense MLP sharded too.
     base = get_preset("tiny")
@@ -170,6 +186,16 @@ def test_logits_match_the_single_process_model(world):
         assert calls == {GATHER: layers, ALL_TO_ALL: layers}
         per_token = (sent[GATHER] + sent[ALL_TO_ALL]) / (layers * tokens)
         assert per_token == ((world - 1) + (world - 1) / world) * hidden * 4
+        # Shared gathers: per layer one gather of the attention input and one of o_proj's; per
+        # MoE layer (8 of 9) one of the shared experts' input (gate / up) and one of down's.
+        sent, calls, tokens, shares, holding = r["shared"]
+        config = get_preset("tiny")
+        moe_layers = sum(kind == "moe" for kind in config.mlp_kinds)
+        assert shares == layers + moe_layers  # a SharedGather per attention and per MoE layer
+        assert calls[GATHER] == 2 * layers + 2 * moe_layers
+        assert not holding, "a SharedGather kept a gathered input after the forward"
+        closed = sum(tp_subgroup_layer_bytes(config, i, world, 4) for i in range(layers))
+        assert sent[GATHER] + sent[ALL_TO_ALL] == closed * tokens
     # Every member agrees on whether the idle member (no tokens) took part.
     assert len({r["idle"] for r in results}) == 1
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
+import numpy as np
 import torch
 
 from .config import ConfigError, ModelConfig
@@ -51,6 +52,10 @@ _ST_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+# Slices along a later dim: holes up to this are read through (one read instead of one per
+# leading index: a TEP w2 [E, D, I] is E * D ranges otherwise), in spans of at most _MAX_SPAN.
+MAX_GAP_BYTES = 1 << 20
+_MAX_SPAN = 64 << 20
 
 
 class _SafetensorsFile:
@@ -58,13 +63,18 @@ class _SafetensorsFile:
 
     The format: an 8-byte little-endian header length N, N bytes of JSON (name -> dtype, shape,
     data_offsets [begin, end) relative to the end of the header), then the data, row-major and
-    little-endian. `read` seeks to each needed byte range and `readinto`s a preallocated tensor,
-    so `bytes_read` is exactly the data asked for; `header_bytes` is 8 + N.
+    little-endian. `read` seeks to each needed byte range and `readinto`s a preallocated tensor
+    (or, for the many small ranges of a slice along a later dim, reads spans through holes of
+    at most `max_gap` bytes), so `bytes_read` is the data asked for plus the holes read
+    through (exactly the data with `max_gap=0`), `reads` the read calls; `header_bytes` is
+    8 + N.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_gap: int = 0):
         self.path = path
+        self.max_gap = max_gap
         self.bytes_read = 0
+        self.reads = 0
         self._file = path.open("rb")
         try:
             size = path.stat().st_size
@@ -107,8 +117,11 @@ class _SafetensorsFile:
         flat: bool = False,
     ) -> torch.Tensor:
         """The tensor `name`, or [start, stop) along `dim` of it (of its flattened form when
-        `flat`). Dim 0 is one contiguous range; dim d > 0 one range per index of the leading
-        d dims (exact bytes, more reads)."""
+        `flat`). Dim 0 (or the whole dim) is one contiguous range. Along dim d > 0 the slice
+        is one range per index of the leading d dims, `stride` bytes apart; ranges whose holes
+        are at most `max_gap` bytes are read as one span (up to `_MAX_SPAN` bytes a read) and
+        sliced in memory, the others one by one. `bytes_read` counts what was read, holes
+        included."""
         dtype, stored_shape, begin = self.tensors[name]
         shape = (math.prod(stored_shape),) if flat or not stored_shape else stored_shape
         if dim is None:
@@ -118,31 +131,48 @@ class _SafetensorsFile:
         outer = math.prod(shape[:dim])
         inner = math.prod(shape[dim + 1 :]) * dtype.itemsize
         out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1 :]), dtype=dtype)
-        chunk = (stop - start) * inner
+        chunk = (stop - start) * inner  # bytes of the slice per leading index
+        stride = shape[dim] * inner  # bytes between the starts of consecutive ranges
         if out.numel():
-            buf = out.reshape(-1).view(torch.uint8).numpy()
-            if start == 0 and stop == shape[dim]:  # the whole tensor: one range
-                outer, chunk = 1, outer * chunk
-            for i in range(outer):
-                self._file.seek(self.header_bytes + begin + (i * shape[dim] + start) * inner)
-                got = self._file.readinto(memoryview(buf[i * chunk : (i + 1) * chunk]))
-                self.bytes_read += got
-                if got != chunk:
-                    raise OSError(f"{name}: file ended after {got} of {chunk} bytes")
+            rows = out.reshape(-1).view(torch.uint8).numpy().reshape(outer, chunk)
+            first = self.header_bytes + begin + start * inner
+            if chunk == stride or outer == 1:  # one contiguous range
+                self._read_into(name, first, rows.reshape(-1))
+            elif stride - chunk > self.max_gap:  # big holes: one range per leading index
+                for i in range(outer):
+                    self._read_into(name, first + i * stride, rows[i])
+            else:  # small holes: spans of `per` ranges, read through and sliced in memory
+                per = max(1, min(outer, _MAX_SPAN // stride))
+                span = np.empty(per * stride, dtype=np.uint8)
+                for i in range(0, outer, per):
+                    n = min(per, outer - i)
+                    self._read_into(name, first + i * stride, span[: (n - 1) * stride + chunk])
+                    rows[i : i + n] = span[: n * stride].reshape(n, stride)[:, :chunk]
         return out if flat or len(shape) == len(stored_shape) else out.reshape(stored_shape)
+
+    def _read_into(self, name: str, offset: int, buf: np.ndarray) -> None:
+        self._file.seek(offset)
+        got = self._file.readinto(memoryview(buf))
+        self.bytes_read += got
+        self.reads += 1
+        if got != buf.nbytes:
+            raise OSError(f"{name}: file ended after {got} of {buf.nbytes} bytes")
 
 
 @attrs.frozen
 class ReadStats:
-    """What `load_checkpoint_into` read: `bytes_read` tensor data bytes (exactly the slices
-    asked for), `header_bytes` of safetensors headers (8-byte length + JSON, every shard the
-    index names is opened once), from `files` files; `checkpoint_bytes`: the data bytes of
-    every checkpoint tensor the model uses (what a load without slices reads)."""
+    """What `load_checkpoint_into` read: `bytes_read` tensor data bytes (the slices asked for,
+    plus the holes read through between the ranges of a slice along a later dim: exactly the
+    slices with `max_gap_bytes=0`), `header_bytes` of safetensors headers (8-byte length +
+    JSON, every shard the index names is opened once), from `files` files, in `reads` read
+    calls; `checkpoint_bytes`: the data bytes of every checkpoint tensor the model uses (what
+    a load without slices reads)."""
 
     bytes_read: int
     header_bytes: int
     files: int
     checkpoint_bytes: int
+    reads: int = 0
 
 
 def _cut(cut: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -210,6 +240,7 @@ def load_checkpoint_into(
     device: torch.device | str = "cpu",
     strict: bool = True,
     config: ModelConfig | None = None,
+    max_gap_bytes: int = MAX_GAP_BYTES,
 ) -> ReadStats:
     """Load the checkpoint at `path` into `model`, already built (on the meta device, say), in
     place; the tensors named in `slices` hold only a slice of the checkpoint's tensor.
@@ -219,16 +250,20 @@ def load_checkpoint_into(
         that tensor of `model`
     holds [start, stop) along `dim` of the full tensor, and only those bytes are read. Routed
     experts (stacked from one checkpoint tensor per expert) sliced along dim 0 read only the
-    experts in [start, stop); a slice along a later dim reads one byte range per index of the
-    leading dims (still exactly the slice's bytes). A sliced A_log's zero padding (K3) is not
+    experts in [start, stop); a slice along a later dim is one byte range per index of the
+    leading dims: ranges at most `max_gap_bytes` apart are read as one span through the holes
+    (few reads, more bytes: `ReadStats.bytes_read` counts them), farther ones one by one
+    (`max_gap_bytes=0`: exactly the slice's bytes). A sliced A_log's zero padding (K3) is not
     read, so not checked.
     config: the configuration the model was built from (default `model.config`; a model
     reshaped after building, e.g. to fewer local heads, gives the one it was built from).
     It must be the checkpoint's, and the model's experts in the checkpoint's format
     (`use_mxfp4_experts` before loading an MXFP4 checkpoint). dtype, device and strict are as
-    for `load_checkpoint`. A tied head stored anyway (see the module docstring) is not read:
-    the model's head stays the embedding. Every shard's header is read (shape checks);
-    tensors are read with a minimal reader (`_SafetensorsFile`), never memory-mapped.
+    for `load_checkpoint`. With `tie_word_embeddings` the head is the embedding: a
+    checkpoint that stores `lm_head.weight` anyway (a redundant copy some writers keep) has it
+    not read, and the model's head stays the embedding as loaded (sliced or not). Every
+    shard's header is read (shape checks); tensors are read with a minimal reader
+    (`_SafetensorsFile`), never memory-mapped.
     Raises CheckpointError (missing / unexpected / mis-shaped tensors, bad slices, tensors of
     the model the checkpoint does not provide) before anything is assigned.
     """
@@ -303,7 +338,7 @@ def load_checkpoint_into(
                 )
                 continue
             try:
-                files[file] = _SafetensorsFile(root / file)
+                files[file] = _SafetensorsFile(root / file, max_gap_bytes)
             except (OSError, ValueError, KeyError, TypeError) as err:
                 file_problems.append(f"{file}: unreadable ({err})")
                 continue
@@ -347,6 +382,7 @@ def load_checkpoint_into(
             header_bytes=sum(f.header_bytes for f in files.values()),
             files=len(files),
             checkpoint_bytes=checkpoint_bytes,
+            reads=sum(f.reads for f in files.values()),
         )
     finally:
         for handle in files.values():

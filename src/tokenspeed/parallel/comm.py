@@ -35,15 +35,15 @@ class CommLog:
         self.calls.clear()
 
 
-def gather_counts(count: int, group: Group, device: torch.device | str = "cpu") -> list[int]:
-    """Every group member's `count`, in group order. `device`: where the group's backend takes
-    tensors (the data's device: NCCL needs CUDA tensors, gloo takes CPU ones)."""
+def gather_counts(count: int, group: Group, device: torch.device | str) -> list[int]:
+    """Every group member's `count`, in group order (one host sync). `device`: where the
+    group's backend takes tensors (the data's device: NCCL needs CUDA tensors, gloo CPU ones)."""
     if group.size == 1:
         return [count]
     mine = torch.tensor([count], dtype=torch.int64, device=device)
-    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(group.size)]
+    out = [torch.empty_like(mine) for _ in range(group.size)]
     dist.all_gather(out, mine, group=group.handle)
-    return [int(t) for t in out]
+    return torch.cat(out).tolist()
 
 
 def all_gather_rows(
@@ -66,28 +66,48 @@ def all_gather_rows(
     return torch.cat([t[:n] for t, n in zip(out, counts, strict=True)]), counts
 
 
+def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """send_counts: int64 [G], rows this member sends each member -> int64 [G], rows each
+    member sends this one (one all-to-all of G int64; no host sync)."""
+    if group.size == 1:
+        return send_counts
+    theirs = torch.empty_like(send_counts)
+    dist.all_to_all_single(theirs, send_counts.contiguous(), group=group.handle)
+    return theirs
+
+
 def all_to_all_rows(
     x: torch.Tensor,
-    send_counts: Sequence[int],
+    send_counts: Sequence[int] | torch.Tensor,
     group: Group,
     log: CommLog | None = None,
     name: str = "all_to_all",
+    *,
+    recv_counts: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Send rows [sum(send_counts[:j]), +send_counts[j]) of x to member j; returns the rows
-    received, grouped by sender in group order, and how many came from each."""
-    send_counts = [int(c) for c in send_counts]
+    received, grouped by sender in group order, and how many came from each.
+
+    recv_counts: how many rows each member sends this one, when the caller knows (no exchange
+    of counts then); else they are exchanged first (`exchange_counts`, one host sync for both
+    lists). send_counts may be an int64 tensor on x's device (counts computed there)."""
+    if recv_counts is None and group.size > 1:
+        if not isinstance(send_counts, torch.Tensor):
+            send_counts = torch.tensor(list(send_counts), dtype=torch.int64, device=x.device)
+        both = torch.cat([send_counts, exchange_counts(send_counts, group)]).tolist()
+        send, recv = both[: group.size], both[group.size :]
+    else:
+        send = send_counts.tolist() if isinstance(send_counts, torch.Tensor) else send_counts
+        send = [int(c) for c in send]
+        recv = send if recv_counts is None else [int(c) for c in recv_counts]
     if group.size == 1:
-        return x, send_counts
-    mine = torch.tensor(send_counts, dtype=torch.int64, device=x.device)
-    theirs = torch.empty_like(mine)
-    dist.all_to_all_single(theirs, mine, group=group.handle)
-    recv_counts = theirs.tolist()  # the one host sync: the receive buffer's size
+        return x, send
     if log is not None:
         row = x[0].numel() * x.element_size() if x.shape[0] else 0
-        log.record(name, (sum(send_counts) - send_counts[group.index]) * row)
-    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group.handle)
-    return out, recv_counts
+        log.record(name, (sum(send) - send[group.index]) * row)
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.handle)
+    return out, recv
 
 
 def all_reduce_(

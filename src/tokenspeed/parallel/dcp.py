@@ -45,6 +45,7 @@ from ..model.layers.mla import ABSORBED_MAX_TOKENS, GatedMla
 from ..model.ops.mla import gather_pages
 from ..model.state import DecoderState, PagedMla, PagedState
 from .comm import CommLog
+from .dims import ParallelError
 from .groups import Group, ParallelGroups
 from .report import TransformReport, tensor_bytes
 
@@ -254,6 +255,20 @@ def _check_local(original: Callable, group: Group, width: int, layers: tuple[int
     return check_inputs
 
 
+def check_dcp(model: nn.Module, groups: ParallelGroups) -> None:
+    """Refuse what `apply_dcp` cannot transform (see its preconditions), changing nothing."""
+    if groups["dcp"].size == 1:
+        return
+    for prefix, module in model.named_modules():
+        if isinstance(module, DcpGatedMla):
+            raise ParallelError(f"apply_dcp was already applied ({prefix} is a DcpGatedMla)")
+        if isinstance(module, GatedMla) and type(module) is not GatedMla:
+            raise ParallelError(
+                f"apply_dcp: {prefix} is a {type(module).__name__}, whose forward another "
+                "transform replaced; apply_dcp needs the single-device GatedMla"
+            )
+
+
 def apply_dcp(model: nn.Module, groups: ParallelGroups, *, log: CommLog | None = None):
     """Split every MLA layer's latent cache over `groups["dcp"]` (interleaved positions) and
     merge the members' partial attention exactly with their log-sum-exp.
@@ -268,22 +283,19 @@ def apply_dcp(model: nn.Module, groups: ParallelGroups, *, log: CommLog | None =
 
     Communicates, per MLA layer and step: one all-gather of the partials over the dcp group,
     (C - 1) * T * H * (Dv + 1) * 4 bytes sent per rank (CommLog name "dcp.merge").
-    Weights are not split: the report's bytes before and after are equal.
+    Weights are not split: the report's bytes before and after are equal. With a dcp group of
+    one rank nothing changes. Applying it twice is refused (`ParallelError`).
     """
+    check_dcp(model, groups)
     group = groups["dcp"]
     before = tensor_bytes(model)
-    mla_layers = []
-    for module in model.modules():
-        if type(module) is GatedMla:
-            module.__class__ = DcpGatedMla
-            module.dcp_group = group
-            module.dcp_log = log
-            mla_layers.append(module)
-        elif isinstance(module, GatedMla) and not isinstance(module, DcpGatedMla):
-            raise TypeError(
-                f"apply_dcp: an MLA layer is a {type(module).__name__}, whose forward another "
-                "transform replaced; apply_dcp first"
-            )
+    if group.size == 1:  # nothing to split: the model keeps its single-device path
+        return TransformReport("dcp", before, before)
+    mla_layers = [m for m in model.modules() if type(m) is GatedMla]
+    for module in mla_layers:
+        module.__class__ = DcpGatedMla
+        module.dcp_group = group
+        module.dcp_log = log
     config = getattr(model, "config", None)
     if mla_layers and config is not None and hasattr(model, "check_inputs"):
         model.check_inputs = _check_local(

@@ -49,12 +49,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.layers.moe import Experts, MoE, Mxfp4Experts
-from .comm import CommLog
+from .comm import CommLog, all_to_all_rows, exchange_counts
 from .dims import ParallelError
 from .fp8_payload import FP8, dequantize_rows, quantize_rows
 from .groups import Group, ParallelGroups
+from .linear import shard_tensor
 from .report import TransformReport, tensor_bytes
-from .shards import mark_shard, shard_of
+from .shards import shard_of
 
 PAYLOAD_DTYPES = (None, torch.bfloat16, FP8)
 
@@ -71,8 +72,31 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, bytes] uint8 (possibly a column slice) -> [N, bytes / itemsize] dtype."""
-    return b.contiguous().view(dtype)
+    """[N, bytes] uint8 (possibly a column slice) -> [N, bytes / itemsize] dtype. A slice that
+    stays a view of the packed rows (N <= 1 counts as contiguous) may start at a byte offset,
+    or step rows by a stride, that is no multiple of the itemsize; it is copied to a buffer
+    of its own first."""
+    b = b.contiguous()
+    if b.storage_offset() % dtype.itemsize or b.stride(0) % dtype.itemsize:
+        b = torch.empty(b.shape, dtype=b.dtype, device=b.device).copy_(b)
+    return b.view(dtype)
+
+
+def pack_rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """[N, C_i] tensors of any dtypes -> ([N, sum bytes_i] uint8, [bytes_0, bytes_1, ...])."""
+    raw = [_bytes(p) for p in parts]
+    return torch.cat(raw, dim=1), [r.shape[1] for r in raw]
+
+
+def unpack_rows(
+    packed: torch.Tensor, widths: list[int], dtypes: list[torch.dtype]
+) -> list[torch.Tensor]:
+    """The inverse of `pack_rows`: [N, sum widths] uint8 -> the [N, C_i] parts in `dtypes`."""
+    edges = [0, *itertools.accumulate(widths)]
+    return [
+        _from_bytes(packed[:, a:b], dtype)
+        for (a, b), dtype in zip(itertools.pairwise(edges), dtypes, strict=True)
+    ]
 
 
 class DepMoE(MoE):
@@ -86,7 +110,6 @@ class DepMoE(MoE):
     dep_group: Group
     dep_log: CommLog | None
     dep_payload_dtype: torch.dtype | None
-    dep_first_expert: int  # the global id of local expert 0
     dep_local_experts: int  # E / R
     dep_load: torch.Tensor | None  # int64 [E / R], made on the activations' device at first use
 
@@ -108,16 +131,22 @@ class DepMoE(MoE):
         """h: [B, W] this rank's tokens; weights, ids: [B, K] global expert ids -> [B, W]."""
         group, per = self.dep_group, self.dep_local_experts
         ranks = group.size
-        tokens, top_k = ids.shape
+        tokens = ids.shape[0]
         dest = ids // per  # [B, K] the ep member holding each selected expert
         needs = torch.zeros(tokens, ranks, dtype=torch.bool, device=h.device)
         needs.scatter_(1, dest, True)
         # One row per (destination, token) pair, grouped by destination, tokens in order.
         to, token = needs.t().nonzero(as_tuple=True)
-        send = needs.sum(0).tolist()
         mine = dest[token] == to.unsqueeze(1)  # [S, K] the slots held by the row's destination
         row_weights = torch.where(mine, weights[token].float(), 0.0)
         row_ids = torch.where(mine, ids[token] - to.unsqueeze(1) * per, -1).to(torch.int32)
+
+        # The row counts: exchanged as a tensor, then one host sync for both directions.
+        send_counts = needs.sum(0)
+        if self.dep_log is not None and ranks > 1:
+            self.dep_log.record("dep.counts", 8 * (ranks - 1))
+        both = torch.cat([send_counts, exchange_counts(send_counts, group)]).tolist()
+        send, recv = both[:ranks], both[ranks:]
 
         # DISPATCH: [payload | weights | ids (| scale)] as bytes, one all-to-all.
         act = h.dtype
@@ -125,29 +154,21 @@ class DepMoE(MoE):
         payload = act if self.dep_payload_dtype is None else self.dep_payload_dtype
         if payload == FP8:
             codes, scale = quantize_rows(rows)
-            parts = [_bytes(codes), _bytes(row_weights), _bytes(row_ids), _bytes(scale)]
+            parts = [codes, row_weights, row_ids, scale]
         else:
-            parts = [_bytes(rows.to(payload)), _bytes(row_weights), _bytes(row_ids)]
-        widths = [rows.shape[1] * payload.itemsize, 4 * top_k, 4 * top_k, 4][: len(parts)]
-        buf = torch.cat(parts, dim=1)
-        recv = self._counts(send, h.device)
+            parts = [rows.to(payload), row_weights, row_ids]
+        buf, widths = pack_rows(parts)
         if self.dep_log is not None and ranks > 1:
             remote = sum(send) - send[group.index]
             self.dep_log.record("dep.dispatch", remote * widths[0])
             self.dep_log.record("dep.dispatch.meta", remote * sum(widths[1:]))
-        got = _all_to_all(buf, send, recv, group)
-        edges = [0]
-        for w in widths:
-            edges.append(edges[-1] + w)
-        cols = [got[:, a:b] for a, b in itertools.pairwise(edges)]
-        got_weights = _from_bytes(cols[1], torch.float32)
-        got_ids = _from_bytes(cols[2], torch.int32).long()
+        got, _ = all_to_all_rows(buf, send, group, recv_counts=recv)
+        got_parts = unpack_rows(got, widths, [p.dtype for p in parts])
+        got_weights, got_ids = got_parts[1], got_parts[2].long()
         if payload == FP8:
-            got_rows = dequantize_rows(
-                _from_bytes(cols[0], FP8), _from_bytes(cols[3], torch.float32), act
-            )
+            got_rows = dequantize_rows(got_parts[0], got_parts[3], act)
         else:
-            got_rows = _from_bytes(cols[0], payload).to(act)
+            got_rows = got_parts[0].to(act)
 
         # Local experts, reduced locally: one partial sum per received row.
         partial = self._local_experts(got_rows, got_weights, got_ids).to(act)
@@ -157,22 +178,10 @@ class DepMoE(MoE):
             returned = sum(recv) - recv[group.index]
             row = partial.shape[1] * partial.element_size()
             self.dep_log.record("dep.combine", returned * row)
-        back = _from_bytes(_all_to_all(_bytes(partial), recv, send, group), act)
+        back, _ = all_to_all_rows(_bytes(partial), recv, group, recv_counts=send)
         out = torch.zeros(tokens, h.shape[1], dtype=torch.float32, device=h.device)
-        out.index_add_(0, token, back.float())
+        out.index_add_(0, token, _from_bytes(back, act).float())
         return out.to(act)
-
-    def _counts(self, send: list[int], device: torch.device) -> list[int]:
-        """How many rows each member sends this rank, given what this rank sends each."""
-        group = self.dep_group
-        if group.size == 1:
-            return send
-        if self.dep_log is not None:
-            self.dep_log.record("dep.counts", 8 * (group.size - 1))
-        mine = torch.tensor(send, dtype=torch.int64, device=device)
-        theirs = torch.empty_like(mine)
-        dist.all_to_all_single(theirs, mine, group=group.handle)
-        return theirs.tolist()
 
     def _local_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -200,17 +209,47 @@ class DepMoE(MoE):
         return out
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Group) -> torch.Tensor:
-    """Rows [sum(send[:j]), +send[j]) of x to member j; the rows received, grouped by sender."""
-    if group.size == 1:
-        return x
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.handle)
-    return out
-
-
 def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def check_dep(
+    model: nn.Module, groups: ParallelGroups, *, payload_dtype: torch.dtype | None = None
+) -> None:
+    """Refuse what `apply_dep` cannot transform (see its preconditions), changing nothing."""
+    if payload_dtype not in PAYLOAD_DTYPES:
+        raise ParallelError(
+            f"apply_dep: payload_dtype must be None, torch.bfloat16 or torch.float8_e4m3fn, "
+            f"got {payload_dtype!r}"
+        )
+    dims = groups.dims
+    if dims.tep > 1 or dims.dwdp > 1:
+        raise ParallelError(
+            f"apply_dep: ep does not combine with tep={dims.tep} or dwdp={dims.dwdp}"
+        )
+    ranks = groups["ep"].size
+    if ranks == 1:
+        return
+    for name, moe in _moe_layers(model):
+        if isinstance(moe, DepMoE):
+            raise ParallelError(f"apply_dep: {name} is already expert parallel")
+        kind = type(moe.experts)
+        if kind not in _EXPERT_TENSORS:
+            raise ParallelError(
+                f"apply_dep: {name}.experts is a {kind.__name__}; DEP shards `Experts` and "
+                "`Mxfp4Experts` only"
+            )
+        for tensor in _EXPERT_TENSORS[kind]:
+            if shard_of(moe.experts, tensor) is not None:
+                raise ParallelError(
+                    f"apply_dep: {name}.experts.{tensor} is already sharded (apply_tp or "
+                    "apply_dwdp came first?)"
+                )
+        experts = getattr(moe.experts, _EXPERT_TENSORS[kind][0]).shape[0]
+        if experts % ranks:
+            raise ParallelError(
+                f"apply_dep: ep={ranks} does not divide the {experts} routed experts of {name}"
+            )
 
 
 def apply_dep(
@@ -235,59 +274,25 @@ def apply_dep(
     shared experts and attention projections, which DEP leaves alone). Every rank of the ep
     group must run the same number of forwards, an idle rank an empty one.
     payload_dtype: None (activations' dtype), torch.bfloat16 or torch.float8_e4m3fn.
-    Only slices tensors, so it works on a model on the meta device.
+    Only slices tensors, so it works on a model on the meta device. With an ep group of one
+    rank nothing changes (the report says so): the model keeps its single-device path.
     """
-    if payload_dtype not in PAYLOAD_DTYPES:
-        raise ParallelError(
-            f"apply_dep: payload_dtype must be None, torch.bfloat16 or torch.float8_e4m3fn, "
-            f"got {payload_dtype!r}"
-        )
-    dims = groups.dims
-    if dims.tep > 1 or dims.dwdp > 1:
-        raise ParallelError(
-            f"apply_dep: ep does not combine with tep={dims.tep} or dwdp={dims.dwdp}"
-        )
+    check_dep(model, groups, payload_dtype=payload_dtype)
     group = groups["ep"]
-    ranks = group.size
-    layers = _moe_layers(model)
-    for name, moe in layers:
-        if isinstance(moe, DepMoE):
-            raise ParallelError(f"apply_dep: {name} is already expert parallel")
-        kind = type(moe.experts)
-        if kind not in _EXPERT_TENSORS:
-            raise ParallelError(
-                f"apply_dep: {name}.experts is a {kind.__name__}; DEP shards `Experts` and "
-                "`Mxfp4Experts` only"
-            )
-        for tensor in _EXPERT_TENSORS[kind]:
-            if shard_of(moe.experts, tensor) is not None:
-                raise ParallelError(
-                    f"apply_dep: {name}.experts.{tensor} is already sharded (apply_tp or "
-                    "apply_dwdp came first?)"
-                )
-        experts = getattr(moe.experts, _EXPERT_TENSORS[kind][0]).shape[0]
-        if experts % ranks:
-            raise ParallelError(
-                f"apply_dep: ep={ranks} does not divide the {experts} routed experts of {name}"
-            )
     before = tensor_bytes(model)
-    for _, moe in layers:
+    if group.size == 1:  # nothing to split: the model keeps its single-device path
+        return TransformReport("dep", before, before)
+    for _, moe in _moe_layers(model):
         experts = moe.experts
         names = _EXPERT_TENSORS[type(experts)]
-        per = getattr(experts, names[0]).shape[0] // ranks
+        per = getattr(experts, names[0]).shape[0] // group.size
         start, stop = group.index * per, (group.index + 1) * per
         for tensor in names:
-            full = getattr(experts, tensor)
-            part = full.detach()[start:stop].clone()
-            if isinstance(full, nn.Parameter):
-                part = nn.Parameter(part, requires_grad=full.requires_grad)
-            setattr(experts, tensor, part)
-            mark_shard(experts, tensor, dim=0, start=start, stop=stop)
+            shard_tensor(experts, tensor, dim=0, start=start, stop=stop)
         moe.__class__ = DepMoE
         moe.dep_group = group
         moe.dep_log = log
         moe.dep_payload_dtype = payload_dtype
-        moe.dep_first_expert = start
         moe.dep_local_experts = per
         moe.dep_load = None
     return TransformReport("dep", before, tensor_bytes(model))
@@ -302,8 +307,8 @@ def _dep_layers(model: nn.Module) -> list[tuple[str, DepMoE]]:
 
 def report_load(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's load: DEP layer name -> int64 [E / R] (token, expert) pairs computed by each
-    local expert (global ids dep_first_expert + i), accumulated since `apply_dep` /
-    `reset_load`. Local: no communication."""
+    local expert (local expert i of ep member m is global expert m E / R + i), accumulated
+    since `apply_dep` / `reset_load`. Local: no communication."""
     out = {}
     for name, m in _dep_layers(model):
         load = m.dep_load

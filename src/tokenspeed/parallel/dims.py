@@ -58,6 +58,11 @@ class ParallelDims:
                 f"combine with tp={self.tp}, ep={self.ep} or dcp={self.dcp} (use tp + ep for "
                 "attention data parallelism with sharded projections and experts)"
             )
+        if self.tep > 1 and self.dwdp > 1:
+            raise ParallelError(
+                f"tep={self.tep} shards every expert by intermediate columns and dwdp={self.dwdp} "
+                "stores whole experts split over ranks: one model takes one of them"
+            )
         if self.dwdp > 1 and self.ep > 1:
             raise ParallelError(
                 f"dwdp={self.dwdp} runs every expert on every rank (prefill) and ep={self.ep} "

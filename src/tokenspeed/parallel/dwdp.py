@@ -47,9 +47,10 @@ from torch import nn
 from ..model.layers.moe import Experts, MoE
 from .comm import CommLog
 from .dims import ParallelError
-from .groups import Group, ParallelGroups, backend_for
+from .groups import Group, ParallelGroups, backend_for, new_groups
+from .linear import shard_tensor
 from .report import TransformReport, tensor_bytes
-from .shards import mark_shard
+from .shards import rank_slices
 
 FETCH = "dwdp.fetch"
 PROJECTIONS = ("w1", "w2", "w3")
@@ -260,6 +261,33 @@ def routed_experts_split(
     return out.to(x.dtype)
 
 
+def check_dwdp(model: nn.Module, groups: ParallelGroups) -> None:
+    """Refuse what `apply_dwdp` cannot transform (see its preconditions), changing nothing."""
+    size = groups["dwdp"].size
+    if size == 1:
+        return
+    for prefix, moe in model.named_modules():
+        if not isinstance(moe, MoE):
+            continue
+        experts = moe.experts
+        if type(experts) is not Experts:
+            raise ParallelError(
+                f"apply_dwdp needs dense Experts, found {type(experts).__name__} at "
+                f"{prefix}.experts (MXFP4 and already split experts are not supported)"
+            )
+        marked = sorted(rank_slices(experts))
+        if marked:
+            raise ParallelError(
+                f"apply_dwdp: {prefix}.experts {marked} are already sharded by another "
+                "transform (apply_tp or apply_dep came first?)"
+            )
+        if experts.w1.shape[0] % size:
+            raise ParallelError(
+                f"dwdp={size} does not divide the routed experts ({experts.w1.shape[0]}) of "
+                f"{prefix}"
+            )
+
+
 def apply_dwdp(
     model: nn.Module,
     groups: ParallelGroups,
@@ -280,39 +308,26 @@ def apply_dwdp(
     forward). Each rank runs its own requests; nothing else is communicated.
 
     Communicates per MoE layer and step: the layer's remote experts, (W - 1)/W of its routed
-    expert bytes ("dwdp.fetch"). `timeout` bounds the fetch group's collectives.
+    expert bytes ("dwdp.fetch"). `timeout` bounds the fetch group's collectives (default: the
+    groups' own, `ParallelGroups.timeout`).
     """
+    check_dwdp(model, groups)
     group = groups["dwdp"]
     before = tensor_bytes(model)
     if group.size == 1:
         return DwdpReport("dwdp", before, before, staging_bytes=0)
     layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
-    for experts in layers:
-        if type(experts) is not Experts:
-            raise ParallelError(
-                f"apply_dwdp needs dense Experts, found {type(experts).__name__} (MXFP4 and "
-                "already split experts are not supported)"
-            )
     size, index = group.size, group.index
     num = layers[0].w1.shape[0] if layers else 0
-    if num % size:
-        raise ParallelError(f"dwdp={size} does not divide the routed experts ({num})")
     # The fetch group: every rank of the world takes part in creating each one.
-    handle = None
-    options = {} if timeout is None else {"timeout": timeout}
-    for first in range(0, dist.get_world_size(), size):
-        ranks = list(range(first, first + size))
-        made = dist.new_group(ranks, backend=backend_for(groups.device), **options)
-        if tuple(ranks) == group.ranks:
-            handle = made
+    timeout = groups.timeout if timeout is None else timeout
+    handle = new_groups(size, backend_for(groups.device), timeout).handle
     block = num // size
     start, stop = index * block, (index + 1) * block
     fetcher = DwdpFetcher(layers, group, handle, log, prefetch)
     for position, experts in enumerate(layers):
         for name in PROJECTIONS:
-            full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(full.data[start:stop].clone(), full.requires_grad))
-            mark_shard(experts, name, dim=0, start=start, stop=stop)
+            shard_tensor(experts, name, dim=0, start=start, stop=stop)
         experts.__class__ = DwdpExperts
         experts.dwdp_fetcher = fetcher
         experts.dwdp_position = position

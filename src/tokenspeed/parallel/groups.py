@@ -41,12 +41,35 @@ class Group:
         return self.ranks.index(self.rank)
 
 
+def new_groups(size: int, backend: str, timeout: timedelta | None = None) -> Group:
+    """Create the process groups of `size` consecutive ranks that partition the world (every
+    rank of the world calls this, in the same order: torch.distributed creates groups
+    collectively) and return this rank's. `timeout` bounds each group's collectives."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size == 1:
+        return Group(None, (rank,), rank)
+    options = {} if timeout is None else {"timeout": timeout}
+    mine = None
+    for start in range(0, world, size):
+        ranks = tuple(range(start, start + size))
+        handle = dist.new_group(list(ranks), backend=backend, **options)
+        if rank in ranks:
+            mine = Group(handle, ranks, rank)
+    assert mine is not None, (size, world, rank)
+    return mine
+
+
 @attrs.frozen
 class ParallelGroups:
+    """dims: the layout. rank: this rank. device: where the groups' backend takes tensors.
+    groups: kind -> `Group`. timeout: what bounds the groups' collectives (None: the default
+    process group's), also given to groups a transform creates later (DWDP's fetch group)."""
+
     dims: ParallelDims
     rank: int
     device: torch.device
     groups: dict[str, Group]
+    timeout: timedelta | None = None
 
     def __getitem__(self, kind: str) -> Group:
         return self.groups[kind]
@@ -72,16 +95,5 @@ class ParallelGroups:
             )
         device = torch.device(device)
         backend = backend_for(device)
-        options = {} if timeout is None else {"timeout": timeout}
-        groups = {}
-        for kind in KINDS:
-            degree = getattr(dims, kind)
-            if degree == 1:
-                groups[kind] = Group(None, (rank,), rank)
-                continue
-            for start in range(0, world, degree):
-                ranks = tuple(range(start, start + degree))
-                handle = dist.new_group(list(ranks), backend=backend, **options)
-                if rank in ranks:
-                    groups[kind] = Group(handle, ranks, rank)
-        return cls(dims, rank, device, groups)
+        groups = {kind: new_groups(getattr(dims, kind), backend, timeout) for kind in KINDS}
+        return cls(dims, rank, device, groups, timeout)

@@ -1,5 +1,5 @@
-"""Pieces the tensor-parallel transforms share: slicing a parameter into a rank's shard, and a
-row-parallel linear (a slice of the input columns, then one all-reduce).
+"""Pieces the transforms share: slicing a parameter or buffer into a rank's shard
+(`shard_tensor`), and a row-parallel linear (a slice of the input columns, then one all-reduce).
 
 Slicing copies (`narrow(...).clone()`), never computes, so it works on meta tensors too.
 """
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import CommLog, all_reduce_
+from .dims import ParallelError
 from .groups import Group
 from .shards import mark_shard
 
@@ -25,25 +26,38 @@ def as_parameter(tensor: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=like.requires_grad)
 
 
-def shard_parameter(module: nn.Module, name: str, *, dim: int, start: int, stop: int) -> None:
-    """Replace `module.<name>` by [start, stop) of it along `dim`, and mark the shard."""
+def shard_tensor(module: nn.Module, name: str, *, dim: int, start: int, stop: int) -> None:
+    """Replace `module.<name>` (a parameter or a buffer) by a copy of [start, stop) of it along
+    `dim`, of the same kind, and mark the shard (`mark_shard`: a tensor is sliced once)."""
     old = getattr(module, name)
-    setattr(module, name, as_parameter(take(old, dim, start, stop), old))
-    mark_shard(module, name, dim=dim, start=start, stop=stop)
+    if not isinstance(old, nn.Parameter) and name not in module._buffers:
+        raise TypeError(f"{type(module).__name__}.{name} is neither a parameter nor a buffer")
+    part = take(old, dim, start, stop)
+    mark_shard(module, name, dim=dim, start=start, stop=stop)  # raises before any change
+    if isinstance(old, nn.Parameter):
+        setattr(module, name, as_parameter(part, old))
+    else:
+        module._buffers[name] = part
 
 
 def shard_linear_rows(linear: nn.Linear, start: int, stop: int) -> None:
     """Keep output features [start, stop) of an nn.Linear (a column-parallel shard that needs
     no communication: its consumer works on the local slice)."""
-    shard_parameter(linear, "weight", dim=0, start=start, stop=stop)
+    shard_tensor(linear, "weight", dim=0, start=start, stop=stop)
     if linear.bias is not None:
-        shard_parameter(linear, "bias", dim=0, start=start, stop=stop)
+        shard_tensor(linear, "bias", dim=0, start=start, stop=stop)
     linear.out_features = stop - start
 
 
 def shard_linear_columns(linear: nn.Linear, start: int, stop: int) -> None:
-    """Keep input features [start, stop) of an nn.Linear (its output is a partial sum)."""
-    shard_parameter(linear, "weight", dim=1, start=start, stop=stop)
+    """Keep input features [start, stop) of an nn.Linear (its output is a partial sum, which a
+    bias would be added to on every member: refused, use `RowParallelLinear`)."""
+    if linear.bias is not None:
+        raise ParallelError(
+            f"shard_linear_columns: a linear with a bias ({linear.in_features} -> "
+            f"{linear.out_features}) would add it once per member to the partial sums"
+        )
+    shard_tensor(linear, "weight", dim=1, start=start, stop=stop)
     linear.in_features = stop - start
 
 
@@ -67,8 +81,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features = stop - start
         self.out_features = linear.out_features
-        self.weight = as_parameter(take(linear.weight, 1, start, stop), linear.weight)
-        mark_shard(self, "weight", dim=1, start=start, stop=stop)
+        self.weight = linear.weight
+        shard_tensor(self, "weight", dim=1, start=start, stop=stop)
         self.bias = linear.bias  # whole, added after the reduction
         self.group = group
         self.log = log

@@ -8,7 +8,7 @@ The recipe (each step only slices or builds tensors, nothing is computed on weig
     stats = load_rank_checkpoint(path, model)           # this rank's slices, from the files
 
 The transforms mark every tensor they slice (`shards.mark_shard`); `rank_slices` collects the
-marks and the model's loader (`model.loader.load_checkpoint_into`) reads exactly those slices:
+marks and the model's loader (`model.partial_loader.load_checkpoint_into`) reads those slices:
 a rank of DEP over R ranks reads E/R experts of each MoE layer, a TP-subgroup rank its rows of
 each selected projection. The model knows nothing of ranks: it is given (dim, start, stop)
 slices by parameter name.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..model.partial_loader import ReadStats, load_checkpoint_into
+from ..model.partial_loader import MAX_GAP_BYTES, ReadStats, load_checkpoint_into
 from .shards import rank_slices, source_config
 
 
@@ -42,6 +42,7 @@ def load_rank_checkpoint(
     dtype: torch.dtype | str | None = "auto",
     device: torch.device | str = "cpu",
     strict: bool = True,
+    max_gap_bytes: int = MAX_GAP_BYTES,
 ) -> ReadStats:
     """Load this rank's share of the checkpoint at `path` into `model`, in place.
 
@@ -49,8 +50,10 @@ def load_rank_checkpoint(
     meta device, typically), with its experts in the checkpoint's format, and already
     transformed for this rank (every sliced tensor marked with `mark_shard` under its
     single-device name). Unsliced tensors are read whole. dtype / device / strict: as for
-    `model.loader.load_checkpoint`. Returns what was read (`ReadStats.bytes_read`: tensor
-    bytes, exactly this rank's share in the checkpoint's dtypes; headers counted apart).
+    `model.loader.load_checkpoint`; max_gap_bytes: as for `load_checkpoint_into` (a slice
+    along a later dim reads through holes up to that size). Returns what was read
+    (`ReadStats.bytes_read`: tensor bytes in the checkpoint's dtypes, this rank's share plus
+    the holes read through, exactly the share with `max_gap_bytes=0`; headers apart).
     """
     return load_checkpoint_into(
         model,
@@ -60,4 +63,5 @@ def load_rank_checkpoint(
         device=device,
         strict=strict,
         config=source_config(model),
+        max_gap_bytes=max_gap_bytes,
     )

@@ -24,6 +24,7 @@ from .groups import ParallelGroups
 from .report import TransformReport
 
 Transform = Callable[..., TransformReport]
+Check = Callable[[nn.Module, ParallelGroups], None]
 
 
 @attrs.frozen(kw_only=True)
@@ -31,13 +32,18 @@ class Strategy:
     """name: how plans name it. apply: the transform. order: strategies run by increasing
     order (ties keep the plan's order). degree: the `ParallelDims` field that sizes it (a plan
     may name it only when that degree is > 1), or None when it needs no group of its own.
-    conflicts: strategies it cannot be combined with in one plan."""
+    conflicts: strategies it cannot be combined with in one plan. check: `check(model, groups)`
+    raises (`ParallelError`) when the transform would refuse the model, changing nothing;
+    `parallelize` runs the checks of every strategy of a plan before applying any (so a plan
+    is refused before anything changes). It sees the model as given to `parallelize`: what it
+    checks is what the earlier strategies of a plan leave alone (conflicts cover the rest)."""
 
     name: str
     apply: Transform
     order: int
     degree: str | None = None
     conflicts: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    check: Check | None = None
 
 
 @attrs.frozen
@@ -70,19 +76,53 @@ class Registry:
 
 def default_registry() -> Registry:
     """The built-in strategies."""
-    from .dcp import apply_dcp
-    from .dep import apply_dep
-    from .dwdp import apply_dwdp
-    from .tp import apply_tp
-    from .tp_subgroup import apply_tp_subgroup
+    from .dcp import apply_dcp, check_dcp
+    from .dep import apply_dep, check_dep
+    from .dwdp import apply_dwdp, check_dwdp
+    from .tp import apply_tp, check_tp
+    from .tp_subgroup import apply_tp_subgroup, check_tp_subgroup
 
     return Registry(
         (
-            Strategy(name="tp_subgroup", apply=apply_tp_subgroup, order=10, degree="tp"),
-            Strategy(name="tep", apply=apply_tp, order=10, degree="tep", conflicts={"tp_subgroup"}),
-            Strategy(name="dcp", apply=apply_dcp, order=20, degree="dcp", conflicts={"tep"}),
-            Strategy(name="dep", apply=apply_dep, order=30, degree="ep", conflicts={"tep"}),
-            Strategy(name="dwdp", apply=apply_dwdp, order=30, degree="dwdp", conflicts={"dep"}),
+            Strategy(
+                name="tp_subgroup",
+                apply=apply_tp_subgroup,
+                order=10,
+                degree="tp",
+                check=check_tp_subgroup,
+            ),
+            Strategy(
+                name="tep",
+                apply=apply_tp,
+                order=10,
+                degree="tep",
+                conflicts={"tp_subgroup", "dwdp"},
+                check=check_tp,
+            ),
+            Strategy(
+                name="dcp",
+                apply=apply_dcp,
+                order=20,
+                degree="dcp",
+                conflicts={"tep"},
+                check=check_dcp,
+            ),
+            Strategy(
+                name="dep",
+                apply=apply_dep,
+                order=30,
+                degree="ep",
+                conflicts={"tep"},
+                check=check_dep,
+            ),
+            Strategy(
+                name="dwdp",
+                apply=apply_dwdp,
+                order=30,
+                degree="dwdp",
+                conflicts={"dep", "tep"},
+                check=check_dwdp,
+            ),
         )
     )
 
@@ -104,8 +144,14 @@ def parallelize(
     """Apply `plan` (strategy names; default: every strategy the layout sizes) to `model` in
     place for this rank, in the registry's order; returns each transform's report.
 
-    Refused before anything changes: an unknown name, a name twice, a strategy whose degree is 1
-    in the layout, two strategies that conflict, and degrees the model cannot be split by."""
+    Refused before anything changes: a plan given as one string (give a list of names), an
+    unknown name, a name twice, a strategy whose degree is 1 in the layout, two strategies that
+    conflict, degrees the model cannot be split by, and a model a strategy's `check` refuses."""
+    if isinstance(plan, str):
+        raise ParallelError(
+            f"parallelize: the plan is a list of strategy names, got the string {plan!r} "
+            f"(write [{plan!r}])"
+        )
     registry = registry or default_registry()
     names = list(default_plan(groups, registry) if plan is None else plan)
     strategies = [registry[name] for name in names]
@@ -125,4 +171,7 @@ def parallelize(
     if config is not None:
         dims.check_model(config)
     ordered = sorted(strategies, key=lambda s: s.order)  # stable: ties keep the plan's order
+    for s in ordered:
+        if s.check is not None:
+            s.check(model, groups)
     return [s.apply(model, groups, log=log) for s in ordered]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import attrs
 from torch import nn
 
+from .dims import ParallelError
+
 _ATTR = "_tokenspeed_shards"
 _SOURCE = "_tokenspeed_source_config"
 
@@ -34,12 +36,18 @@ def mark_shard(
     module: nn.Module, name: str, *, dim: int, start: int, stop: int, blocks: int = 1
 ) -> None:
     """Record that `module.<name>` holds [start, stop) along `dim` of its full tensor (of each
-    of its `blocks` blocks)."""
+    of its `blocks` blocks). A tensor is sliced once: marking a name already marked raises
+    `ParallelError` (a second transform re-slicing a shard would load the wrong slice)."""
     if not 0 <= start < stop or blocks < 1:
         raise ValueError(
             f"a shard needs 0 <= start < stop and blocks >= 1, got [{start}, {stop}), {blocks}"
         )
     shards = module.__dict__.setdefault(_ATTR, {})
+    if name in shards:
+        raise ParallelError(
+            f"{type(module).__name__}.{name} is already a shard ({shards[name]}): two transforms "
+            "slice the same tensor"
+        )
     shards[name] = Shard(dim, start, stop, blocks)
 
 

@@ -53,11 +53,11 @@ from .linear import (
     as_parameter,
     shard_linear_columns,
     shard_linear_rows,
-    shard_parameter,
+    shard_tensor,
     take,
 )
 from .report import TransformReport, tensor_bytes
-from .shards import mark_shard, mark_source_config
+from .shards import mark_shard, mark_source_config, rank_slices
 from .tp_subgroup import SubgroupLinear
 
 ATTN = "tep.attn.all_reduce"
@@ -84,8 +84,8 @@ def _shard_kda(attn: KdaAttention, group: Group, log: CommLog | None) -> None:
     else:
         shard_linear_rows(attn.g_b_proj, start, stop)  # g_a_proj (hidden -> head_dim) whole
     shard_linear_rows(attn.b_proj, first, last)
-    shard_parameter(attn, "A_log", dim=0, start=first, stop=last)
-    shard_parameter(attn, "dt_bias", dim=0, start=start, stop=stop)
+    shard_tensor(attn, "A_log", dim=0, start=first, stop=last)
+    shard_tensor(attn, "dt_bias", dim=0, start=start, stop=stop)
     # Conv taps of the stacked q | k | v channels: the local heads' rows of each third.
     conv = attn.conv_weight
     local = torch.cat(
@@ -128,9 +128,9 @@ def _shard_glu(mlp: GluMlp, group: Group, what: str, log: CommLog | None, reduce
 def _shard_experts(experts: Experts, group: Group, what: str) -> None:
     """w1 / w3 [E, I, D] rows and w2 [E, D, I] columns of this member's intermediate slice."""
     start, stop = _span(experts.w1.shape[1], group, what)
-    shard_parameter(experts, "w1", dim=1, start=start, stop=stop)
-    shard_parameter(experts, "w3", dim=1, start=start, stop=stop)
-    shard_parameter(experts, "w2", dim=2, start=start, stop=stop)
+    shard_tensor(experts, "w1", dim=1, start=start, stop=stop)
+    shard_tensor(experts, "w3", dim=1, start=start, stop=stop)
+    shard_tensor(experts, "w2", dim=2, start=start, stop=stop)
 
 
 class TepMoE(MoE):
@@ -185,6 +185,13 @@ def _local_config(config: ModelConfig, size: int) -> ModelConfig:
     return config.evolve(**changes)
 
 
+def check_tp(model: nn.Module, groups: ParallelGroups) -> None:
+    """Refuse what `apply_tp` cannot transform (see its preconditions), changing nothing."""
+    size = groups["tep"].size
+    if size > 1:
+        _check(model, size)
+
+
 def _check(model: nn.Module, size: int) -> None:
     """Refuse a model this group cannot split, before changing anything."""
     for prefix, module in model.named_modules():
@@ -200,10 +207,16 @@ def _check(model: nn.Module, size: int) -> None:
         elif isinstance(module, GluMlp):
             checks.append(("intermediate size", module.gate_proj.out_features))
         elif isinstance(module, MoE):
-            if not isinstance(module.experts, Experts):
+            if type(module) is not MoE or type(module.experts) is not Experts:
                 raise ParallelError(
-                    f"apply_tp shards dense experts only; {prefix}.experts is a "
-                    f"{type(module.experts).__name__}"
+                    f"apply_tp shards dense experts only, of a single-device MoE; {prefix} is a "
+                    f"{type(module).__name__} with {type(module.experts).__name__} (MXFP4, or "
+                    "another transform, apply_dep / apply_dwdp, split them already)"
+                )
+            marked = sorted(rank_slices(module.experts))
+            if marked:
+                raise ParallelError(
+                    f"apply_tp: {prefix}.experts {marked} are already sharded by another transform"
                 )
             checks.append(("expert intermediate size", module.experts.w1.shape[1]))
         for what, count in checks:

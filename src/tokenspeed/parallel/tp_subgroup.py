@@ -33,19 +33,18 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..model.layers.kda import KdaAttention
 from ..model.layers.mla import GatedMla
 from ..model.layers.mlp import GluMlp
-from .comm import CommLog, all_gather_rows
+from .comm import CommLog, all_gather_rows, all_to_all_rows
 from .dims import ParallelError
 from .groups import Group, ParallelGroups
-from .linear import as_parameter, take
+from .linear import shard_tensor
 from .report import TransformReport, tensor_bytes
-from .shards import mark_shard
+from .shards import shard_of
 
 GATHER = "tp_subgroup.all_gather"
 ALL_TO_ALL = "tp_subgroup.all_to_all"
@@ -93,14 +92,6 @@ DEFAULT_PROJECTIONS = (
 )
 
 
-def gather_rows(
-    x: torch.Tensor, group: Group, log: CommLog | None, name: str = GATHER
-) -> tuple[torch.Tensor, list[int]]:
-    """x [t_r, ...] on member r -> ([sum t, ...] in member order, [t_0, t_1, ...]) (see
-    `comm.all_gather_rows`); logged under this transform's name."""
-    return all_gather_rows(x, group, log, name)
-
-
 def return_columns(
     y: torch.Tensor, counts: list[int], group: Group, log: CommLog | None, name: str = ALL_TO_ALL
 ) -> torch.Tensor:
@@ -111,22 +102,25 @@ def return_columns(
     width = y.shape[1]
     if size == 1:
         return y
-    if sum(counts) == 0:
+    if sum(counts) == 0:  # every member idle (all know it from the gather): nothing to send
         return y.new_empty((0, size * width))
-    if log is not None:
-        log.record(name, (sum(counts) - mine) * width * y.element_size())
-    out = y.new_empty((size * mine, width))
-    dist.all_to_all_single(out, y.contiguous(), [mine] * size, counts, group=group.handle)
+    out, _ = all_to_all_rows(y, counts, group, log, name, recv_counts=[mine] * size)
     return out.view(size, mine, width).transpose(0, 1).reshape(mine, size * width)
+
+
+def _gather(x: torch.Tensor, group: Group, log: CommLog | None):
+    """x [..., in] -> (the group's rows [sum t, in] in member order, [t_0, t_1, ...])."""
+    return all_gather_rows(x.reshape(-1, x.shape[-1]), group, log, GATHER)
 
 
 class SharedGather:
     """One all-gather of a layer input for the `readers` projections that read it.
 
-    The first reader of a tensor gathers it; the others get the same result while the input is
-    the same object, unmodified; after the last reader the result is dropped (so no gathered
-    activations outlive the layer). Which reader comes first does not matter: every member
-    runs the same layer code, so all gather at the same point.
+    The first reader of a tensor gathers it; the others get the same result while they are
+    given the same tensor object (the caller's, before any reshape), unmodified (same
+    `_version`); after the last reader the result is dropped, so no gathered activations
+    outlive the layer. Which reader comes first does not matter: every member runs the same
+    layer code, so all gather at the same point.
     """
 
     def __init__(self, readers: int):
@@ -139,18 +133,22 @@ class SharedGather:
         self._result = None
         self._uses = 0
 
+    @property
+    def holding(self) -> bool:
+        """Whether a gathered input is kept for readers still to come."""
+        return self._result is not None
+
     def gather(self, x: torch.Tensor, group: Group, log: CommLog | None):
         source = None if self._source is None else self._source()
-        if source is x and x._version == self._version and self._uses < self.readers:
+        if source is x and x._version == self._version:
             result = self._result
             self._uses += 1
             if self._uses == self.readers:
                 self._clear()
             return result
-        result = gather_rows(x, group, log)
-        if self.readers > 1:
-            self._source, self._version = weakref.ref(x), x._version
-            self._result, self._uses = result, 1
+        result = _gather(x, group, log)
+        self._source, self._version = weakref.ref(x), x._version
+        self._result, self._uses = result, 1
         return result
 
 
@@ -171,24 +169,20 @@ class SubgroupLinear(nn.Module):
         width = linear.out_features // size
         start, stop = index * width, (index + 1) * width
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = as_parameter(take(linear.weight, 0, start, stop), linear.weight)
-        mark_shard(self, "weight", dim=0, start=start, stop=stop)
-        if linear.bias is None:
-            self.bias = None
-        else:
-            self.bias = as_parameter(take(linear.bias, 0, start, stop), linear.bias)
-            mark_shard(self, "bias", dim=0, start=start, stop=stop)
+        self.weight, self.bias = linear.weight, linear.bias
+        shard_tensor(self, "weight", dim=0, start=start, stop=stop)
+        if self.bias is not None:
+            shard_tensor(self, "bias", dim=0, start=start, stop=stop)
         self.group = group
         self.log = log
         self.share = share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features)
-        if self.share is not None:
+        if self.share is not None:  # keyed on the caller's tensor (a reshape is a new object)
             x_all, counts = self.share.gather(x, self.group, self.log)
         else:
-            x_all, counts = gather_rows(x, self.group, self.log)
+            x_all, counts = _gather(x, self.group, self.log)
         y = return_columns(F.linear(x_all, self.weight, self.bias), counts, self.group, self.log)
         return y.reshape(*lead, self.out_features)
 
@@ -242,6 +236,37 @@ def _plan(model: nn.Module, chosen: dict[str, set[str]]) -> list[tuple[str, nn.M
     return plan
 
 
+def check_tp_subgroup(
+    model: nn.Module,
+    groups: ParallelGroups,
+    *,
+    projections: Iterable[str] = DEFAULT_PROJECTIONS,
+) -> None:
+    """Refuse what `apply_tp_subgroup` cannot transform (see its preconditions), changing
+    nothing."""
+    chosen = _selection(projections)
+    size = groups["tp"].size
+    if size == 1:
+        return
+    plan = _plan(model, chosen)
+    if not plan:
+        raise ParallelError(f"tp_subgroup: no projection of the model matches {projections!r}")
+    for prefix, module, names in plan:
+        for name, _ in names:
+            linear = getattr(module, name)
+            if not isinstance(linear, nn.Linear) or shard_of(linear, "weight") is not None:
+                raise ParallelError(
+                    f"tp_subgroup: {prefix}.{name} is a {type(linear).__name__}, not a whole "
+                    "nn.Linear (already transformed?)"
+                )
+            if linear.out_features % size:
+                raise ParallelError(
+                    f"tp_subgroup={size} does not divide the {linear.out_features} output "
+                    f"features of {prefix}.{name} ({linear.in_features} -> "
+                    f"{linear.out_features})"
+                )
+
+
 def apply_tp_subgroup(
     model: nn.Module,
     groups: ParallelGroups,
@@ -271,29 +296,12 @@ def apply_tp_subgroup(
     all-gather of the input rows ("tp_subgroup.all_gather"), and per projection one all-to-all
     of its output columns ("tp_subgroup.all_to_all"); see the module docstring for the bytes.
     """
+    check_tp_subgroup(model, groups, projections=projections)
     group = groups["tp"]
     before = tensor_bytes(model)
-    chosen = _selection(projections)
     if group.size == 1:
         return TransformReport("tp_subgroup", before, before)
-    plan = _plan(model, chosen)
-    if not plan:
-        raise ParallelError(f"tp_subgroup: no projection of the model matches {projections!r}")
-    size = group.size
-    for prefix, module, names in plan:
-        for name, _ in names:
-            linear = getattr(module, name)
-            if not isinstance(linear, nn.Linear):
-                raise ParallelError(
-                    f"tp_subgroup: {prefix}.{name} is a {type(linear).__name__}, not an "
-                    "nn.Linear (already transformed?)"
-                )
-            if linear.out_features % size:
-                raise ParallelError(
-                    f"tp_subgroup={size} does not divide the {linear.out_features} output "
-                    f"features of {prefix}.{name} ({linear.in_features} -> "
-                    f"{linear.out_features})"
-                )
+    plan = _plan(model, _selection(projections))
     for _, module, names in plan:
         readers = [n for n, reads in names if reads]
         shared = SharedGather(len(readers)) if share_gather and len(readers) > 1 else None
