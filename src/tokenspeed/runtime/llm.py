@@ -14,6 +14,7 @@ import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from .engine import Engine, RequestError
 from .outputs import RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
+
+if TYPE_CHECKING:
+    from .parallel_config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,6 +90,10 @@ class LLM:
     Remaining keyword arguments are `EngineConfig` fields (max_num_seqs, max_model_len, ...);
     decode_steps defaults to 8 here (offline generation wants throughput, not token-by-token
     streaming; see `EngineConfig.decode_steps`).
+    parallel: a `ParallelConfig` to run the model over `world_size` worker processes (attention
+    data parallel, experts split over them; `tokenspeed.runtime.multirank`): `self.engine` is
+    then a `MultiRankEngine` (`llm.engine.close()` stops its workers; so do a worker failure
+    and interpreter exit), and generate() returns what the single-rank engine would.
     """
 
     def __init__(
@@ -94,12 +102,22 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         seed: int = 0,
+        parallel: ParallelConfig | None = None,
         **engine_options,
     ):
         # The preset name or checkpoint directory (`chat` reads the checkpoint's template).
         self.model_source = model
         engine_options.setdefault("decode_steps", OFFLINE_DECODE_STEPS)
         config = EngineConfig(device=device, seed=seed, **engine_options)
+        if parallel is not None:
+            # Worker processes, one rank each, behind a front end with the engine's interface
+            # (add_request / step / abort / has_unfinished): generate() drives it as it is.
+            from .multirank import MultiRankEngine
+
+            self.engine = MultiRankEngine(model, parallel, config, dtype=dtype, seed=seed)
+            self.tokenizer = self.engine.tokenizer
+            self._ids = itertools.count()
+            return
         resolved = resolve_device(config.device)
         net, tokenizer = load_model(model, dtype=dtype, device=resolved, seed=seed)
         self.tokenizer = tokenizer

@@ -1,0 +1,362 @@
+"""One rank of a multi-rank engine: its model share, its engine and the lockstep loop.
+
+Spawned by `MultiRankEngine` (runtime/multirank.py), a worker joins the process group, builds
+its groups and its share of the model (a preset: seeded random weights, then `parallelize`; a
+checkpoint directory: a meta model, `parallelize`, then `load_rank_checkpoint`, so it reads
+only its share), an `Engine` and a `LockstepEngine` over a gloo control group spanning the
+world, and then loops: drain the front end's commands (add / abort / shutdown), step with its
+peers, send the outputs back. It exits when told to, when its step fails (reported to the
+front end first) and when the front end's pipe closes (the front end is gone).
+
+Under torchrun, the same rank runs with its rank from the environment; rank 0 reads the prompts,
+places them on the ranks by least outstanding work, and prints the outputs (one JSON line per
+prompt, in prompt order):
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m tokenspeed.runtime.worker --model tiny --ep 2 \\
+        --prompt-ids '[[5, 6, 7], [8, 9]]' --max-tokens 16
+
+--prompt-ids takes a JSON list of token-id lists, or a path to a file holding one; --prompt
+(repeatable) a text prompt. This mode serves one batch and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from tokenspeed.model import PRESETS, KimiForCausalLM, from_hf_config
+from tokenspeed.parallel import ParallelGroups, backend_for, load_rank_checkpoint, parallelize
+from tokenspeed.parallel.groups import Group
+
+from .config import EngineConfig
+from .device import resolve_device
+from .engine import Engine, RequestError
+from .parallel_config import ParallelConfig
+from .request_record import check_prompt
+from .sampling_params import SamplingParams
+
+# The longest a rank with nothing to do (nor any of its peers) waits for a command before its
+# next idle step; the wait doubles from 1 ms up to this while the group stays idle.
+IDLE_WAIT_S = 0.05
+
+
+@attrs.frozen(kw_only=True)
+class WorkerSpec:
+    """What every rank builds (the same on every rank; picklable)."""
+
+    model: str  # a preset name or a checkpoint directory
+    dtype: str = "auto"
+    seed: int = 0
+    config: EngineConfig
+    parallel: ParallelConfig
+
+
+@attrs.define
+class Rank:
+    """One built rank: its engine, the lockstep wrapper and the groups."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    groups: ParallelGroups
+    control: Group
+    engine: Engine
+    lockstep: object  # a LockstepEngine
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """The device of a rank: the CPU, or the local_rank-th GPU when the config says CUDA."""
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return device
+
+
+def build_rank(spec: WorkerSpec, rank: int, init_method: str, local_rank: int) -> Rank:
+    """Join the process group and build this rank (collective: every rank calls it)."""
+    from .lockstep import LockstepEngine
+
+    parallel = spec.parallel
+    world = parallel.world_size
+    device = rank_device(spec.config, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=parallel.timeout_s)
+    dist.init_process_group(
+        backend_for(device), init_method=init_method, rank=rank, world_size=world, timeout=timeout
+    )
+    dims = parallel.dims()
+    groups = ParallelGroups.build(dims, device, timeout=timeout)
+    ranks = tuple(range(world))
+    handle = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+    control = Group(handle, ranks, rank)
+    model, tokenizer = _rank_model(spec, groups, device)
+    config = spec.config.evolve(device=str(device))
+    engine = Engine(model, tokenizer, config)
+    return Rank(rank, world, device, groups, control, engine, LockstepEngine(engine, control))
+
+
+def _rank_model(spec: WorkerSpec, groups: ParallelGroups, device: torch.device):
+    """This rank's share of the model, and the tokenizer."""
+    from .llm import load_model  # llm imports the front end, which imports this module
+
+    if spec.model in PRESETS:
+        model, tokenizer = load_model(spec.model, dtype=spec.dtype, device=device, seed=spec.seed)
+        parallelize(model, groups)
+        return model, tokenizer
+    from tokenspeed.model.hf_config import load_config_json
+    from tokenspeed.model.layers.moe import use_mxfp4_experts
+    from tokenspeed.model.loader import expert_format_of
+
+    from .tokenizer import load_tokenizer
+
+    path = Path(spec.model)
+    raw = load_config_json(path)
+    config = from_hf_config(raw)
+    with torch.device("meta"):
+        model = KimiForCausalLM(config)
+        if expert_format_of(raw) == "mxfp4":
+            use_mxfp4_experts(model)
+    parallelize(model, groups)
+    load_rank_checkpoint(path, model, dtype=spec.dtype, device=device)
+    return model, load_tokenizer(path, config.eos_token_ids)
+
+
+class _Sender:
+    """Sends messages to the front end from a thread of its own, so that a front end that is
+    slow to read never blocks the step loop (and with it every peer's collectives)."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._queue: queue.Queue = queue.Queue()
+        self.broken = False
+        self._thread = threading.Thread(target=self._run, name="tokenspeed-sender", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._conn.send(message)
+            except (OSError, EOFError):  # the front end is gone
+                self.broken = True
+                return
+
+    def __call__(self, message) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float) -> None:
+        """Flush what is queued (for at most `timeout` s)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+class _Shutdown(Exception):
+    """The front end asked this worker to stop."""
+
+
+def _handle(command, engine: Engine, send) -> None:
+    kind = command[0]
+    if kind == "add":
+        _, rid, ids, params, prompt, session = command
+        try:
+            engine.add_request(rid, ids, params, prompt=prompt, session=session)
+        except RequestError as exc:
+            send(("rejected", rid, str(exc)))
+    elif kind == "abort":
+        _, rid, reason = command
+        engine.abort(rid, reason)
+    elif kind == "shutdown":
+        raise _Shutdown
+    else:
+        raise ValueError(f"unknown command {command!r}")
+
+
+def serve(lockstep, commands, send) -> None:
+    """The step loop of a spawned rank, until a shutdown command (or EOFError when the front
+    end's pipe closes)."""
+    engine = lockstep.engine
+    idle = 0.0
+    while True:
+        while commands.poll(0):
+            _handle(commands.recv(), engine, send)
+        outputs = lockstep.step()
+        if outputs:
+            send(("out", outputs))
+        if lockstep.group_busy or engine.has_unfinished():
+            idle = 0.0
+        else:  # nobody has anything to do: wait for a command, a little longer each time
+            idle = min(IDLE_WAIT_S, max(2 * idle, 0.001))
+            commands.poll(idle)
+
+
+def _shutting_down(commands, wait_s: float = 1.0) -> bool:
+    """Whether the front end has asked this worker to stop (or is gone), waiting up to wait_s:
+    a peer that exits on shutdown fails the collectives of the others first."""
+    try:
+        while commands.poll(wait_s):
+            if commands.recv()[0] == "shutdown":
+                return True
+    except (EOFError, OSError):
+        return True
+    return False
+
+
+def worker_main(spec: WorkerSpec, rank: int, port: int, commands, results) -> None:
+    """The target of a spawned worker process."""
+    # Ctrl-C reaches the whole process group: the front end decides what its workers do.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    send = _Sender(results)
+    code = 0
+    try:
+        built = build_rank(spec, rank, f"tcp://127.0.0.1:{port}", local_rank=rank)
+        send(("ready", rank, os.getpid(), built.engine.config))
+        serve(built.lockstep, commands, send)
+    except (_Shutdown, EOFError, BrokenPipeError):
+        pass  # asked to stop, or the front end is gone
+    except BaseException as exc:
+        if not _shutting_down(commands):
+            detail = traceback.format_exc()
+            send(("error", rank, f"{type(exc).__name__}: {exc}", detail))
+            code = 1
+    finally:
+        send.close(timeout=5.0)
+    # Straight out: the interpreter's teardown (torch's, the process group's with peers gone)
+    # only delays the front end's join; nothing of a worker outlives it.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------- torchrun
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenspeed.runtime.worker",
+        description="One rank of a multi-rank engine under torchrun (rank 0 prints the outputs).",
+    )
+    parser.add_argument("--model", default="tiny", help="a preset name or a checkpoint directory")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=None, help="default: the world size")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--prompt-ids", help="JSON list of token-id lists, or a file holding one")
+    parser.add_argument("--prompt", action="append", default=[], help="a text prompt")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    return parser.parse_args(argv)
+
+
+def _read_prompts(args, tokenizer) -> list[tuple[str | None, list[int]]]:
+    prompts: list[tuple[str | None, list[int]]] = []
+    if args.prompt_ids:
+        text = args.prompt_ids
+        if not text.lstrip().startswith("["):
+            text = Path(text).read_text()
+        prompts += [(None, [int(t) for t in ids]) for ids in json.loads(text)]
+    for text in args.prompt:
+        if tokenizer is None:
+            raise SystemExit("--prompt needs a tokenizer; this model has none (use --prompt-ids)")
+        prompts.append((text, tokenizer.encode(text)))
+    if not prompts:
+        raise SystemExit("give --prompt-ids or --prompt")
+    return prompts
+
+
+def run_torchrun(argv: list[str] | None = None) -> None:
+    """Serve one batch of prompts on the ranks torchrun started (RANK, WORLD_SIZE, LOCAL_RANK
+    and the rendezvous in the environment)."""
+    from tokenspeed.sched.config import RouterConfig
+    from tokenspeed.sched.router import Router
+
+    from .parallel_config import model_config_of
+
+    args = _parse(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    parallel = ParallelConfig(world_size=world, tp=args.tp, ep=args.ep, timeout_s=args.timeout_s)
+    parallel.check_model(model_config_of(args.model))
+    options = {"max_num_seqs": args.max_num_seqs, "decode_steps": args.decode_steps}
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
+    config = EngineConfig(device=args.device, seed=args.seed, **options)
+    spec = WorkerSpec(
+        model=args.model, dtype=args.dtype, seed=args.seed, config=config, parallel=parallel
+    )
+    built = build_rank(spec, rank, "env://", local_rank)
+    engine, control = built.engine, built.control
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    # Rank 0 is the front end: it reads the prompts and places them by least outstanding work.
+    placed: list = [None]
+    if rank == 0:
+        router, loads = Router(RouterConfig(num_prefill_ranks=world)), [0] * world
+        limit = engine.config.max_model_len
+        placement = []
+        try:
+            prompts = _read_prompts(args, engine.tokenizer)
+            for index, (text, ids) in enumerate(prompts):
+                ids = check_prompt(
+                    index,
+                    ids,
+                    params,
+                    vocab_size=engine.model.config.vocab_size,
+                    max_model_len=limit,
+                    has_tokenizer=engine.tokenizer is not None,
+                )
+                target = router.pick_prefill(loads)
+                loads[target] += len(ids) + min(params.max_tokens, limit - len(ids))
+                placement.append((target, index, text, ids))
+            placed = [placement]
+        except (RequestError, SystemExit, OSError, ValueError) as exc:
+            placed = [str(exc)]  # every rank stops, naming it
+    dist.broadcast_object_list(placed, src=0, group=control.handle)
+    if isinstance(placed[0], str):
+        dist.destroy_process_group()
+        raise SystemExit(placed[0])
+    for target, index, text, ids in placed[0]:
+        if target == rank:
+            engine.add_request(index, ids, params, prompt=text)
+    finished = {}
+    flag = torch.zeros(1, dtype=torch.int32)
+    while True:
+        for out in built.lockstep.step():
+            if out.finished:
+                finished[out.request_id] = out
+        flag.fill_(int(engine.has_unfinished()))
+        dist.all_reduce(flag, group=control.handle)  # every rank stops at the same step
+        if not flag.item():
+            break
+    mine = [(i, o.token_ids, o.text, o.outputs[0].finish_reason) for i, o in finished.items()]
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=control.handle)
+    if rank == 0:
+        rows = sorted(row for part in gathered for row in part)
+        for index, token_ids, text, reason in rows:
+            row = {"index": index, "token_ids": token_ids, "text": text, "finish_reason": reason}
+            print(json.dumps(row), flush=True)
+    dist.barrier(group=control.handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_torchrun()

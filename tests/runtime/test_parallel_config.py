@@ -1,0 +1,70 @@
+"""`ParallelConfig`: validated when built, naming the numbers; its layout; the model check."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+
+from tokenspeed.model import KimiForCausalLM, get_preset
+from tokenspeed.model.hf_writer import save_checkpoint
+from tokenspeed.model.init import init_random_weights
+from tokenspeed.parallel import ParallelDims
+from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError, model_config_of
+
+
+def test_defaults_and_layout():
+    config = ParallelConfig(world_size=4)
+    assert (config.tp, config.ep, config.expert_parallel) == (1, None, 4)
+    assert config.timeout_s == 60.0
+    assert config.dims() == ParallelDims(world_size=4, tp=1, ep=4)
+    assert ParallelConfig(world_size=4, tp=2, ep=2).dims() == ParallelDims(world_size=4, tp=2, ep=2)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        config.world_size = 2
+    with pytest.raises(TypeError):
+        ParallelConfig(4)  # keyword only
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"world_size": 0}, "ParallelConfig.world_size must be an int >= 1, got 0"),
+        ({"world_size": 2.0}, "ParallelConfig.world_size must be an int >= 1, got 2.0"),
+        ({"world_size": True}, "ParallelConfig.world_size must be an int >= 1, got True"),
+        ({"world_size": 2, "tp": 0}, "ParallelConfig.tp must be an int >= 1, got 0"),
+        ({"world_size": 2, "ep": -2}, "ParallelConfig.ep must be an int >= 1, got -2"),
+        ({"world_size": 4, "tp": 3}, "ParallelConfig.tp=3 does not divide world_size=4"),
+        ({"world_size": 6, "ep": 4}, "ParallelConfig.ep=4 does not divide world_size=6"),
+        ({"world_size": 2, "timeout_s": 0}, "timeout_s must be a positive number of seconds"),
+        ({"world_size": 2, "timeout_s": math.inf}, "timeout_s must be a positive number"),
+        ({"world_size": 2, "timeout_s": "60"}, "timeout_s must be a positive number"),
+        ({"world_size": 2, "start_timeout_s": -1}, "start_timeout_s must be a positive"),
+        ({"world_size": 2, "stop_grace_s": math.nan}, "stop_grace_s must be a positive"),
+    ],
+)
+def test_bad_values_are_refused_naming_them(fields, message):
+    with pytest.raises(ParallelError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ParallelConfig(**fields)
+
+
+def test_degrees_are_checked_against_the_model():
+    tiny = get_preset("tiny")  # 16 routed experts, 4 KDA and MLA heads, hidden size 64
+    ParallelConfig(world_size=4, tp=2).check_model(tiny)
+    ParallelConfig(world_size=8, tp=4, ep=8).check_model(tiny)
+    with pytest.raises(ParallelError, match=r"ep=3 does not divide the routed experts \(16\)"):
+        ParallelConfig(world_size=3).check_model(tiny)
+    with pytest.raises(ParallelError, match=r"tp=8 does not divide the KDA heads \(4\)"):
+        ParallelConfig(world_size=8, tp=8).check_model(tiny)
+    with pytest.raises(ParallelError, match=r"ep=32 does not divide the routed experts"):
+        ParallelConfig(world_size=32).check_model(tiny)
+
+
+def test_model_config_of_a_preset_and_a_checkpoint(tmp_path):
+    assert model_config_of("tiny") == get_preset("tiny")
+    model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=1)
+    save_checkpoint(model, tmp_path, layout="k3", max_shard_bytes=1 << 20)
+    config = model_config_of(tmp_path)
+    assert config.moe.num_experts == 16 and config.kda.num_heads == 4
+    with pytest.raises(ValueError, match="neither a preset"):
+        model_config_of(tmp_path / "missing")
