@@ -1,6 +1,9 @@
 """The `tokenspeed` command: offline generation and the AgentX replay on the tiny preset."""
 
+import contextlib
+import multiprocessing
 import re
+import signal
 
 import pytest
 import torch
@@ -148,6 +151,15 @@ def no_model_loads(monkeypatch):
         (["bench", "agentx", "--page-size", "0"], "argument --page-size: expected a positive"),
         (["bench", "agentx", "--scale", "0"], "argument --scale: expected a finite number > 0"),
         (["bench", "agentx", "--scale", "-1"], "argument --scale: expected a finite number > 0"),
+        (["generate", "--parallel", "2"], "argument --parallel: expected comma-separated KEY=N"),
+        (["generate", "--parallel", ""], "argument --parallel: expected comma-separated KEY=N"),
+        (["generate", "--parallel", "dp=2"], "expected comma-separated KEY=N, KEY one of world"),
+        (["generate", "--parallel", "ep=2,"], "got '' in 'ep=2,'"),
+        (["generate", "--parallel", "ep=0"], "argument --parallel: ep: expected a positive"),
+        (["generate", "--parallel", "tp=two"], "argument --parallel: tp: expected a positive"),
+        (["generate", "--parallel", "ep=2,ep=4"], "argument --parallel: ep given twice"),
+        (["generate", "--parallel", "world=4,tp=3"], "tp=3 does not divide world_size=4"),
+        (["bench", "agentx", "--parallel", "world=4,ep=3"], "ep=3 does not divide world_size=4"),
     ],
 )
 def test_bad_flags_are_usage_errors_naming_the_flag(no_model_loads, capsys, argv, message):
@@ -298,3 +310,95 @@ def test_long_generate_runs_show_progress_on_stderr_unless_told_not_to(capsys):
     # A short run of one prompt shows none.
     assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "4", "--device", "cpu"]) == 0
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------ --parallel (worker processes)
+
+
+@contextlib.contextmanager
+def _no_workers_left(seconds: int):
+    """Fail instead of hanging past `seconds` (SIGALRM), and check that every worker process the
+    command started has been stopped when it returns (or raises)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    before = set(multiprocessing.active_children())  # another test's engine may be running
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert set(multiprocessing.active_children()) <= before
+
+
+def _outputs(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "prompt tokens ->" in line]
+
+
+def test_generate_parallel_prints_the_single_rank_tokens(capsys):
+    argv = ["generate", "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10", "--prompt-ids", "11"]
+    argv += ["--max-new-tokens", "6", "--device", "cpu", "--no-progress"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    with _no_workers_left(90):
+        assert main([*argv, "--parallel", "ep=2"]) == 0
+    parallel = capsys.readouterr().out
+    assert len(_outputs(single)) == 3 and _outputs(parallel) == _outputs(single)
+    assert re.search(
+        r"model tiny \(2 ranks: attention DP 2, EP 2, TP 1, cpu\): 3 prompts", parallel
+    )
+
+
+def test_bench_agentx_parallel_prints_per_rank_load_and_imbalance(capsys):
+    argv = ["bench", "agentx", "--sessions", "3", "--concurrency", "3", "--max-turns", "2"]
+    with _no_workers_left(90):
+        assert main([*argv, "--device", "cpu", "--no-progress", "--parallel", "ep=2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ranks: attention DP 2, EP 2, TP 1" in out
+    for key in ("output_tokens_per_s", "prefix_hit_rate", "request_imbalance", "token_imbalance"):
+        assert re.search(rf"^  {key} +\d", out, re.M), key
+    rows = re.findall(r"^ +(\d) +(\d+) +(\d+) +(\d+) +([\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["0", "1"]
+    requests = int(re.search(r"^  requests +(\d+)", out, re.M).group(1))
+    generated = int(re.search(r"^  generated_tokens +(\d+)", out, re.M).group(1))
+    assert sum(int(r[1]) for r in rows) == requests and sum(int(r[3]) for r in rows) == generated
+    assert all(0 <= float(r[4]) <= 1 for r in rows)
+
+
+def test_a_layout_the_model_cannot_split_is_refused_before_any_worker_starts(capsys):
+    with _no_workers_left(30):
+        assert main(["generate", "--device", "cpu", "--parallel", "ep=3"]) == 2
+    err = _one_line_error(capsys)
+    assert "ep=3 does not divide the routed experts (16)" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_workers_are_stopped_when_the_command_fails(monkeypatch, capsys, command):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    if command == "generate":
+        monkeypatch.setattr("tokenspeed.runtime.llm.LLM.generate", broken)
+        argv = ["generate", "--prompt-ids", "5"]
+    else:
+        monkeypatch.setattr("tokenspeed.runtime.agentx_replay.replay", broken)
+        argv = ["bench", "agentx", "--sessions", "1", "--max-turns", "1", "--no-progress"]
+    with _no_workers_left(60), pytest.raises(RuntimeError, match="a bug"):
+        main([*argv, "--device", "cpu", "--parallel", "ep=2"])
+
+
+def test_a_failed_worker_ends_the_command_in_its_message_and_status_1(monkeypatch, capsys):
+    from tokenspeed.runtime.multirank import WorkerError
+
+    def killed(*args, **kwargs):
+        raise WorkerError(1, "the process was killed by SIGKILL")
+
+    monkeypatch.setattr("tokenspeed.runtime.llm.LLM.generate", killed)
+    with _no_workers_left(60):
+        assert main(["generate", "--device", "cpu", "--parallel", "ep=2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tokenspeed generate: error: worker rank 1 failed: the process was")
+    assert "Traceback" not in err

@@ -3,6 +3,7 @@
 tokenspeed generate                     # the tiny preset (random weights), a few prompts
 tokenspeed generate --model PATH        # a Hugging Face layout Kimi Linear / K3 checkpoint
 tokenspeed bench agentx                 # an AgentX-style replay through the real engine
+tokenspeed generate --parallel ep=2     # the same over 2 worker processes (DEP; also bench)
 tokenspeed sim ...                      # the cluster simulator (see `tokenspeed sim --help`)
 """
 
@@ -133,6 +134,37 @@ def _model(text: str) -> str:
     return text
 
 
+_PARALLEL_KEYS = ("world", "tp", "ep")
+_PARALLEL_FORM = (
+    "expected comma-separated KEY=N, KEY one of world, tp, ep (e.g. ep=4 or world=4,tp=2)"
+)
+
+
+def _parallel(text: str):
+    """--parallel: the ranks of a multi-rank engine, as comma-separated KEY=N: world (worker
+    processes), tp (TP subgroup size, default 1), ep (expert-parallel size, default world).
+    world defaults to ep when given, else to tp. A `ParallelConfig`; a layout whose numbers
+    disagree is refused naming them."""
+    from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
+
+    values: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in _PARALLEL_KEYS:
+            raise argparse.ArgumentTypeError(f"{_PARALLEL_FORM}, got {item.strip()!r} in {text!r}")
+        if key in values:
+            raise argparse.ArgumentTypeError(f"{key} given twice in {text!r}")
+        try:
+            values[key] = _positive_int(value)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{key}: {exc}") from None
+    world = values.get("world", values.get("ep", values.get("tp")))
+    try:
+        return ParallelConfig(world_size=world, tp=values.get("tp", 1), ep=values.get("ep"))
+    except ParallelError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (from {text!r})") from None
+
+
 def _max_model_len(args: argparse.Namespace) -> int:
     """--max-model-len, or the command's default capped at the model's limit (a checkpoint's
     max_position_embeddings may be below it: 512, say)."""
@@ -159,11 +191,21 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from tokenspeed import LLM, SamplingParams
+    from tokenspeed import LLM
+
+    options = _engine_options(args)
+    if args.parallel is not None:
+        options["parallel"] = args.parallel
+    # Closed on every path: a parallel LLM's worker processes are stopped.
+    with LLM(model=args.model, **options) as llm:
+        return _generate(args, llm)
+
+
+def _generate(args: argparse.Namespace, llm) -> int:
+    from tokenspeed import SamplingParams
     from tokenspeed.model import PRESETS
     from tokenspeed.runtime.tokenizer import TokenizerError
 
-    llm = LLM(model=args.model, **_engine_options(args))
     if args.prompt_ids:
         prompts = [{"prompt_token_ids": ids} for ids in args.prompt_ids]
     else:
@@ -201,14 +243,27 @@ def generate(args: argparse.Namespace) -> int:
             "this run measures speed)"
         )
     generated = sum(len(o.token_ids) for o in outputs)
-    model = llm.engine.model
-    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    if args.parallel is None:
+        model = llm.engine.model
+        params_m = sum(p.numel() for p in model.parameters()) / 1e6
+        where = f"{model.config.name} ({params_m:.2f}M params, {llm.engine.device})"
+    else:  # the model lives in the worker processes
+        where = (
+            f"{llm.engine.model_config.name} ({_layout(args.parallel)}, {llm.engine.config.device})"
+        )
     print(
-        f"model {model.config.name} ({params_m:.2f}M params, {llm.engine.device}): "
+        f"model {where}: "
         f"{len(outputs)} prompts, {sum(len(o.prompt_token_ids) for o in outputs)} prompt tokens, "
         f"{generated} generated tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tokens/s"
     )
     return 0
+
+
+def _layout(parallel) -> str:
+    return (
+        f"{parallel.world_size} ranks: attention DP {parallel.world_size}, "
+        f"EP {parallel.expert_parallel}, TP {parallel.tp}"
+    )
 
 
 def bench_agentx(args: argparse.Namespace) -> int:
@@ -229,10 +284,20 @@ def bench_agentx(args: argparse.Namespace) -> int:
         seed=args.seed,
         decode_steps=args.decode_steps or 1,
     )
-    from tokenspeed.runtime.device import resolve_device
+    if args.parallel is None:
+        from tokenspeed.runtime.device import resolve_device
 
-    model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
-    engine = Engine(model, tokenizer, config)
+        device = resolve_device(config.device)
+        model, tokenizer = load_model(args.model, args.dtype, device, args.seed)
+        engine = Engine(model, tokenizer, config)
+        name = model.config.name
+    else:  # worker processes, stopped by engine.close() below (or by a failure)
+        from tokenspeed.runtime.multirank import MultiRankEngine
+
+        engine = MultiRankEngine(
+            args.model, args.parallel, config, dtype=args.dtype, seed=args.seed
+        )
+        name = engine.model_config.name
     bar = None
 
     def progress(done: int, total: int) -> None:
@@ -247,18 +312,36 @@ def bench_agentx(args: argparse.Namespace) -> int:
         result = replay(
             engine, sessions, args.concurrency, block, None if args.no_progress else progress
         )
+        if args.parallel is None:
+            engine.check_integrity()
     finally:
         if bar is not None:
             bar.close()
-    engine.check_integrity()
+        engine.close()
     print(
-        f"AgentX replay: model {model.config.name}, {args.sessions} sessions (scale "
+        f"AgentX replay: model {name}, {args.sessions} sessions (scale "
         f"{args.scale:g}, up to {args.max_turns} turns), concurrency {args.concurrency}"
+        + ("" if args.parallel is None else f", {_layout(args.parallel)}")
     )
+    ranks = result.pop("ranks", None)
     for key, value in result.items():
         shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"  {key:24s} {shown}")
+    if ranks is not None:
+        _print_ranks(ranks)
     return 0
+
+
+def _print_ranks(ranks: list[dict]) -> None:
+    """bench agentx --parallel: what the front end placed on each rank (by least outstanding
+    work) and each rank's prefix hit rate; the imbalances (max / mean) are printed above."""
+    print("  per rank (tokens placed: prompt + most new tokens):")
+    print(f"    {'rank':>4s} {'requests':>9s} {'tokens':>9s} {'generated':>10s} {'hit_rate':>9s}")
+    for r in ranks:
+        print(
+            f"    {r['rank']:4d} {r['requests']:9d} {r['tokens']:9d} "
+            f"{r['generated_tokens']:10d} {r['prefix_hit_rate']:9.4g}"
+        )
 
 
 def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
@@ -291,6 +374,15 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
         default=None,
         help="torch CPU threads (default: 1 for a model under 100M parameters on the CPU, "
         "unless OMP_NUM_THREADS is set; else torch's default)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=_parallel,
+        default=None,
+        metavar="KEY=N[,KEY=N]",
+        help="run over worker processes, one rank each (attention data parallel, experts split "
+        "over them): world=N (ranks; default ep, else tp), ep=N (expert-parallel size; default "
+        "world), tp=N (TP subgroup size; default 1), e.g. ep=4 or world=4,tp=2",
     )
     p.add_argument(
         "--no-progress",
@@ -333,14 +425,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     agentx.set_defaults(func=bench_agentx)
     sub.add_parser("sim", help="the cluster simulator: tokenspeed sim --help")
     args = parser.parse_args(argv)
+    command = " ".join(filter(None, ["tokenspeed", args.command, getattr(args, "bench", None)]))
     try:
         return args.func(args)
     except Exception as err:
+        if _is_worker_error(err):  # a worker died or failed; every worker has been stopped
+            print(f"{command}: error: {err}", file=sys.stderr)
+            return 1
         if not isinstance(err, _input_errors()):
             raise  # a bug: its traceback is wanted
-        command = " ".join(filter(None, ["tokenspeed", args.command, getattr(args, "bench", None)]))
         print(f"{command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _is_worker_error(err: Exception) -> bool:
+    if "tokenspeed.runtime.multirank" not in sys.modules:
+        return False  # no worker was ever started
+    from tokenspeed.runtime.multirank import WorkerError
+
+    return isinstance(err, WorkerError)
 
 
 def _input_errors() -> tuple[type[Exception], ...]:
@@ -353,6 +456,7 @@ def _input_errors() -> tuple[type[Exception], ...]:
     from tokenspeed.runtime.agentx_replay import ReplayError
     from tokenspeed.runtime.config import EngineConfigError
     from tokenspeed.runtime.engine import RequestError
+    from tokenspeed.runtime.parallel_config import ParallelError
     from tokenspeed.runtime.sampling_params import SamplingError
     from tokenspeed.runtime.tokenizer import TokenizerError
 
@@ -361,6 +465,7 @@ def _input_errors() -> tuple[type[Exception], ...]:
         CheckpointError,
         ConfigError,
         EngineConfigError,
+        ParallelError,
         ReplayError,
         RequestError,
         SamplingError,

@@ -172,3 +172,95 @@ def test_replay_reports_its_progress_turn_by_turn(tiny):
     total = result["requests"] + result["skipped_turns"]
     assert seen and all(t == total for _, t in seen)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
+
+
+class _TwoRanksOfOneEngine:
+    """A real engine behind a multi-rank front end's interface: requests alternate between two
+    "ranks" (add_request returns the rank), `load_report()` reports what was placed, and the
+    model lives elsewhere (only `model_config`), as with a MultiRankEngine."""
+
+    def __init__(self, model) -> None:
+        from tokenspeed.runtime import Engine, EngineConfig
+        from tokenspeed.runtime.multirank import RankLoad
+
+        self.inner = Engine(model, None, EngineConfig(device="cpu", max_model_len=2048))
+        self.config = self.inner.config
+        self.model_config = model.config
+        self.loads = [RankLoad(0, None), RankLoad(1, None)]
+
+    def add_request(self, rid, prompt, params, **kwargs) -> int:
+        self.inner.add_request(rid, prompt, params, **kwargs)
+        load = min(self.loads, key=lambda r: r.requests)
+        load.requests += 1
+        load.tokens += len(prompt) + params.max_tokens
+        return load.rank
+
+    def step(self):
+        return self.inner.step()
+
+    def has_unfinished(self) -> bool:
+        return self.inner.has_unfinished()
+
+    def load_report(self):
+        from tokenspeed.runtime.multirank import LoadReport
+
+        return LoadReport(tuple(self.loads))
+
+    def metrics(self) -> dict:
+        return self.load_report().as_dict()
+
+
+def test_a_multi_rank_replay_reports_per_rank_load_and_the_engines_hit_rate(tiny):
+    """A multi-rank engine's metrics live in its workers: the replay counts its requests'
+    outputs instead, per rank, as the engine counts them (the same prefix hit rate)."""
+    sessions, block = agentx_sessions(4, 0, 1 / 128, 3)
+    engine = _TwoRanksOfOneEngine(tiny)
+    result = replay(engine, sessions, 3, block)
+    ranks = result["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert sum(r["requests"] for r in ranks) == result["requests"] > 2
+    assert sum(r["generated_tokens"] for r in ranks) == result["generated_tokens"]
+    assert [r["tokens"] for r in ranks] == [load.tokens for load in engine.loads]
+    own = engine.inner.metrics.summary()
+    assert own["prefix_hit_rate"] > 0
+    for key in ("prefix_hit_rate", "ttft_mean_s", "ttft_p90_s", "p90_interactivity_tok_s"):
+        assert result[key] == pytest.approx(own[key]), key
+    report = engine.load_report()
+    assert result["request_imbalance"] == report.request_imbalance
+    assert result["token_imbalance"] == report.token_imbalance
+    assert all(0 <= r["prefix_hit_rate"] <= 1 for r in ranks)
+
+
+def test_replay_runs_over_worker_processes():
+    """The real MultiRankEngine (two gloo workers on the CPU): the replay drives it through
+    add_request / step, every turn finishes, and closing the engine stops its workers."""
+    import multiprocessing
+    import signal
+
+    from tokenspeed.runtime import EngineConfig
+    from tokenspeed.runtime.multirank import MultiRankEngine
+    from tokenspeed.runtime.parallel_config import ParallelConfig
+
+    def expire(signum, frame):
+        raise TimeoutError("the multi-rank replay still runs after 90 s")
+
+    before = set(multiprocessing.active_children())
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(90)
+    try:
+        sessions, block = agentx_sessions(3, 0, 1 / 128, 2)
+        config = EngineConfig(device="cpu", max_model_len=2048, page_size=16)
+        with MultiRankEngine("tiny", ParallelConfig(world_size=2), config) as engine:
+            result = replay(engine, sessions, 3, block)
+            assert not engine.has_unfinished()
+            loads = engine.load_report().ranks
+            placed = [load.requests for load in loads]
+            assert [load.finished for load in loads] == placed  # every turn came back
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert set(multiprocessing.active_children()) <= before
+    assert result["requests"] == sum(placed) > 0
+    assert [r["requests"] for r in result["ranks"]] == placed
+    assert result["skipped_turns"] == 0
+    assert result["request_imbalance"] >= 1.0 and result["token_imbalance"] >= 1.0

@@ -185,3 +185,56 @@ def test_progress_shows_tokens_for_a_single_prompt(llm, capsys):
     llm.generate("Hello", params, use_tqdm=True)
     err = capsys.readouterr().err
     assert "generate" in err and "12/12" in err and "tok" in err and "1/1 requests" in err
+
+
+def test_close_is_idempotent_and_with_closes(monkeypatch):
+    closed = []
+    with _llm() as llm:
+        monkeypatch.setattr(llm.engine, "close", lambda: closed.append(1))
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        (out,) = llm.generate({"prompt_token_ids": [5, 6]}, params, use_tqdm=False)
+        assert len(out.token_ids) == 2
+    assert closed == [1]
+    llm.close()  # again: nothing more to do
+    assert closed == [1]
+
+
+def test_close_stops_the_workers_of_a_parallel_llm():
+    """`LLM(..., parallel=...)` owns worker processes: close() (and leaving `with`) stops every
+    one of them, by PID; closing again is harmless."""
+    import os
+    import signal
+
+    from tokenspeed.runtime.parallel_config import ParallelConfig
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    def expire(signum, frame):
+        raise TimeoutError("the parallel LLM still runs after 90 s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(90)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        with _llm(device="cpu", parallel=ParallelConfig(world_size=2)) as llm:
+            pids = llm.engine.worker_pids
+            assert len(pids) == 2 and not any(gone(pid) for pid in pids)
+            (out,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+            assert len(out.token_ids) == 4
+        assert all(gone(pid) for pid in pids)
+        llm.close()  # idempotent
+        llm2 = _llm(device="cpu", parallel=ParallelConfig(world_size=2))
+        pids = llm2.engine.worker_pids
+        llm2.close()
+        assert all(gone(pid) for pid in pids)
+        llm2.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            llm2.generate({"prompt_token_ids": [5]}, params, use_tqdm=False)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

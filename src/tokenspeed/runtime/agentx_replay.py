@@ -7,6 +7,11 @@ each turn's prompt is the session's history: earlier prompts, the outputs the en
 generated, then the turn's new tokens. Up to `concurrency` sessions run at once; a session's next
 turn is submitted when its previous one finishes (inter-turn delays are not waited out: this
 measures the engine, not the clock). Subagents run as sessions of their own.
+
+The engine is an `Engine` or a `MultiRankEngine` (runtime/multirank.py: the same add_request /
+step / has_unfinished interface over worker processes). A multi-rank replay also reports each
+rank's load (what the front end placed on it), its prefix hit rate (from its requests' outputs)
+and the imbalance over the ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -22,7 +28,11 @@ import numpy as np
 from tokenspeed.workload import AgentXConfig, AgentXWorkload, Session
 
 from .engine import Engine
+from .metrics import EngineMetrics
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .multirank import MultiRankEngine
 
 
 class ReplayError(ValueError):
@@ -68,6 +78,43 @@ def block_tokens(block_id: int, count: int, vocab: int) -> list[int]:
     return rng.integers(3, vocab, size=count).tolist()
 
 
+def _model_config(engine):
+    """The model's configuration: a MultiRankEngine's model lives in its workers, and its
+    front end holds the configuration (`model_config`)."""
+    config = getattr(engine, "model_config", None)
+    return config if config is not None else engine.model.config
+
+
+@attrs.define
+class _RankTally:
+    """What one rank's finished requests report (a MultiRankEngine's metrics live in its
+    workers; its front end reports the load it placed)."""
+
+    metrics: EngineMetrics = attrs.Factory(EngineMetrics)
+    generated: int = 0
+
+    def record(self, out) -> None:
+        """A finished request's output, counted as the engine's own metrics count it."""
+        m = out.metrics
+        if m.first_scheduled_time is not None:
+            self.metrics.record_admission(len(out.prompt_token_ids), m.cached_tokens)
+        if m.ttft is not None:
+            self.metrics.record_ttft(m.ttft)
+        if out.outputs[0].finish_reason != "abort":
+            self.metrics.record_finished(m.first_token_time, m.last_token_time, len(out.token_ids))
+        self.generated += len(out.token_ids)
+
+
+def _merged(tallies: list[_RankTally]) -> EngineMetrics:
+    total = EngineMetrics()
+    for tally in tallies:
+        m = tally.metrics
+        total.record_admission(m.prompt_tokens, m.cached_tokens)
+        total.ttfts += m.ttfts
+        total.request_itls += m.request_itls
+    return total
+
+
 @attrs.define
 class _Live:
     session: Session
@@ -76,12 +123,12 @@ class _Live:
 
 
 def replay(
-    engine: Engine,
+    engine: Engine | MultiRankEngine,
     sessions: list[Session],
     concurrency: int,
     block_size: int,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, float | int | None]:
+) -> dict:
     """Run every turn of `sessions` (subagents included); returns throughput and latency.
 
     A turn whose prompt no longer leaves room for one output token under `max_model_len` ends
@@ -94,13 +141,23 @@ def replay(
     progress: called as `progress(done, total)` whenever turns finish or are skipped, `total`
     being every turn of `sessions` (subagents included). A replay that skips every turn (its
     first prompts already too long for max_model_len) raises ReplayError: it measured nothing.
+
+    A multi-rank engine (one with `load_report()`, a `MultiRankEngine`): the latency and hit
+    rate come from the requests' outputs (their metrics, as each rank's engine recorded them),
+    and the result also holds `request_imbalance` and `token_imbalance` (max / mean over the
+    ranks of the requests and tokens placed) and `ranks`: per rank, a dict of `rank`,
+    `requests`, `tokens` (placed: prompt + most new tokens), `generated_tokens` and
+    `prefix_hit_rate` (its requests' cached prompt tokens over their prompt tokens).
     """
     # With no session allowed to run, nothing is ever submitted and the loop below would step an
     # idle engine forever.
     _check_positive_int("concurrency", concurrency)
     _check_positive_int("block_size", block_size)
-    vocab = engine.model.config.vocab_size
+    vocab = _model_config(engine).vocab_size
     limit = engine.config.max_model_len
+    load_report = getattr(engine, "load_report", None)  # a MultiRankEngine's
+    tallies: list[_RankTally] = []
+    rank_of: dict[object, int] = {}
     queue = deque(sessions)
     live: dict[object, _Live] = {}
     generated = requests = skipped = finished = 0
@@ -143,12 +200,15 @@ def replay(
             return False
         state.history = prompt
         rid = (state.session.sid, state.turn)
-        engine.add_request(
+        placed = engine.add_request(
             rid,
             prompt,
             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
             session=state.session.sid,
         )
+        if load_report is not None:  # a multi-rank engine returns the rank it placed it on
+            rank_of[rid] = placed
+            tallies.extend(_RankTally() for _ in range(placed + 1 - len(tallies)))
         live[rid] = state
         requests += 1
         return True
@@ -161,6 +221,8 @@ def replay(
                 continue
             state = live.pop(out.request_id)
             generated += len(out.token_ids)
+            if load_report is not None:
+                tallies[rank_of.pop(out.request_id)].record(out)
             finished += 1
             report()
             state.history = state.history + out.token_ids
@@ -177,8 +239,9 @@ def replay(
             f"max_model_len={limit}; raise max_model_len above {shortest_skipped} or lower the "
             "scale (shorter turns)"
         )
-    summary = engine.metrics.summary()
-    return {
+    # A multi-rank engine's own metrics live in its workers: its outputs' metrics tell.
+    summary = engine.metrics.summary() if load_report is None else _merged(tallies).summary()
+    result = {
         "sessions": len(sessions),
         "requests": requests,
         "skipped_turns": skipped,
@@ -189,6 +252,30 @@ def replay(
         "ttft_p90_s": summary["ttft_p90_s"],
         "p90_interactivity_tok_s": summary["p90_interactivity_tok_s"],
         "prefix_hit_rate": summary["prefix_hit_rate"],
+    }
+    if load_report is not None:
+        result.update(_rank_results(load_report(), tallies))
+    return result
+
+
+def _rank_results(report, tallies: list[_RankTally]) -> dict:
+    """Per-rank load and hit rate of a multi-rank replay, and the imbalance over the ranks."""
+    ranks = []
+    for load in report.ranks:
+        tally = tallies[load.rank] if load.rank < len(tallies) else _RankTally()
+        ranks.append(
+            {
+                "rank": load.rank,
+                "requests": load.requests,
+                "tokens": load.tokens,
+                "generated_tokens": tally.generated,
+                "prefix_hit_rate": tally.metrics.hit_rate,
+            }
+        )
+    return {
+        "request_imbalance": report.request_imbalance,
+        "token_imbalance": report.token_imbalance,
+        "ranks": ranks,
     }
 
 

@@ -92,8 +92,9 @@ class LLM:
     streaming; see `EngineConfig.decode_steps`).
     parallel: a `ParallelConfig` to run the model over `world_size` worker processes (attention
     data parallel, experts split over them; `tokenspeed.runtime.multirank`): `self.engine` is
-    then a `MultiRankEngine` (`llm.engine.close()` stops its workers; so do a worker failure
-    and interpreter exit), and generate() returns what the single-rank engine would.
+    then a `MultiRankEngine` (`llm.close()` stops its workers; so do a worker failure and
+    interpreter exit), and generate() returns what the single-rank engine would.
+    `close()`, or leaving `with LLM(...) as llm:`, releases the engine (stops the workers).
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class LLM:
     ):
         # The preset name or checkpoint directory (`chat` reads the checkpoint's template).
         self.model_source = model
+        self._closed = False
         engine_options.setdefault("decode_steps", OFFLINE_DECODE_STEPS)
         config = EngineConfig(device=device, seed=seed, **engine_options)
         if parallel is not None:
@@ -123,6 +125,21 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = Engine(net, tokenizer, config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release the engine: a parallel LLM's worker processes are stopped (by PID), a
+        single-rank engine's cache threads are stopped. Idempotent; the LLM must not generate
+        afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer (as vLLM's `LLM.get_tokenizer`). A checkpoint that ships no tokenizer
