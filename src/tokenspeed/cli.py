@@ -134,17 +134,18 @@ def _model(text: str) -> str:
     return text
 
 
-_PARALLEL_KEYS = ("world", "tp", "ep")
+_PARALLEL_KEYS = ("world", "tp", "ep", "dwdp")
 _PARALLEL_FORM = (
-    "expected comma-separated KEY=N, KEY one of world, tp, ep (e.g. ep=4 or world=4,tp=2)"
+    "expected comma-separated KEY=N, KEY one of world, tp, ep, dwdp (e.g. ep=4, world=4,tp=2 "
+    "or dwdp=2)"
 )
 
 
 def _parallel(text: str):
     """--parallel: the ranks of a multi-rank engine, as comma-separated KEY=N: world (worker
-    processes), tp (TP subgroup size, default 1), ep (expert-parallel size, default world).
-    world defaults to ep when given, else to tp. A `ParallelConfig`; a layout whose numbers
-    disagree is refused naming them."""
+    processes), tp (TP subgroup size, default 1), ep (expert-parallel size, default world),
+    dwdp (DWDP prefill ranks instead of DEP). world defaults to ep, else dwdp, else tp. A
+    `ParallelConfig`; a layout whose numbers disagree is refused naming them."""
     from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
 
     values: dict[str, int] = {}
@@ -158,9 +159,11 @@ def _parallel(text: str):
             values[key] = _positive_int(value)
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{key}: {exc}") from None
-    world = values.get("world", values.get("ep", values.get("tp")))
+    world = values.get("world", values.get("ep", values.get("dwdp", values.get("tp"))))
     try:
-        return ParallelConfig(world_size=world, tp=values.get("tp", 1), ep=values.get("ep"))
+        return ParallelConfig(
+            world_size=world, tp=values.get("tp", 1), ep=values.get("ep"), dwdp=values.get("dwdp")
+        )
     except ParallelError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (from {text!r})") from None
 

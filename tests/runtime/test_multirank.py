@@ -133,6 +133,9 @@ def _check_scenario(llm, single) -> None:
     assert all(r.outstanding_requests == r.outstanding_tokens == 0 for r in report.ranks)
     assert 1.0 <= report.token_imbalance < 1.5
     assert llm.engine.metrics()["token_imbalance"] == report.token_imbalance
+    assert llm.engine.mode == "dep" and llm.engine.rank_experts == ["dep"] * len(report.ranks)
+    assert llm.engine.service_pids == []  # each rank its own host tier
+    assert sum(r.cache_hit_tokens for r in report.ranks) >= got["second_turn_hits"]
 
 
 def test_dep_world_2_matches_single_rank(llm2, single):
@@ -155,14 +158,19 @@ def test_requests_go_to_the_least_loaded_rank_and_abort(llm2):
         engine.add_request("long", [5], params)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.add_request("bad", [5, 10**6], params)
+    assert engine.add_request("pinned", [5, 6, 7], params, rank=long_rank) == long_rank
+    for bad in (2, -1, True, "0"):
+        with pytest.raises(RequestError, match="rank must be None or an int in"):
+            engine.add_request("bad rank", [5], params, rank=bad)
     assert engine.abort("long") and engine.abort("short") and engine.abort("next")
+    assert engine.abort("pinned")
     assert not engine.abort("unknown")
     ended = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 ended[out.request_id] = out
-    assert sorted(ended) == ["long", "next", "short"]
+    assert sorted(ended) == ["long", "next", "pinned", "short"]
     assert all(o.outputs[0].finish_reason == "abort" for o in ended.values())
     assert all(r.outstanding_requests == 0 for r in engine.load_report().ranks)
 

@@ -68,3 +68,53 @@ def test_model_config_of_a_preset_and_a_checkpoint(tmp_path):
     assert config.moe.num_experts == 16 and config.kda.num_heads == 4
     with pytest.raises(ValueError, match="neither a preset"):
         model_config_of(tmp_path / "missing")
+
+
+def test_dwdp_layout_and_l2_choice():
+    config = ParallelConfig(world_size=4, dwdp=4)
+    assert config.independent and config.expert_parallel == 1
+    assert config.dims() == ParallelDims(world_size=4, dwdp=4)
+    assert ParallelConfig(world_size=4, dwdp=2).dims().dwdp == 2
+    assert ParallelConfig(world_size=4, dwdp=2, ep=1).expert_parallel == 1
+    assert not ParallelConfig(world_size=2).independent
+    assert (config.l2, config.l2_backend, config.starts_l2) == (None, "local", False)
+    started = ParallelConfig(world_size=2, dwdp=2, l2="mooncake")
+    assert (started.l2_backend, started.starts_l2) == ("mooncake", True)
+    joined = ParallelConfig(world_size=2, l2_master="10.0.0.5:50051")  # DEP may share one too
+    assert (joined.l2_backend, joined.starts_l2) == ("mooncake", False)
+    ParallelConfig(world_size=2, l2="local").check_environment()  # nothing to check
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"world_size": 2, "dwdp": 2, "ep": 2}, "dwdp=2 runs every expert on every rank"),
+        ({"world_size": 4, "dwdp": 2, "tp": 2}, "DWDP takes tp=1"),
+        ({"world_size": 4, "dwdp": 3}, "ParallelConfig.dwdp=3 does not divide world_size=4"),
+        ({"world_size": 2, "dwdp": 0}, "ParallelConfig.dwdp must be an int >= 1, got 0"),
+        ({"world_size": 2, "l2": "shared"}, "l2 must be one of ['local', 'mooncake'] or None"),
+        ({"world_size": 2, "l2_master": "nohost"}, "l2_master must be 'host:port', got 'nohost'"),
+        ({"world_size": 2, "l2_master": "h:99999"}, "l2_master must be 'host:port'"),
+        ({"world_size": 2, "l2": "local", "l2_master": "h:1"}, "l2='local' keeps a tier per"),
+        ({"world_size": 2, "l2_segment_bytes": 1024}, "l2_segment_bytes must be an int of at"),
+    ],
+)
+def test_bad_dwdp_and_l2_values_are_refused_naming_them(fields, message):
+    pattern = message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    with pytest.raises(ParallelError, match=pattern.replace("]", r"\]")):
+        ParallelConfig(**fields)
+
+
+def test_dwdp_degree_is_checked_against_the_model():
+    tiny = get_preset("tiny")  # 16 routed experts
+    ParallelConfig(world_size=4, dwdp=4).check_model(tiny)
+    with pytest.raises(ParallelError, match=r"dwdp=32 does not divide the routed experts \(16\)"):
+        ParallelConfig(world_size=32, dwdp=32).check_model(tiny)
+
+
+def test_unavailable_mooncake_is_refused_with_its_reason(monkeypatch):
+    import tokenspeed.cache.l2.mooncake_services as services
+
+    monkeypatch.setattr(services, "environment_ready", lambda: "mooncake unavailable: no wheel")
+    with pytest.raises(ParallelError, match="cannot run here: mooncake unavailable: no wheel"):
+        ParallelConfig(world_size=2, dwdp=2, l2="mooncake").check_environment()

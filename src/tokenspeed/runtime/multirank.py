@@ -1,5 +1,6 @@
 """`MultiRankEngine`: one engine over several worker processes (attention-DP ranks, experts
-split over them), driven from the user's process.
+split over them: DEP in lockstep, or DWDP prefill ranks stepping independently), driven from
+the user's process.
 
     engine = MultiRankEngine("tiny", ParallelConfig(world_size=2), EngineConfig(device="cpu"))
     engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=32))
@@ -13,7 +14,14 @@ so a script using it needs the usual `if __name__ == "__main__":` guard) and own
 a worker failure and interpreter exit stop every one of them by PID. Each rank keeps its own
 scheduler and cache; the front end places every request on one rank, the one with the least
 outstanding work (tokens still to compute of its unfinished requests, by the router of
-tokenspeed.sched.router), and the ranks step together (`LockstepEngine`).
+tokenspeed.sched.router) unless the caller names the rank (`add_request(..., rank=r)`). DEP
+ranks step together (`LockstepEngine`); DWDP ranks (`ParallelConfig.dwdp`) each step alone.
+
+Host tier: with `ParallelConfig.l2="mooncake"` every rank reads and writes one Mooncake store,
+so a turn placed on another rank than its conversation's earlier turns still loads their
+prefix. Without `l2_master`, the front end starts the store (a master and a segment owner on
+loopback free ports, `tokenspeed.cache.l2.mooncake_services`) before the workers and stops
+both after them (close, failure, interpreter exit; they also die with this process).
 
 Faults: a worker that dies, or whose step fails, makes the next `step()` (or any later call)
 raise `WorkerError` naming the rank and the cause, after every other worker was stopped.
@@ -84,11 +92,26 @@ class RankLoad:
     finished: int = 0
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
+    # The rank's prefix cache (as of its latest outputs): prompt tokens presented to it, of
+    # them hit, of those loaded from the host tier (L2), and objects it published to L2.
+    cache_prompt_tokens: int = 0
+    cache_hit_tokens: int = 0
+    l2_hit_tokens: int = 0
+    l2_published: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cache_hit_tokens / self.cache_prompt_tokens if self.cache_prompt_tokens else 0.0
 
 
 @attrs.frozen
 class LoadReport:
     ranks: tuple[RankLoad, ...]
+
+    @property
+    def l2_hit_tokens(self) -> int:
+        """Prompt tokens every rank loaded from the host tier (the shared one: other ranks')."""
+        return sum(r.l2_hit_tokens for r in self.ranks)
 
     @property
     def request_imbalance(self) -> float:
@@ -105,6 +128,7 @@ class LoadReport:
             "ranks": [attrs.asdict(r) for r in self.ranks],
             "request_imbalance": self.request_imbalance,
             "token_imbalance": self.token_imbalance,
+            "l2_hit_tokens": self.l2_hit_tokens,
         }
 
 
@@ -170,9 +194,10 @@ def check_rank_cache(model, model_config, config, dtype, device, world_size: int
             raise type(exc)(f"{where}: {exc}") from None
 
 
-def _stop_processes(procs, commands, results, grace_s: float) -> None:
-    """Stop worker processes by PID: ask, wait up to grace_s, terminate, then kill. Idempotent
-    (also the finalizer run at interpreter exit: it holds no reference to the engine)."""
+def _stop_processes(procs, commands, results, grace_s: float, services=()) -> None:
+    """Stop worker processes by PID: ask, wait up to grace_s, terminate, then kill; then the
+    Mooncake services the engine started (killed and reaped by PID). Idempotent (also the
+    finalizer run at interpreter exit: it holds no reference to the engine)."""
     for conn in commands:
         with contextlib.suppress(Exception):
             conn.send(("shutdown",))
@@ -194,6 +219,9 @@ def _stop_processes(procs, commands, results, grace_s: float) -> None:
     for conn in (*commands, *results):
         with contextlib.suppress(Exception):
             conn.close()
+    for service in reversed(services):  # the segment owner, then the master
+        with contextlib.suppress(Exception):
+            service.stop(timeout=grace_s)
 
 
 def _exit_cause(exitcode: int | None) -> str:
@@ -234,7 +262,19 @@ class MultiRankEngine:
         # Everything that can be checked is checked before a process starts.
         model_config = model_config_of(model)
         parallel.check_model(model_config)
+        if parallel.l2_backend == "mooncake" and config.l2 == "none":
+            raise ParallelError(
+                "ParallelConfig.l2='mooncake' shares a host tier, but EngineConfig.l2='none' "
+                "turns it off: give one"
+            )
+        parallel.check_environment()
         device = resolve_device(config.device)
+        if device.type == "cuda" and parallel.independent and parallel.dims().dwdp > 1:
+            raise ParallelError(
+                f"ParallelConfig.dwdp={parallel.dwdp} on CUDA needs a one-sided peer-copy fetch "
+                "of the experts (not written yet; the shared-memory one maps CPU tensors): run "
+                "DWDP ranks on the CPU, or DEP"
+            )
         if device.type == "cuda" and parallel.world_size > torch.cuda.device_count():
             raise ParallelError(
                 f"ParallelConfig.world_size={parallel.world_size} needs one GPU per rank, but "
@@ -252,13 +292,15 @@ class MultiRankEngine:
         world = parallel.world_size
         self._loads = [RankLoad(rank, None) for rank in range(world)]
         self._pending: list[RequestOutput] = []
+        # Per rank, how it holds the routed experts ("dep", "dwdp", "replicated"), once ready.
+        self.rank_experts: list[str | None] = [None] * world
         self._failure: WorkerError | None = None
         self._closed = False
 
-        spec = WorkerSpec(model=model, dtype=dtype, seed=seed, config=config, parallel=parallel)
         ctx = multiprocessing.get_context("spawn")
         port = free_port()
         self._procs, self._commands, self._results = [], [], []
+        self._services: list = []  # the Mooncake master and segment owner this engine started
         # The finalizer holds the lists (filled below), never the engine: close(), a failure
         # and interpreter exit all stop the same processes.
         self._finalizer = weakref.finalize(
@@ -268,8 +310,18 @@ class MultiRankEngine:
             self._commands,
             self._results,
             parallel.stop_grace_s,
+            self._services,
         )
         try:
+            self.l2_master = self._start_l2(parallel)
+            spec = WorkerSpec(
+                model=model,
+                dtype=dtype,
+                seed=seed,
+                config=config,
+                parallel=parallel,
+                l2_master=self.l2_master,
+            )
             for rank in range(world):
                 cmd_recv, cmd_send = ctx.Pipe(duplex=False)
                 res_recv, res_send = ctx.Pipe(duplex=False)
@@ -296,6 +348,37 @@ class MultiRankEngine:
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    @property
+    def service_pids(self) -> list[int]:
+        """The PIDs of the Mooncake master and segment owner this engine started (none when
+        it joined a given master or each rank has its own tier)."""
+        return [s.pid for s in self._services]
+
+    @property
+    def mode(self) -> str:
+        """The mode: "dep" (ranks in lockstep) or "dwdp" (independent prefill ranks)."""
+        return "dwdp" if self.parallel.independent else "dep"
+
+    def _start_l2(self, parallel: ParallelConfig) -> str | None:
+        """The shared tier's master address: the given one, or a master and a segment owner
+        started here (stopped with the workers); None: every rank its own tier."""
+        if parallel.l2_backend != "mooncake":
+            return None
+        if parallel.l2_master is not None:
+            return parallel.l2_master
+        from tokenspeed.cache.l2.mooncake_services import start_master, start_segment_owner
+
+        timeout = min(30.0, parallel.start_timeout_s)
+        master = start_master(timeout=timeout)
+        self._services.append(master)
+        owner = start_segment_owner(
+            master_address=master.address,
+            segment_bytes=parallel.l2_segment_bytes,
+            timeout=timeout,
+        )
+        self._services.append(owner)
+        return master.address
 
     def _wait_ready(self, timeout_s: float) -> None:
         ready: dict[int, EngineConfig] = {}
@@ -336,10 +419,18 @@ class MultiRankEngine:
         params: SamplingParams | None = None,
         prompt: str | None = None,
         session: Hashable | None = None,
+        rank: int | None = None,
     ) -> int:
-        """Queue a request on the rank with the least outstanding work; returns that rank.
-        Raises RequestError (nothing queued) when it cannot be served."""
+        """Queue a request on `rank`, or (None) on the rank with the least outstanding work;
+        returns that rank. Raises RequestError (nothing queued) when it cannot be served."""
         self._check()
+        world = self.parallel.world_size
+        if rank is not None and (
+            not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world
+        ):
+            raise RequestError(
+                f"request {request_id!r}: rank must be None or an int in [0, {world}), got {rank!r}"
+            )
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"request {request_id!r}: params must be SamplingParams")
@@ -354,7 +445,9 @@ class MultiRankEngine:
             max_model_len=limit,
             has_tokenizer=self.tokenizer is not None,
         )
-        rank = self._router.pick_prefill([load.outstanding_tokens for load in self._loads], session)
+        if rank is None:
+            loads = [load.outstanding_tokens for load in self._loads]
+            rank = self._router.pick_prefill(loads, session)
         placed = _Placed(rank, len(ids), min(params.max_tokens, limit - len(ids)))
         self._send(rank, ("add", request_id, ids, params, prompt, session))
         self._placed[request_id] = placed
@@ -420,11 +513,13 @@ class MultiRankEngine:
                 kind = message[0]
                 if kind == "out":
                     self._arrived(rank, message[1], outputs)
+                    self._counted(rank, message[2])
                 elif kind == "ready":
                     config = message[3]
                     if on_ready is None:
                         continue
                     on_ready[rank] = config
+                    self.rank_experts[rank] = message[4]
                 elif kind == "rejected":
                     _, rid, detail = message
                     self._forget(rid)
@@ -456,6 +551,13 @@ class MultiRankEngine:
                 load.finished += 1
             if outputs is not None:
                 outputs.append(out)
+
+    def _counted(self, rank: int, counts: dict[str, int]) -> None:
+        load = self._loads[rank]
+        load.cache_prompt_tokens = counts["prompt_tokens"]
+        load.cache_hit_tokens = counts["hit_tokens"]
+        load.l2_hit_tokens = counts["l2_hit_tokens"]
+        load.l2_published = counts["objects_published"]
 
     def _forget(self, rid) -> None:
         placed = self._placed.pop(rid, None)
@@ -503,5 +605,5 @@ class MultiRankEngine:
 
     def metrics(self) -> dict:
         """load_report() as a dict: per-rank requests and tokens placed, finished, outstanding,
-        and the request and token imbalance (max / mean over ranks)."""
+        prefix-cache and L2 hits, and the request and token imbalance (max / mean over ranks)."""
         return self.load_report().as_dict()

@@ -1,16 +1,21 @@
 """`ParallelConfig`: how many worker processes a multi-rank engine runs, and how they split the
-model (attention data parallel on every rank, experts over `ep` ranks, projections over `tp`
-subgroups; see docs/parallel.md).
+model: DEP (attention data parallel on every rank, experts over `ep` ranks, projections over `tp`
+subgroups, ranks stepping in lockstep) or DWDP prefill ranks (every rank runs its own batches
+independently, routed expert weights stored split over `dwdp` ranks and fetched as needed); and
+which host tier (L2) the ranks use: each its own, or one Mooncake store they share. See
+docs/parallel.md and docs/guide.md.
 
     LLM("tiny", parallel=ParallelConfig(world_size=4, tp=2))   # 4 workers, DEP 4, TP pairs
+    LLM("tiny", parallel=ParallelConfig(world_size=2, dwdp=2, l2="mooncake"))  # DWDP, shared L2
 
 Validated when built (`ParallelError` naming the numbers), and against the model's heads and
-experts (`check_model`) before any worker process starts.
+experts (`check_model`) and the machine (`check_environment`) before any worker process starts.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 from pathlib import Path
 
 import attrs
@@ -18,7 +23,12 @@ import attrs
 from tokenspeed.model import PRESETS, ModelConfig, from_hf_config, get_preset
 from tokenspeed.parallel import ParallelDims, ParallelError
 
-__all__ = ["ParallelConfig", "ParallelError", "model_config_of"]
+__all__ = ["L2_BACKENDS", "ParallelConfig", "ParallelError", "model_config_of"]
+
+# "local": every rank its own in-process host tier (EngineConfig.l2 decides, as for one engine);
+# "mooncake": one Mooncake store every rank reads and writes (a later turn placed on another rank
+# than its earlier turns still finds their prefix).
+L2_BACKENDS = ("local", "mooncake")
 
 
 def _count(instance, attribute, value) -> None:
@@ -39,12 +49,49 @@ def _seconds(instance, attribute, value) -> None:
         )
 
 
+def _optional_address(instance, attribute, value) -> None:
+    if value is None:
+        return
+    host, _, port = str(value).rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ParallelError(f"ParallelConfig.{attribute.name} must be 'host:port', got {value!r}")
+
+
+def _optional_backend(instance, attribute, value) -> None:
+    if value is not None and value not in L2_BACKENDS:
+        raise ParallelError(
+            f"ParallelConfig.{attribute.name} must be one of {list(L2_BACKENDS)} or None, "
+            f"got {value!r}"
+        )
+
+
+def _bytes(instance, attribute, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 << 20:
+        raise ParallelError(
+            f"ParallelConfig.{attribute.name} must be an int of at least 1 MiB, got {value!r}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ParallelConfig:
     """world_size: worker processes, one rank each (one GPU each on CUDA; gloo on the CPU).
     tp: TP subgroup size (projections and shared experts column parallel over `tp` consecutive
         ranks; attention and its cache stay data parallel). 1: none.
-    ep: expert-parallel size of the routed experts (None: world_size, DEP over every rank).
+    ep: expert-parallel size of the routed experts (None: world_size, DEP over every rank;
+        1 with dwdp).
+    dwdp: DWDP prefill ranks instead of DEP (None: DEP): the routed experts are stored split over
+        groups of `dwdp` consecutive ranks and each rank fetches the others' blocks as it runs;
+        every rank runs its own batches with no per-layer synchronisation (no lockstep, no empty
+        forwards). Refused with ep > 1 and with tp > 1 (TP subgroups gather every layer).
+    l2: the host tier: "local" (each rank its own; EngineConfig.l2 decides), "mooncake" (one
+        Mooncake store shared by every rank: the engine starts a master and a segment owner on
+        loopback free ports and stops them on close, or joins `l2_master`), None: "mooncake"
+        when l2_master is given, else "local".
+    l2_master: "host:port" of a running Mooncake master to join (its segment owners hold the
+        data); None: with l2="mooncake", the engine starts its own.
+    l2_segment_bytes: memory of the segment owner the engine starts (the shared tier's size).
+    l2_buffer_bytes: every rank's registered Mooncake staging buffer (holds one object).
+    l2_namespace: prefix of every object name in the store (deployments sharing a master).
     timeout_s: deadline of every collective (a rank that stops answering makes its peers fail
         instead of waiting forever).
     start_timeout_s: deadline for every worker to build its model and engine.
@@ -57,20 +104,87 @@ class ParallelConfig:
     timeout_s: float = attrs.field(default=60.0, validator=_seconds)
     start_timeout_s: float = attrs.field(default=120.0, validator=_seconds)
     stop_grace_s: float = attrs.field(default=5.0, validator=_seconds)
+    dwdp: int | None = attrs.field(default=None, validator=_optional_count)
+    l2: str | None = attrs.field(default=None, validator=_optional_backend)
+    l2_master: str | None = attrs.field(default=None, validator=_optional_address)
+    l2_segment_bytes: int = attrs.field(default=256 << 20, validator=_bytes)
+    l2_buffer_bytes: int = attrs.field(default=64 << 20, validator=_bytes)
+    l2_namespace: str = "tokenspeed"
 
     def __attrs_post_init__(self) -> None:
+        if self.dwdp is not None:
+            if self.ep is not None and self.ep > 1:
+                raise ParallelError(
+                    f"ParallelConfig.dwdp={self.dwdp} runs every expert on every rank (prefill) "
+                    f"and ep={self.ep} dispatches tokens to the experts' ranks (DEP): give one"
+                )
+            if self.tp > 1:
+                raise ParallelError(
+                    f"ParallelConfig.dwdp={self.dwdp} ranks run independently, and tp={self.tp} "
+                    "subgroups gather tokens at every layer: DWDP takes tp=1"
+                )
+        if self.l2 == "local" and self.l2_master is not None:
+            raise ParallelError(
+                f"ParallelConfig.l2_master={self.l2_master!r} is a shared Mooncake tier, but "
+                "l2='local' keeps a tier per rank: give l2='mooncake' (or leave l2 out)"
+            )
         self.dims()  # the degrees against each other (ParallelDims names the numbers)
 
     @property
+    def independent(self) -> bool:
+        """Whether the ranks step independently (DWDP) rather than in lockstep (DEP)."""
+        return self.dwdp is not None
+
+    @property
     def expert_parallel(self) -> int:
+        if self.dwdp is not None:
+            return 1 if self.ep is None else self.ep
         return self.world_size if self.ep is None else self.ep
+
+    @property
+    def l2_backend(self) -> str:
+        """The host tier: "local" or "mooncake" (l2, or what l2=None means)."""
+        if self.l2 is not None:
+            return self.l2
+        return "mooncake" if self.l2_master is not None else "local"
+
+    @property
+    def starts_l2(self) -> bool:
+        """Whether the engine starts (and stops) the Mooncake master and segment owner."""
+        return self.l2_backend == "mooncake" and self.l2_master is None
 
     def dims(self) -> ParallelDims:
         """The layout of the ranks (validated)."""
         try:
-            return ParallelDims(world_size=self.world_size, tp=self.tp, ep=self.expert_parallel)
+            return ParallelDims(
+                world_size=self.world_size,
+                tp=self.tp,
+                ep=self.expert_parallel,
+                dwdp=self.dwdp or 1,
+            )
         except ParallelError as exc:
             raise ParallelError(str(exc).replace("ParallelDims.", "ParallelConfig.")) from None
+
+    def check_environment(self, connect_timeout_s: float = 2.0) -> None:
+        """Refuse a shared L2 this machine cannot run (Mooncake missing: the reason), or a
+        given master nobody answers at. Starts nothing."""
+        if self.l2_backend != "mooncake":
+            return
+        from tokenspeed.cache.l2.mooncake_services import environment_ready
+
+        reason = environment_ready()
+        if reason is not None:
+            raise ParallelError(f"ParallelConfig.l2='mooncake' cannot run here: {reason}")
+        if self.l2_master is not None:
+            host, _, port = self.l2_master.rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=connect_timeout_s):
+                    pass
+            except OSError as exc:
+                raise ParallelError(
+                    f"ParallelConfig.l2_master={self.l2_master!r}: no Mooncake master answers "
+                    f"there ({exc})"
+                ) from None
 
     def check_model(self, config: ModelConfig) -> None:
         """Refuse degrees the model cannot be split by (its heads, hidden size, experts)."""

@@ -1,12 +1,23 @@
-"""One rank of a multi-rank engine: its model share, its engine and the lockstep loop.
+"""One rank of a multi-rank engine: its model share, its engine and its step loop.
 
 Spawned by `MultiRankEngine` (runtime/multirank.py), a worker joins the process group, builds
 its groups and its share of the model (a preset: seeded random weights, then `parallelize`; a
 checkpoint directory: a meta model, `parallelize`, then `load_rank_checkpoint`, so it reads
-only its share), an `Engine` and a `LockstepEngine` over a gloo control group spanning the
-world, and then loops: drain the front end's commands (add / abort / shutdown), step with its
-peers, send the outputs back. It exits when told to, when its step fails (reported to the
-front end first) and when the front end's pipe closes (the front end is gone).
+only its share), an `Engine` (its host tier: its own, or the shared Mooncake store at the
+master address the front end passes) and then loops: drain the front end's commands (add /
+abort / shutdown), step, send the outputs back (with the rank's cache counters). It exits when
+told to, when its step fails (reported to the front end first) and when the front end's pipe
+closes (the front end is gone).
+
+Two modes, by `ParallelConfig.dwdp`:
+- DEP (dwdp None): a `LockstepEngine` over a gloo control group spanning the world; every rank
+  steps with its peers (the experts' all-to-alls couple their forwards).
+- DWDP prefill ranks: the routed experts stored split over the dwdp group and fetched one-sided
+  (`apply_dwdp(..., transport="shared_memory")`, CPU weights: each rank's block in shared
+  memory, its peers copying from it); every rank steps its own engine on its own, never waiting
+  for a peer. Where `apply_dwdp` has no one-sided transport (its broadcasts need every rank in
+  every forward), the ranks hold the whole model (replicated) instead: the same tokens, the
+  same independence, more memory.
 
 Under torchrun, the same rank runs with its rank from the environment; rank 0 reads the prompts,
 places them on the ranks by least outstanding work, and prints the outputs (one JSON line per
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import queue
@@ -63,19 +75,74 @@ class WorkerSpec:
     seed: int = 0
     config: EngineConfig
     parallel: ParallelConfig
+    l2_master: str | None = None  # "host:port" of the shared Mooncake master (l2="mooncake")
 
 
 @attrs.define
 class Rank:
-    """One built rank: its engine, the lockstep wrapper and the groups."""
+    """One built rank: its engine, the lockstep wrapper (DEP; None: DWDP, independent) and the
+    groups."""
 
     rank: int
     world_size: int
     device: torch.device
     groups: ParallelGroups
-    control: Group
+    control: Group | None
     engine: Engine
-    lockstep: object  # a LockstepEngine
+    lockstep: object | None  # a LockstepEngine
+    shared_l2: object | None = None  # the client of the shared Mooncake tier, if any
+
+    @property
+    def experts(self) -> str:
+        """How this rank holds the routed experts: "dep" (split, all-to-all), "dwdp" (split,
+        fetched one-sided from the peers' shared memory) or "replicated" (all of them)."""
+        from tokenspeed.parallel.dwdp import DwdpExperts
+
+        if self.lockstep is not None:
+            return "dep"
+        split = any(isinstance(m, DwdpExperts) for m in self.engine.model.modules())
+        return "dwdp" if split else "replicated"
+
+    def step(self) -> list:
+        """One step of this rank: with its peers (DEP, collective) or alone (DWDP)."""
+        return self.engine.step() if self.lockstep is None else self.lockstep.step()
+
+    @property
+    def busy(self) -> bool:
+        """Whether this rank (DEP: or any peer, at the last step) had work."""
+        if self.lockstep is not None and self.lockstep.group_busy:
+            return True
+        return self.engine.has_unfinished()
+
+    def close(self) -> None:
+        """Leave the shared host tier (the engine closes a tier of its own itself)."""
+        if self.shared_l2 is not None:
+            with contextlib.suppress(Exception):
+                self.shared_l2.close()
+
+
+def dwdp_one_sided() -> bool:
+    """Whether `apply_dwdp` can fetch expert weights one-sided (ranks running independently)."""
+    from tokenspeed.parallel import apply_dwdp
+
+    return "transport" in inspect.signature(apply_dwdp).parameters
+
+
+def shared_l2(spec: WorkerSpec):
+    """The rank's client of the shared Mooncake tier (None: the engine's own tier)."""
+    if spec.l2_master is None:
+        return None
+    from tokenspeed.cache.l2.mooncake import MooncakeConfig, MooncakeHostCache
+
+    parallel = spec.parallel
+    config = MooncakeConfig(
+        master_address=spec.l2_master,
+        global_segment_bytes=0,  # the segment owner holds the data
+        local_buffer_bytes=parallel.l2_buffer_bytes,
+        namespace=parallel.l2_namespace,
+        op_timeout_s=min(10.0, parallel.timeout_s),
+    )
+    return MooncakeHostCache(config)
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -101,13 +168,30 @@ def build_rank(spec: WorkerSpec, rank: int, init_method: str, local_rank: int) -
     )
     dims = parallel.dims()
     groups = ParallelGroups.build(dims, device, timeout=timeout)
-    ranks = tuple(range(world))
-    handle = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
-    control = Group(handle, ranks, rank)
+    control = None
+    if not parallel.independent:
+        ranks = tuple(range(world))
+        handle = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        control = Group(handle, ranks, rank)
     model, tokenizer = _rank_model(spec, groups, device)
     config = spec.config.evolve(device=str(device))
-    engine = Engine(model, tokenizer, config)
-    return Rank(rank, world, device, groups, control, engine, LockstepEngine(engine, control))
+    l2 = shared_l2(spec)
+    engine = Engine(model, tokenizer, config, l2=l2)
+    lockstep = None if control is None else LockstepEngine(engine, control)
+    return Rank(rank, world, device, groups, control, engine, lockstep, l2)
+
+
+def _transform(spec: WorkerSpec, model, groups: ParallelGroups, *, loaded: bool) -> None:
+    """Split the model for this rank: DEP / TP subgroups (`parallelize`, before loading), or
+    DWDP with the one-sided fetch (after loading: it moves the weights in place into shared
+    memory), or nothing (replicated ranks, where that fetch does not exist)."""
+    if not spec.parallel.independent:
+        if not loaded:
+            parallelize(model, groups)
+    elif loaded and groups.dims.dwdp > 1 and dwdp_one_sided():
+        from tokenspeed.parallel import apply_dwdp
+
+        apply_dwdp(model, groups, transport="shared_memory")
 
 
 def _rank_model(spec: WorkerSpec, groups: ParallelGroups, device: torch.device):
@@ -116,7 +200,8 @@ def _rank_model(spec: WorkerSpec, groups: ParallelGroups, device: torch.device):
 
     if spec.model in PRESETS:
         model, tokenizer = load_model(spec.model, dtype=spec.dtype, device=device, seed=spec.seed)
-        parallelize(model, groups)
+        _transform(spec, model, groups, loaded=False)
+        _transform(spec, model, groups, loaded=True)
         return model, tokenizer
     from tokenspeed.model.hf_config import load_config_json
     from tokenspeed.model.layers.moe import use_mxfp4_experts
@@ -131,8 +216,11 @@ def _rank_model(spec: WorkerSpec, groups: ParallelGroups, device: torch.device):
         model = KimiForCausalLM(config)
         if expert_format_of(raw) == "mxfp4":
             use_mxfp4_experts(model)
-    parallelize(model, groups)
+    _transform(spec, model, groups, loaded=False)
+    # DWDP reads every expert here (its one-sided transform needs the weights in place) and
+    # keeps its block, in shared memory.
     load_rank_checkpoint(path, model, dtype=spec.dtype, device=device)
+    _transform(spec, model, groups, loaded=True)
     return model, load_tokenizer(path, config.eos_token_ids)
 
 
@@ -185,18 +273,30 @@ def _handle(command, engine: Engine, send) -> None:
         raise ValueError(f"unknown command {command!r}")
 
 
-def serve(lockstep, commands, send) -> None:
+def cache_counts(engine: Engine) -> dict[str, int]:
+    """The rank's prefix-cache totals since it started: prompt tokens presented, of them hit,
+    and of those loaded from the host tier (L2: the shared one, with l2="mooncake")."""
+    c = engine.cache.counters
+    return {
+        "prompt_tokens": c.prompt_tokens,
+        "hit_tokens": c.hit_tokens,
+        "l2_hit_tokens": c.l2_hit_tokens,
+        "objects_published": c.objects_published,
+    }
+
+
+def serve(built: Rank, commands, send) -> None:
     """The step loop of a spawned rank, until a shutdown command (or EOFError when the front
     end's pipe closes)."""
-    engine = lockstep.engine
+    engine = built.engine
     idle = 0.0
     while True:
         while commands.poll(0):
             _handle(commands.recv(), engine, send)
-        outputs = lockstep.step()
+        outputs = built.step()
         if outputs:
-            send(("out", outputs))
-        if lockstep.group_busy or engine.has_unfinished():
+            send(("out", outputs, cache_counts(engine)))
+        if built.busy:
             idle = 0.0
         else:  # nobody has anything to do: wait for a command, a little longer each time
             idle = min(IDLE_WAIT_S, max(2 * idle, 0.001))
@@ -221,12 +321,14 @@ def worker_main(spec: WorkerSpec, rank: int, port: int, commands, results) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     send = _Sender(results)
     code = 0
+    built = None
     try:
         built = build_rank(spec, rank, f"tcp://127.0.0.1:{port}", local_rank=rank)
-        send(("ready", rank, os.getpid(), built.engine.config))
-        serve(built.lockstep, commands, send)
+        send(("ready", rank, os.getpid(), built.engine.config, built.experts))
+        serve(built, commands, send)
     except (_Shutdown, EOFError, BrokenPipeError):
-        pass  # asked to stop, or the front end is gone
+        if built is not None:
+            built.close()  # asked to stop, or the front end is gone: leave the store cleanly
     except BaseException as exc:
         if not _shutting_down(commands):
             detail = traceback.format_exc()
@@ -339,7 +441,7 @@ def run_torchrun(argv: list[str] | None = None) -> None:
     finished = {}
     flag = torch.zeros(1, dtype=torch.int32)
     while True:
-        for out in built.lockstep.step():
+        for out in built.step():
             if out.finished:
                 finished[out.request_id] = out
         flag.fill_(int(engine.has_unfinished()))
