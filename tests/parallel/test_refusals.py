@@ -196,3 +196,22 @@ def test_dispatch_rows_unpack_at_any_width_and_row_count(width, rows, payload):
             assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
         if payload == FP8:
             assert dequantize_rows(back[0], back[3], torch.float32).shape == x.shape
+
+
+def test_dep_layers_never_take_the_one_device_fused_path(monkeypatch):
+    """The fused GPU MoE runs every expert on one device; a DEP layer's routed step runs across
+    ranks, so `MoE.forward` must take the step-by-step path (with `routed`) for it."""
+    from tokenspeed.model.layers.moe import MoE
+    from tokenspeed.model.ops import dispatch
+    from tokenspeed.parallel.dep import DepMoE
+
+    config = get_preset("tiny")
+    torch.manual_seed(0)
+    moe = MoE(config.hidden_size, config.moe, config.activation, 1e-6)
+    x = torch.randn(5, config.hidden_size)
+    want = moe(x)
+    monkeypatch.setattr(dispatch, "fused_moe", lambda x: True)
+    monkeypatch.setattr(moe, "_forward_fused", lambda x: pytest.fail("took the fused path"))
+    moe.fused_routed = False
+    assert torch.equal(moe(x), want)
+    assert DepMoE.fused_routed is False and MoE.fused_routed is True

@@ -106,6 +106,8 @@ class DepMoE(MoE):
     module): gate, experts (sliced), routed_expert_down_proj / up_proj / norm, shared_experts.
     """
 
+    fused_routed = False  # the routed step runs across ranks: never the one-device kernels
+
     # Set by `apply_dep` (instance attributes, never module globals):
     dep_group: Group
     dep_log: CommLog | None
@@ -113,21 +115,9 @@ class DepMoE(MoE):
     dep_local_experts: int  # E / R
     dep_load: torch.Tensor | None  # int64 [E / R], made on the activations' device at first use
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        h = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
-        y = self._routed(h, weights, ids)
-        if self.routed_expert_norm is not None:
-            y = self.routed_expert_norm(y)
-        if self.routed_expert_up_proj is not None:
-            y = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
-
     # -- the routed path ------------------------------------------------------------------------
 
-    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """h: [B, W] this rank's tokens; weights, ids: [B, K] global expert ids -> [B, W]."""
         group, per = self.dep_group, self.dep_local_experts
         ranks = group.size

@@ -133,8 +133,6 @@ class Engine:
     ) -> None:
         """Queue a request. Raises RequestError (nothing queued) when it cannot be served."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"request {request_id!r}: params must be SamplingParams")
         if request_id in self._records:
             raise RequestError(f"request id {request_id!r} is already in use")
         limit = self.config.max_model_len

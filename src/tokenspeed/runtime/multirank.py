@@ -432,8 +432,6 @@ class MultiRankEngine:
                 f"request {request_id!r}: rank must be None or an int in [0, {world}), got {rank!r}"
             )
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"request {request_id!r}: params must be SamplingParams")
         if request_id in self._placed:
             raise RequestError(f"request id {request_id!r} is already in use")
         limit = self.config.max_model_len

@@ -31,6 +31,8 @@ def check_prompt(
     has_tokenizer: bool,
 ) -> list[int]:
     """The prompt as a list of ints, or RequestError when the engine cannot serve it."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"request {request_id!r}: params must be SamplingParams")
     try:  # ints, numpy ints, one-element integer tensors; not floats or strings
         ids = [operator.index(t) for t in prompt_token_ids]
     except TypeError:

@@ -180,12 +180,16 @@ class MoE(nn.Module):
             shared = config.expert_intermediate_size * config.num_shared_experts
             self.shared_experts = GluMlp(hidden, shared, act)
 
+    # The fused GPU path runs every routed expert on this device (the latent norm fused into
+    # its combine); a subclass whose `routed` step runs experts elsewhere turns it off.
+    fused_routed = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dispatch.fused_moe(x):
+        if self.fused_routed and dispatch.fused_moe(x):
             return self._forward_fused(x)
         weights, ids = self.gate(x)
         h = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
-        y = self.experts(h, weights, ids)
+        y = self.routed(h, weights, ids)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
         if self.routed_expert_up_proj is not None:
@@ -193,6 +197,12 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for rows h [T, W] (weights, ids: [T, k]): every
+        expert is here. A subclass that runs experts elsewhere overrides this one step; the
+        latent norm after it needs the complete sum over each token's experts."""
+        return self.experts(h, weights, ids)
 
     def _kernel_weights(self):
         """(router weight in its cheapest exact dtype, ExpertWeights) for the Triton path, made
