@@ -94,8 +94,9 @@ def scenario(llm: LLM) -> dict:
 
 
 @contextlib.contextmanager
-def multirank(world: int, tp: int = 1, **options):
-    llm = LLM("tiny", parallel=ParallelConfig(world_size=world, tp=tp), **{**OPTIONS, **options})
+def multirank(world: int, tp: int = 1, dwdp: int = 1, **options):
+    parallel = ParallelConfig(world_size=world, tp=tp, dwdp=dwdp)
+    llm = LLM("tiny", parallel=parallel, **{**OPTIONS, **options})
     try:
         yield llm
     finally:
@@ -176,9 +177,12 @@ def test_requests_go_to_the_least_loaded_rank_and_abort(llm2):
 
 
 @deadline(90)
-def test_a_killed_worker_fails_generate_and_stops_every_worker():
+@pytest.mark.parametrize("dwdp", [1, 2], ids=["dep", "dwdp"])
+def test_a_killed_worker_fails_generate_and_stops_every_worker(dwdp):
+    """DEP ranks (coupled: the survivor's collectives fail) and DWDP ranks (independent: the
+    survivor would go on alone) both end with the front end's WorkerError and no worker left."""
     before = set(multiprocessing.active_children())  # another test's engine may be running
-    with multirank(2, decode_steps=1) as llm:
+    with multirank(2, dwdp=dwdp, decode_steps=1) as llm:
         engine = llm.engine
         pids = engine.worker_pids
         step, killed = engine.step, []
