@@ -94,7 +94,7 @@ def scenario(llm: LLM) -> dict:
 
 
 @contextlib.contextmanager
-def multirank(world: int, tp: int = 1, dwdp: int = 1, **options):
+def multirank(world: int, tp: int = 1, dwdp: int | None = None, **options):
     parallel = ParallelConfig(world_size=world, tp=tp, dwdp=dwdp)
     llm = LLM("tiny", parallel=parallel, **{**OPTIONS, **options})
     try:
@@ -177,7 +177,7 @@ def test_requests_go_to_the_least_loaded_rank_and_abort(llm2):
 
 
 @deadline(90)
-@pytest.mark.parametrize("dwdp", [1, 2], ids=["dep", "dwdp"])
+@pytest.mark.parametrize("dwdp", [None, 2], ids=["dep", "dwdp"])
 def test_a_killed_worker_fails_generate_and_stops_every_worker(dwdp):
     """DEP ranks (coupled: the survivor's collectives fail) and DWDP ranks (independent: the
     survivor would go on alone) both end with the front end's WorkerError and no worker left."""
