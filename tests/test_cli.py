@@ -3,12 +3,13 @@
 import contextlib
 import multiprocessing
 import re
-import signal
 
 import pytest
 import torch
 
 from tokenspeed.cli import main
+
+from .processes import alarm
 
 
 @pytest.fixture(autouse=True)
@@ -320,17 +321,9 @@ def _no_workers_left(seconds: int):
     """Fail instead of hanging past `seconds` (SIGALRM), and check that every worker process the
     command started has been stopped when it returns (or raises)."""
 
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
     before = set(multiprocessing.active_children())  # another test's engine may be running
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
+    with alarm(seconds):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     assert set(multiprocessing.active_children()) <= before
 
 

@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tokenspeed import LLM, SamplingParams
 from tokenspeed.runtime import EngineConfigError, RequestError
 from tokenspeed.runtime.multirank import MultiRankEngine, WorkerError
 from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
+
+from ..processes import alarm, pid_gone, prompt_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # A device cache of 28 pages of 16 tokens: a rank holding three of the second turns preempts.
@@ -52,26 +53,9 @@ def deadline(seconds: int):
 
 @pytest.fixture(autouse=True)
 def _deadline(request):
-    """Fail a test that runs past its deadline instead of hanging (SIGALRM; the engines it
-    built are then closed, their workers stopped)."""
-    seconds = getattr(request.function, "deadline_s", 120)
-
-    def expire(signum, frame):
-        raise TimeoutError(f"test still running after its {seconds} s deadline")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
+    """Fail a test that runs past its deadline instead of hanging."""
+    with alarm(getattr(request.function, "deadline_s", 120)):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _ids(n: int, seed: int, low: int, high: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(low, high, (n,), generator=g).tolist()
-    return [torch.randint(3, 500, (k,), generator=g).tolist() for k in lens]
 
 
 def _as_prompts(ids):
@@ -81,11 +65,13 @@ def _as_prompts(ids):
 def scenario(llm: LLM) -> dict:
     """Twelve mixed-length prompts; their second turns (prompt + reply + more); one prompt
     alone (idle ranks). Greedy token ids of every output, preemptions, prefix-hit tokens."""
-    first = _ids(12, 3, 60, 140)
+    first = prompt_ids(12, 3, 60, 140)
     one = llm.generate(_as_prompts(first), GREEDY, use_tqdm=False)
-    second = [p + o.token_ids + e for p, o, e in zip(first, one, _ids(12, 4, 10, 40), strict=True)]
+    second = [
+        p + o.token_ids + e for p, o, e in zip(first, one, prompt_ids(12, 4, 10, 40), strict=True)
+    ]
     two = llm.generate(_as_prompts(second), GREEDY, use_tqdm=False)
-    alone = llm.generate(_as_prompts(_ids(1, 5, 20, 30)), GREEDY, use_tqdm=False)
+    alone = llm.generate(_as_prompts(prompt_ids(1, 5, 20, 30)), GREEDY, use_tqdm=False)
     return {
         "tokens": [o.token_ids for o in one + two + alone],
         "preemptions": sum(o.metrics.preemptions for o in one + two),
@@ -101,14 +87,6 @@ def multirank(world: int, tp: int = 1, dwdp: int | None = None, **options):
         yield llm
     finally:
         llm.engine.close()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -197,10 +175,10 @@ def test_a_killed_worker_fails_generate_and_stops_every_worker(dwdp):
         engine.step = step_then_kill
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         with pytest.raises(WorkerError, match="rank 1") as failure:
-            llm.generate(_as_prompts(_ids(4, 6, 10, 40)), params, use_tqdm=False)
+            llm.generate(_as_prompts(prompt_ids(4, 6, 10, 40)), params, use_tqdm=False)
         assert time.monotonic() - killed[0] < 30
         assert failure.value.rank == 1 and "SIGKILL" in failure.value.cause
-        assert all(_gone(pid) for pid in pids), pids
+        assert all(pid_gone(pid) for pid in pids), pids
         with pytest.raises(WorkerError):  # it stays failed
             engine.step()
         assert not engine.abort(0)
@@ -262,7 +240,7 @@ def test_workers_load_their_share_of_a_checkpoint(tmp_path):
 
     model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=7)
     save_checkpoint(model, tmp_path, layout="k3", max_shard_bytes=256 << 10)
-    prompts = _as_prompts(_ids(5, 8, 10, 80))
+    prompts = _as_prompts(prompt_ids(5, 8, 10, 80))
     options = {"device": "cpu", "max_model_len": 256, "max_num_seqs": 4, "page_size": 16}
     single = LLM(str(tmp_path), **options)
     want = [o.token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]

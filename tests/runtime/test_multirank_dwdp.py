@@ -17,11 +17,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import multiprocessing
-import os
-import signal
 
 import pytest
-import torch
 
 from tokenspeed import LLM, SamplingParams
 from tokenspeed.cache.l2.mooncake_services import start_master, start_segment_owner
@@ -32,6 +29,7 @@ from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
 from tokenspeed.runtime.worker import dwdp_one_sided
 
 from ..cache.l2.mooncake_env import needs_mooncake, require_mooncake
+from ..processes import alarm, pid_gone, prompt_ids
 
 pytestmark = needs_mooncake
 
@@ -48,33 +46,9 @@ DEADLINE_S = 150
 
 @pytest.fixture(autouse=True)
 def _deadline():
-    """Fail a test that runs past its deadline instead of hanging (its engines are then closed,
-    their workers and services stopped)."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"test still running after its {DEADLINE_S} s deadline")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(DEADLINE_S)
-    try:
+    """Fail a test that runs past its deadline instead of hanging."""
+    with alarm(DEADLINE_S):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _ids(n: int, seed: int, low: int, high: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(low, high, (n,), generator=g).tolist()
-    return [torch.randint(3, 500, (k,), generator=g).tolist() for k in lens]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def _run(engine: MultiRankEngine, placed: dict[str, tuple[list[int], int]]) -> dict:
@@ -91,9 +65,9 @@ def _run(engine: MultiRankEngine, placed: dict[str, tuple[list[int], int]]) -> d
 
 # Turn 1: a prompt of several pages (7+ pages of 16 tokens); turn 2 extends it by turn 1's
 # output and a few new tokens.
-FIRST = _ids(1, 11, 120, 140)[0]
-MORE = _ids(1, 12, 10, 20)[0]
-UNEVEN = _ids(5, 13, 20, 100)
+FIRST = prompt_ids(1, 11, 120, 140)[0]
+MORE = prompt_ids(1, 12, 10, 20)[0]
+UNEVEN = prompt_ids(5, 13, 20, 100)
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +113,12 @@ def test_second_turn_on_another_dwdp_rank_hits_the_shared_l2(single):
         assert engine.mode == "dwdp" and len(engine.service_pids) == 2
         split = "dwdp" if dwdp_one_sided() else "replicated"
         assert engine.rank_experts == [split, split]
-        assert all(not _gone(pid) for pid in engine.service_pids)
+        assert all(not pid_gone(pid) for pid in engine.service_pids)
         _second_turn_on_the_other_rank(engine, single)
     finally:
         pids = engine.worker_pids + engine.service_pids
         engine.close()
-    assert all(_gone(pid) for pid in pids), pids
+    assert all(pid_gone(pid) for pid in pids), pids
     assert set(multiprocessing.active_children()) <= before
 
 
@@ -177,7 +151,7 @@ def test_ranks_join_a_given_master_and_run_different_work_independently(single):
             assert [r.requests for r in engine.load_report().ranks] == [4, 1]
             _second_turn_on_the_other_rank_again(engine, single)
             pids = engine.worker_pids
-        assert all(_gone(pid) for pid in pids), pids
+        assert all(pid_gone(pid) for pid in pids), pids
         assert master.alive() and owner.alive()  # the user's services are the user's
 
 
@@ -244,4 +218,4 @@ def test_local_tiers_miss_on_the_other_rank_and_bad_ranks_are_refused(single):
     finally:
         pids = engine.worker_pids
         engine.close()
-    assert all(_gone(pid) for pid in pids)
+    assert all(pid_gone(pid) for pid in pids)
