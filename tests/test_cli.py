@@ -161,6 +161,8 @@ def no_model_loads(monkeypatch):
         (["generate", "--parallel", "ep=2,ep=4"], "argument --parallel: ep given twice"),
         (["generate", "--parallel", "world=4,tp=3"], "tp=3 does not divide world_size=4"),
         (["bench", "agentx", "--parallel", "world=4,ep=3"], "ep=3 does not divide world_size=4"),
+        (["generate", "--parallel", "world=4,dcp=3"], "dcp=3 does not divide world_size=4"),
+        (["generate", "--parallel", "dcp=2,dwdp=2"], "dcp=2 members run the same tokens"),
     ],
 )
 def test_bad_flags_are_usage_errors_naming_the_flag(no_model_loads, capsys, argv, message):
@@ -395,3 +397,24 @@ def test_a_failed_worker_ends_the_command_in_its_message_and_status_1(monkeypatc
     err = capsys.readouterr().err
     assert err.startswith("tokenspeed generate: error: worker rank 1 failed: the process was")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("spec", "layout"),
+    [
+        ("dcp=2", (2, 1, 2, 2, 1)),
+        ("world=4,dcp=2", (4, 1, 4, 2, 2)),
+        ("ep=4,dcp=2", (4, 1, 4, 2, 2)),
+        ("tp=2,dcp=2", (2, 2, 2, 2, 1)),
+        ("world=4,tp=2,dcp=2", (4, 2, 4, 2, 2)),
+    ],
+)
+def test_parallel_takes_a_dcp_degree(spec, layout):
+    """(world, tp, ep, dcp, attention-DP groups); world defaults to ep, else tp or dcp."""
+    from tokenspeed.cli import _layout, _parallel
+
+    config = _parallel(spec)
+    got = (config.world_size, config.tp, config.expert_parallel, config.dcp, config.attention_dp)
+    assert got == layout
+    assert _layout(config).endswith(f"DCP {config.dcp}")
+    assert f"attention DP {config.attention_dp}," in _layout(config)

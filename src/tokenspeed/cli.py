@@ -4,6 +4,7 @@ tokenspeed generate                     # the tiny preset (random weights), a fe
 tokenspeed generate --model PATH        # a Hugging Face layout Kimi Linear / K3 checkpoint
 tokenspeed bench agentx                 # an AgentX-style replay through the real engine
 tokenspeed generate --parallel ep=2     # the same over 2 worker processes (DEP; also bench)
+tokenspeed serve tiny --port 8000       # an OpenAI-compatible HTTP worker (see docs/guide.md)
 tokenspeed sim ...                      # the cluster simulator (see `tokenspeed sim --help`)
 """
 
@@ -134,18 +135,19 @@ def _model(text: str) -> str:
     return text
 
 
-_PARALLEL_KEYS = ("world", "tp", "ep", "dwdp")
+_PARALLEL_KEYS = ("world", "tp", "ep", "dcp", "dwdp")
 _PARALLEL_FORM = (
-    "expected comma-separated KEY=N, KEY one of world, tp, ep, dwdp (e.g. ep=4, world=4,tp=2 "
-    "or dwdp=2)"
+    "expected comma-separated KEY=N, KEY one of world, tp, ep, dcp, dwdp (e.g. ep=4, "
+    "world=4,tp=2, world=4,dcp=2 or dwdp=2)"
 )
 
 
 def _parallel(text: str):
     """--parallel: the ranks of a multi-rank engine, as comma-separated KEY=N: world (worker
     processes), tp (TP subgroup size, default 1), ep (expert-parallel size, default world),
-    dwdp (DWDP prefill ranks instead of DEP). world defaults to ep, else dwdp, else tp. A
-    `ParallelConfig`; a layout whose numbers disagree is refused naming them."""
+    dcp (DCP group size: its ranks split every request's MLA cache, default 1), dwdp (DWDP
+    prefill ranks instead of DEP). world defaults to ep, else dwdp, else the larger of tp and
+    dcp. A `ParallelConfig`; a layout whose numbers disagree is refused naming them."""
     from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
 
     values: dict[str, int] = {}
@@ -159,10 +161,15 @@ def _parallel(text: str):
             values[key] = _positive_int(value)
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{key}: {exc}") from None
-    world = values.get("world", values.get("ep", values.get("dwdp", values.get("tp"))))
+    smallest = max(values.get("tp", 1), values.get("dcp", 1))
+    world = values.get("world", values.get("ep", values.get("dwdp", smallest)))
     try:
         return ParallelConfig(
-            world_size=world, tp=values.get("tp", 1), ep=values.get("ep"), dwdp=values.get("dwdp")
+            world_size=world,
+            tp=values.get("tp", 1),
+            ep=values.get("ep"),
+            dcp=values.get("dcp", 1),
+            dwdp=values.get("dwdp"),
         )
     except ParallelError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (from {text!r})") from None
@@ -263,9 +270,10 @@ def _generate(args: argparse.Namespace, llm) -> int:
 
 
 def _layout(parallel) -> str:
+    dcp = f", DCP {parallel.dcp}" if parallel.dcp > 1 else ""
     return (
-        f"{parallel.world_size} ranks: attention DP {parallel.world_size}, "
-        f"EP {parallel.expert_parallel}, TP {parallel.tp}"
+        f"{parallel.world_size} ranks: attention DP {parallel.attention_dp}, "
+        f"EP {parallel.expert_parallel}, TP {parallel.tp}{dcp}"
     )
 
 
@@ -335,6 +343,82 @@ def bench_agentx(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """`tokenspeed serve`: one engine behind the OpenAI-compatible HTTP worker
+    (`tokenspeed.server`), until SIGTERM / SIGINT."""
+    import asyncio
+    import logging
+    from pathlib import Path
+
+    from tokenspeed.model import PRESETS
+    from tokenspeed.runtime import Engine, EngineConfig
+    from tokenspeed.runtime.async_engine import AsyncEngine
+    from tokenspeed.runtime.device import resolve_device
+    from tokenspeed.runtime.llm import load_model
+    from tokenspeed.server import ServedModel, ServerConfig, ServerConfigError, make_role
+    from tokenspeed.server import serve as serve_http
+
+    if args.model_arg is not None:
+        args.model = args.model_arg
+    if args.parallel is not None:
+        print("tokenspeed serve: error: --parallel is not supported by serve yet", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server_config = ServerConfig(
+        model_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("TOKENSPEED_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+        max_pending=args.max_pending,
+        role=args.role,
+    )
+    options = _engine_options(args)
+    config = EngineConfig(
+        device=options["device"],
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=options["max_model_len"],
+        enable_cuda_graph=options["enable_cuda_graph"],
+        cpu_threads=options["cpu_threads"],
+        decode_steps=args.decode_steps or 1,
+    )
+    model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
+    engine = Engine(model, tokenizer, config)
+    try:
+        served = ServedModel.load(
+            server_config.model_name,
+            None if args.model in PRESETS else Path(args.model),
+            tokenizer,
+            model.config.vocab_size,
+            engine.config.max_model_len,
+            chat_template=args.chat_template,
+            created=int(time.time()),
+        )
+        role = make_role(args.role, AsyncEngine(engine, step_thread=args.step_thread))
+
+        def announce(line: str) -> None:
+            print(line, flush=True)
+
+        asyncio.run(serve_http(role, served, server_config, announce=announce))
+    except ServerConfigError as exc:  # the address cannot be bound
+        print(f"tokenspeed serve: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
+    return 0
+
+
+def _chat_template(text: str) -> str:
+    """--chat-template: a file, or the template's text."""
+    from tokenspeed.runtime.chat_template import ChatTemplateError, resolve_template
+
+    try:
+        return resolve_template(text)
+    except (OSError, ChatTemplateError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the chat template: {exc}") from None
+
+
 def _print_ranks(ranks: list[dict]) -> None:
     """bench agentx --parallel: what the front end placed on each rank (by least outstanding
     work) and each rank's prefix hit rate; the imbalances (max / mean) are printed above."""
@@ -384,8 +468,10 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
         default=None,
         metavar="KEY=N[,KEY=N]",
         help="run over worker processes, one rank each (attention data parallel, experts split "
-        "over them): world=N (ranks; default ep, else tp), ep=N (expert-parallel size; default "
-        "world), tp=N (TP subgroup size; default 1), e.g. ep=4 or world=4,tp=2",
+        "over them): world=N (ranks; default ep, else tp or dcp), ep=N (expert-parallel size; "
+        "default world), tp=N (TP subgroup size; default 1), dcp=N (DCP groups of N ranks "
+        "splitting every request's MLA cache; default 1), e.g. ep=4, world=4,tp=2 or "
+        "world=4,dcp=2",
     )
     p.add_argument(
         "--no-progress",
@@ -426,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     agentx.add_argument("--page-size", type=_positive_int, default=16)
     agentx.set_defaults(func=bench_agentx)
+    _serve_parser(sub)
     sub.add_parser("sim", help="the cluster simulator: tokenspeed sim --help")
     args = parser.parse_args(argv)
     command = " ".join(filter(None, ["tokenspeed", args.command, getattr(args, "bench", None)]))
@@ -439,6 +526,88 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise  # a bug: its traceback is wanted
         print(f"{command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _serve_parser(sub) -> None:
+    from tokenspeed.server.config import (
+        DEFAULT_HOST,
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_PENDING,
+        DEFAULT_PORT,
+        ROLES,
+    )
+
+    srv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP worker (/v1/completions, /v1/chat/completions, ...)",
+    )
+    srv.add_argument(
+        "model_arg",
+        metavar="MODEL",
+        type=_model,
+        nargs="?",
+        default=None,
+        help="a preset name or a checkpoint directory (same as --model; default tiny)",
+    )
+    _common(srv, 4096)
+    srv.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})"
+    )
+    srv.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"TCP port (default {DEFAULT_PORT}; 0: a free port, printed once listening)",
+    )
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (else 401); also read from "
+        "TOKENSPEED_API_KEY",
+    )
+    srv.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    srv.add_argument(
+        "--max-pending",
+        type=_positive_int,
+        default=DEFAULT_MAX_PENDING,
+        help="generations waiting or running at once; past it, 503 (default "
+        f"{DEFAULT_MAX_PENDING})",
+    )
+    srv.add_argument(
+        "--role",
+        choices=ROLES,
+        default="aggregated",
+        help="what this worker does with a request (only 'aggregated': prefill and decode here)",
+    )
+    srv.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        default=None,
+        help="a Jinja chat template (a file or its text) for /v1/chat/completions (default: "
+        "the checkpoint's own; presets have none)",
+    )
+    srv.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: MODEL)"
+    )
+    srv.add_argument(
+        "--step-thread",
+        action="store_true",
+        help="run engine steps on a worker thread, so that the event loop stays responsive "
+        "during long steps (AsyncEngine(step_thread=True); see docs/perf/async_server.md)",
+    )
+    srv.set_defaults(func=serve)
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
 
 
 def _is_worker_error(err: Exception) -> bool:

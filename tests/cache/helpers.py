@@ -84,9 +84,10 @@ def prefix_seed(tokens: Sequence[int]) -> int:
 
 
 def page_content(geometry: CacheGeometry, key: int) -> torch.Tensor:
-    """[num_mla_layers, P, W] rows of the page whose chained key is `key`."""
+    """[num_mla_layers, R, W] rows of the page whose chained key is `key` (R: the rows a device
+    page holds, page_size unless the geometry splits them over ranks)."""
     g = torch.Generator().manual_seed(_seed(key))
-    shape = (geometry.num_mla_layers, geometry.page_size, geometry.mla_row_width)
+    shape = (geometry.num_mla_layers, geometry.mla_rows_per_page, geometry.mla_row_width)
     return torch.randn(shape, generator=g).to(geometry.mla_dtype)
 
 

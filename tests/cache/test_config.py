@@ -63,6 +63,49 @@ def test_copy_order_follows_the_model():
 def test_fingerprint_tracks_the_byte_layout():
     assert tiny_geometry().fingerprint == tiny_geometry().fingerprint
     assert tiny_geometry().fingerprint != tiny_geometry(mla_dtype=torch.bfloat16).fingerprint
+    assert tiny_geometry().fingerprint != tiny_geometry(mla_rows_per_page=2).fingerprint
+
+
+def test_whole_pages_keep_the_fingerprint_objects_already_carry():
+    """The id of a whole-page layout is what it was before pages could be split (objects in a
+    running store stay readable)."""
+    import hashlib
+
+    g = tiny_geometry()
+    fields = (4, 2, 4, "torch.float16", 3, (6, 2), (2, 2, 2), "torch.bfloat16", "torch.float32")
+    want = hashlib.blake2b(repr(fields).encode(), digest_size=6).hexdigest()
+    assert g.fingerprint == want
+
+
+def test_a_page_may_keep_a_share_of_its_mla_rows():
+    """Decode context parallelism: C ranks each keep page_size / C rows of every page; the
+    page is still page_size tokens, its bytes shrink C-fold."""
+    whole, half = tiny_geometry(page_size=8), tiny_geometry(page_size=8, mla_rows_per_page=4)
+    assert whole.mla_rows_per_page == 8 and whole.mla_share == 1
+    assert half.page_size == 8 and half.mla_share == 2
+    assert 2 * half.mla_page_bytes == whole.mla_page_bytes
+    assert half.kda_state_bytes == whole.kda_state_bytes
+    for rows in (3, 16, 0):
+        with pytest.raises(CacheConfigError, match="mla_rows_per_page"):
+            tiny_geometry(page_size=8, mla_rows_per_page=rows)
+    dims = dict(
+        num_mla_layers=2,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        num_kda_layers=3,
+        kda_num_heads=4,
+        kda_head_dim=16,
+        kda_conv_kernel=4,
+    )
+    g = CacheGeometry.from_model_dims(**dims, mla_share=4)
+    assert (g.page_size, g.mla_rows_per_page, g.mla_share) == (64, 16, 4)
+    with pytest.raises(CacheConfigError, match="page_size=64 is not a multiple of mla_share=3"):
+        CacheGeometry.from_model_dims(**dims, mla_share=3)
+    # One budget: twice the pages (the same KDA slots first).
+    budget = CacheConfig.budget_for(whole, pages=10, live_requests=2, checkpoints=1)
+    config = CacheConfig(device_budget_bytes=budget, max_live_requests=2, num_checkpoint_slots=1)
+    assert config.pool_sizes(whole).num_pages == 11
+    assert config.pool_sizes(half).num_pages == 22
 
 
 def test_pool_sizes_come_from_the_budget():

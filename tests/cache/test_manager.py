@@ -208,9 +208,14 @@ def test_hit_restores_exact_bytes_from_device_tier():
     cache.check_integrity()
 
 
-@pytest.mark.parametrize("async_loads", [False, True])
-def test_hit_restores_exact_bytes_from_host_tier(async_loads):
-    g = tiny_geometry()
+@pytest.mark.parametrize(
+    ("async_loads", "rows"),
+    [(False, P), (True, P), (False, P // 2)],
+    ids=["inline", "async", "dcp"],
+)
+def test_hit_restores_exact_bytes_from_host_tier(async_loads, rows):
+    """rows: the MLA rows of a device page (P // 2: a DCP pair's member, half of each page)."""
+    g = tiny_geometry(mla_rows_per_page=rows)
     l2 = LocalHostCache(capacity_bytes=1 << 20)
     cache = make_manager(g, l2=l2, async_loads=async_loads)
     tokens = token_stream(6, 30)

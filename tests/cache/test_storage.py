@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tokenspeed.cache.config import PoolSizes
@@ -11,8 +12,9 @@ from tokenspeed.cache.storage import DeviceStorage
 from .helpers import tiny_geometry
 
 
-def _storage():
-    g = tiny_geometry()
+def _storage(rows: int | None = None):
+    """rows: MLA rows per device page (None: the page size, 4)."""
+    g = tiny_geometry() if rows is None else tiny_geometry(mla_rows_per_page=rows)
     return g, DeviceStorage(
         g, PoolSizes(num_pages=6, num_live_slots=3, num_checkpoint_slots=2), torch.device("cpu")
     )
@@ -21,13 +23,23 @@ def _storage():
 def test_shapes():
     g, s = _storage()
     assert s.mla.shape == (g.num_mla_layers, 6, g.page_size, g.mla_row_width)
+    assert s.mla.shape[2] == g.mla_rows_per_page
     assert s.conv.shape == (g.num_kda_layers, 3, *g.kda_conv_shape)
     assert s.ckpt_recurrent.shape == (g.num_kda_layers, 2, *g.kda_recurrent_shape)
     assert s.mla_layer(1).shape == (6, g.page_size, g.mla_row_width)
 
 
-def test_pages_round_trip_through_host_bytes():
-    g, s = _storage()
+def test_a_split_page_keeps_its_share_of_the_rows():
+    """A DCP member of a pair: pages of 4 tokens hold 2 rows; a host object is that share."""
+    g, s = _storage(rows=2)
+    assert s.mla.shape == (g.num_mla_layers, 6, 2, g.mla_row_width)
+    assert s.mla_layer(0).shape == (6, 2, g.mla_row_width)
+    assert 2 * g.mla_page_bytes == tiny_geometry().mla_page_bytes
+
+
+@pytest.mark.parametrize("rows", [None, 2], ids=["whole", "split"])
+def test_pages_round_trip_through_host_bytes(rows):
+    g, s = _storage(rows)
     s.mla.copy_(torch.randn(s.mla.shape).to(s.mla.dtype))
     payloads = s.read_pages([2, 4])
     assert all(p.dtype == torch.uint8 and p.numel() == g.mla_page_bytes for p in payloads)

@@ -74,3 +74,53 @@ def test_a_budget_below_the_live_slots_is_an_engine_config_error(tiny):
     # CacheConfig refuses it too (BudgetTooSmallError), but without the engine's fields.
     with pytest.raises(EngineConfigError, match="cache_budget_bytes=1000 "):
         Engine(tiny, None, _config(1000))
+
+
+# ------------------------------------------------------------------ decode context parallelism
+
+
+def _dcp_member(size: int):
+    """A fresh tiny model whose MLA layers are those of a member of a DCP group of `size`
+    (the class swap `apply_dcp` makes; no process group: nothing here runs a forward)."""
+    from tokenspeed.model.layers.mla import GatedMla
+    from tokenspeed.parallel.dcp import DcpGatedMla
+    from tokenspeed.parallel.groups import Group
+
+    from .conftest import tiny_model
+
+    model = tiny_model()
+    for module in model.modules():
+        if type(module) is GatedMla:
+            module.__class__ = DcpGatedMla
+            module.dcp_group = Group(None, tuple(range(size)), 0)
+            module.dcp_log = None
+    return model
+
+
+def test_a_dcp_member_keeps_its_share_of_every_page_and_twice_the_pages(tiny):
+    """The engine reads the DCP group from the model: pages of 16 tokens hold 8 MLA rows, half
+    the bytes, so the budget that gives one rank N pages gives a member about 2N."""
+    from tokenspeed.runtime.cache_sizing import mla_share
+
+    member = _dcp_member(2)
+    assert mla_share(member) == 2 and mla_share(tiny) == 1
+    config = _config(400_000)
+    whole = Engine(tiny, None, config)
+    half = Engine(member, None, config)
+    try:
+        g1, g2 = whole.cache.geometry, half.cache.geometry
+        assert (g2.page_size, g2.mla_rows_per_page) == (16, 8)
+        assert 2 * g2.mla_page_bytes == g1.mla_page_bytes
+        assert half.cache.mla_layer(0).shape[1:] == (8, g1.mla_row_width)
+        pages1, pages2 = whole.cache.sizes.num_pages - 1, half.cache.sizes.num_pages - 1
+        assert 2 * pages1 <= pages2 <= 2 * pages1 + 3
+    finally:
+        whole.close()
+        half.close()
+
+
+def test_a_page_that_does_not_split_over_the_dcp_group_is_refused(tiny):
+    with pytest.raises(EngineConfigError, match="page_size=15 is not a multiple of the DCP"):
+        cache_geometry(tiny, 15, dcp=2)
+    with pytest.raises(EngineConfigError, match="page_size=15 is not a multiple of the DCP"):
+        Engine(_dcp_member(2), None, _config(None).evolve(page_size=15))

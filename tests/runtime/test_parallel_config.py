@@ -11,6 +11,7 @@ from tokenspeed.model import KimiForCausalLM, get_preset
 from tokenspeed.model.hf_writer import save_checkpoint
 from tokenspeed.model.init import init_random_weights
 from tokenspeed.parallel import ParallelDims
+from tokenspeed.runtime import EngineConfig
 from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError, model_config_of
 
 
@@ -118,3 +119,27 @@ def test_unavailable_mooncake_is_refused_with_its_reason(monkeypatch):
     monkeypatch.setattr(services, "environment_ready", lambda: "mooncake unavailable: no wheel")
     with pytest.raises(ParallelError, match="cannot run here: mooncake unavailable: no wheel"):
         ParallelConfig(world_size=2, dwdp=2, l2="mooncake").check_environment()
+
+
+def test_dcp_layout_groups_and_checks():
+    config = ParallelConfig(world_size=4, dcp=2)
+    assert config.dcp == 2 and config.attention_dp == 2 and config.expert_parallel == 4
+    assert config.dims() == ParallelDims(world_size=4, ep=4, dcp=2)
+    assert [config.dcp_ranks(r) for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert ParallelConfig(world_size=2).dcp_ranks(1) == (1,)
+    assert ParallelConfig(world_size=4, tp=2, dcp=2).dims().tp == 2
+    tiny = get_preset("tiny")
+    config.check_model(tiny)
+    config.check_engine(EngineConfig(page_size=64))
+    with pytest.raises(ParallelError, match="page_size=15 is not a multiple of 2"):
+        config.check_engine(EngineConfig(page_size=15))
+    no_mla = attrs.evolve(tiny, layer_kinds=("kda",) * 9)
+    with pytest.raises(ParallelError, match="dcp=2 splits the MLA latent cache"):
+        config.check_model(no_mla)
+    ParallelConfig(world_size=4).check_model(no_mla)  # without DCP it has nothing to say
+    with pytest.raises(ParallelError, match=r"ParallelConfig.dcp=3 does not divide world_size=4"):
+        ParallelConfig(world_size=4, dcp=3)
+    with pytest.raises(ParallelError, match="dwdp=2 ranks run independently"):
+        ParallelConfig(world_size=2, dcp=2, dwdp=2)
+    with pytest.raises(ParallelError, match="shared Mooncake tier evicts"):
+        ParallelConfig(world_size=2, dcp=2, l2="mooncake")

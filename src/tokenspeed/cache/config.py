@@ -57,9 +57,14 @@ def _element_size(dtype: torch.dtype) -> int:
 class CacheGeometry:
     """Shape of the cached state of one model, per page and per request.
 
-    page_size: tokens per page (P).
+    page_size: tokens per page (P): the unit of every page id, key, checkpoint and L2 object.
     num_mla_layers / mla_row_width / mla_dtype: an MLA layer caches one row of `mla_row_width`
-        elements per token; a page holds `[num_mla_layers, P, mla_row_width]` of them.
+        elements per token; a page holds `[num_mla_layers, R, mla_row_width]` of them.
+    mla_rows_per_page: the MLA rows R a page holds on this device (default P). Below P when C =
+        P / R ranks split every request's MLA rows (decode context parallelism: position p on
+        member p % C as its local row p // C, so a page of P tokens is R = P / C local rows of
+        each member, and the page table of the P-token pages is the members' local one). The
+        cache's bookkeeping stays in tokens and pages of P; only the bytes of a page shrink.
     num_kda_layers: KDA layers; each keeps, per request, a conv window `kda_conv_shape`
         (`(3*H*K, conv_kernel-1)`, `kda_conv_dtype`) and a recurrent state `kda_recurrent_shape`
         (`(H, K, V)`, `kda_recurrent_dtype`, fp32 by default).
@@ -71,6 +76,10 @@ class CacheGeometry:
     num_mla_layers: int = attrs.field(validator=_positive_int)
     mla_row_width: int = attrs.field(validator=_positive_int)
     mla_dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_dtype)
+    mla_rows_per_page: int = attrs.field(
+        default=attrs.Factory(lambda self: self.page_size, takes_self=True),
+        validator=_positive_int,
+    )
     num_kda_layers: int = attrs.field(validator=_positive_int)
     kda_conv_shape: tuple[int, int] = attrs.field(converter=tuple, validator=_positive_shape(2))
     kda_recurrent_shape: tuple[int, int, int] = attrs.field(
@@ -94,6 +103,14 @@ class CacheGeometry:
                 f"but num_mla_layers={self.num_mla_layers} and num_kda_layers={self.num_kda_layers}"
             )
 
+    @mla_rows_per_page.validator
+    def _check_mla_rows(self, attribute: attrs.Attribute, value: int) -> None:
+        if value > self.page_size or self.page_size % value:
+            raise CacheConfigError(
+                f"mla_rows_per_page={value} must divide page_size={self.page_size} (a page's "
+                "tokens split evenly over the ranks sharing its MLA rows)"
+            )
+
     @classmethod
     def from_model_dims(
         cls,
@@ -109,13 +126,23 @@ class CacheGeometry:
         mla_dtype: torch.dtype = torch.bfloat16,
         kda_conv_dtype: torch.dtype = torch.bfloat16,
         layer_kinds: tuple[LayerKind, ...] | None = None,
+        mla_share: int = 1,
     ) -> CacheGeometry:
-        """The geometry of a KDA/MLA hybrid from its attention dimensions (K = V = head_dim)."""
+        """The geometry of a KDA/MLA hybrid from its attention dimensions (K = V = head_dim).
+        mla_share: ranks splitting every request's MLA rows (DCP; must divide page_size)."""
+        if not isinstance(mla_share, int) or isinstance(mla_share, bool) or mla_share < 1:
+            raise CacheConfigError(f"mla_share must be a positive integer, got {mla_share!r}")
+        if page_size % mla_share:
+            raise CacheConfigError(
+                f"page_size={page_size} is not a multiple of mla_share={mla_share}: each of the "
+                "ranks sharing a page's MLA rows keeps page_size / mla_share of them"
+            )
         return cls(
             page_size=page_size,
             num_mla_layers=num_mla_layers,
             mla_row_width=kv_lora_rank + qk_rope_head_dim,
             mla_dtype=mla_dtype,
+            mla_rows_per_page=page_size // mla_share,
             num_kda_layers=num_kda_layers,
             kda_conv_shape=(3 * kda_num_heads * kda_head_dim, kda_conv_kernel - 1),
             kda_recurrent_shape=(kda_num_heads, kda_head_dim, kda_head_dim),
@@ -125,11 +152,16 @@ class CacheGeometry:
 
     @classmethod
     def from_model_config(
-        cls, config, *, page_size: int = 64, dtype: torch.dtype = torch.bfloat16
+        cls,
+        config,
+        *,
+        page_size: int = 64,
+        dtype: torch.dtype = torch.bfloat16,
+        mla_share: int = 1,
     ) -> CacheGeometry:
         """The geometry of a model described by a `tokenspeed.model.ModelConfig` (read by its
         attributes: the cache does not import the model), with MLA rows and conv windows in
-        `dtype` and the layers in the model's order."""
+        `dtype` and the layers in the model's order; mla_share as for `from_model_dims`."""
         return cls.from_model_dims(
             num_mla_layers=len(config.mla_layers),
             kv_lora_rank=config.mla.kv_lora_rank,
@@ -142,6 +174,7 @@ class CacheGeometry:
             mla_dtype=dtype,
             kda_conv_dtype=dtype,
             layer_kinds=config.layer_kinds,
+            mla_share=mla_share,
         )
 
     @property
@@ -150,9 +183,14 @@ class CacheGeometry:
         return self.mla_row_width * _element_size(self.mla_dtype)
 
     @property
+    def mla_share(self) -> int:
+        """Ranks splitting every request's MLA rows (page_size / mla_rows_per_page; 1: none)."""
+        return self.page_size // self.mla_rows_per_page
+
+    @property
     def mla_page_bytes(self) -> int:
-        """Bytes of one page across all MLA layers."""
-        return self.num_mla_layers * self.page_size * self.mla_row_bytes
+        """Bytes of one page across all MLA layers (its mla_rows_per_page rows of each)."""
+        return self.num_mla_layers * self.mla_rows_per_page * self.mla_row_bytes
 
     @property
     def kda_conv_bytes(self) -> int:
@@ -198,19 +236,21 @@ class CacheGeometry:
     @property
     def fingerprint(self) -> str:
         """Short stable id of the byte layout; objects of different layouts never mix in L2."""
-        text = repr(
-            (
-                self.page_size,
-                self.num_mla_layers,
-                self.mla_row_width,
-                str(self.mla_dtype),
-                self.num_kda_layers,
-                self.kda_conv_shape,
-                self.kda_recurrent_shape,
-                str(self.kda_conv_dtype),
-                str(self.kda_recurrent_dtype),
-            )
+        fields = (
+            self.page_size,
+            self.num_mla_layers,
+            self.mla_row_width,
+            str(self.mla_dtype),
+            self.num_kda_layers,
+            self.kda_conv_shape,
+            self.kda_recurrent_shape,
+            str(self.kda_conv_dtype),
+            str(self.kda_recurrent_dtype),
         )
+        if self.mla_rows_per_page != self.page_size:
+            # Only then: whole-page layouts keep the ids the objects already stored carry.
+            fields = (*fields, self.mla_rows_per_page)
+        text = repr(fields)
         return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 

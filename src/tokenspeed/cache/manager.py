@@ -46,6 +46,7 @@ from .errors import (
     TransferError,
 )
 from .handles import PrefixMatch, RequestCache
+from .handoff import CacheExtent, CacheLayout, extent
 from .host_copy import to_device
 from .kda_slots import SINK_SLOT, LiveSlotManager
 from .keys import KeyBuffer, PageKeys, as_page_keys
@@ -590,6 +591,28 @@ class CacheManager:
             self._check_live(h)
             slots[r] = h.live_slot
         return to_device(torch.tensor(slots, dtype=torch.int32), device or self.config.device)
+
+    # ------------------------------------------------------- handoff to another rank (P/D)
+    def handoff_layout(self) -> CacheLayout:
+        """How the device tier lies in memory, for handing requests to or from another rank
+        (`handoff.py`)."""
+        return CacheLayout.of(self._require_storage())
+
+    def export_extent(self, handle: RequestCache, num_tokens: int) -> CacheExtent:
+        """The source of a handoff: the pages holding the request's tokens [0, num_tokens) and
+        its live slot, whose state must be at num_tokens (the caller keeps the handle, hence
+        the pages, until the transfer is done). Waits until nothing still writes into them."""
+        self._check_live(handle)
+        return extent(self._require_storage(), handle, num_tokens, first_page=0)
+
+    def import_extent(self, handle: RequestCache, num_tokens: int) -> CacheExtent:
+        """The destination of a handoff into a handle allocated for it (reserving num_tokens):
+        its pages past its own prefix hit (that hit is shared; it stays) and its live slot.
+        Waits until nothing the cache started (the hit's load, the slot's restore) still
+        writes into them, so that the transfer's bytes are the last to land."""
+        self._check_live(handle)
+        first = handle.num_cached_tokens // self.page_size
+        return extent(self._require_storage(), handle, num_tokens, first_page=first)
 
     def _require_storage(self) -> DeviceStorage:
         if self._storage is None:

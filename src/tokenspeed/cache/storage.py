@@ -2,18 +2,19 @@
 
 Device tensors (absent in metadata-only mode):
 
-    mla              [num_mla_layers, num_pages, P, W]            mla_dtype       (page 0: sink)
+    mla              [num_mla_layers, num_pages, R, W]            mla_dtype       (page 0: sink)
     conv             [num_kda_layers, num_live_slots, C, Kc]      kda_conv_dtype  (slot 0: sink)
     recurrent        [num_kda_layers, num_live_slots, H, K, V]    kda_recurrent_dtype
     ckpt_conv        [num_kda_layers, num_checkpoint_slots, C, Kc]
     ckpt_recurrent   [num_kda_layers, num_checkpoint_slots, H, K, V]
 
-(W = mla_row_width, C x Kc = kda_conv_shape, H x K x V = kda_recurrent_shape.) The layer axis comes
-first so that `mla[l]` is the contiguous `[num_pages, P, W]` pool one attention kernel reads.
+(R = mla_rows_per_page: the page size P, or P / C on a rank of a DCP group of C; W =
+mla_row_width, C x Kc = kda_conv_shape, H x K x V = kda_recurrent_shape.) The layer axis comes
+first so that `mla[l]` is the contiguous `[num_pages, R, W]` pool one attention kernel reads.
 
 Host objects (L2 payloads) are flat uint8 CPU tensors:
 
-    page         the page's rows of every MLA layer, as [num_mla_layers, P, W] mla_dtype
+    page         the page's rows of every MLA layer, as [num_mla_layers, R, W] mla_dtype
     checkpoint   per KDA layer, the conv bytes then the recurrent bytes: [num_kda_layers, S]
                  with S = geometry.kda_layer_state_bytes
 
@@ -44,7 +45,7 @@ class DeviceStorage:
         self.mla = torch.zeros(
             g.num_mla_layers,
             sizes.num_pages,
-            g.page_size,
+            g.mla_rows_per_page,
             g.mla_row_width,
             dtype=g.mla_dtype,
             device=device,
@@ -68,7 +69,7 @@ class DeviceStorage:
 
     # ----------------------------------------------------------------- views for the runtime
     def mla_layer(self, layer: int) -> torch.Tensor:
-        """[num_pages, P, W] page pool of one MLA layer."""
+        """[num_pages, R, W] page pool of one MLA layer."""
         return self.mla[layer]
 
     def kda_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +95,7 @@ class DeviceStorage:
         """Host payloads ([mla_page_bytes] uint8 each) of the given pages."""
         g = self.geometry
         idx = torch.tensor(pids, dtype=torch.long, device=self.device)
-        rows = self.mla.index_select(1, idx).permute(1, 0, 2, 3).contiguous()  # [n, Lm, P, W]
+        rows = self.mla.index_select(1, idx).permute(1, 0, 2, 3).contiguous()  # [n, Lm, R, W]
         host = rows.cpu().view(len(pids), -1)
         return list(host.view(torch.uint8).view(len(pids), g.mla_page_bytes).unbind(0))
 
@@ -114,8 +115,8 @@ class DeviceStorage:
         g = self.geometry
         n = len(pids)
         typed = torch.stack(payloads).view(g.mla_dtype)
-        staging = typed.view(n, g.num_mla_layers, g.page_size, g.mla_row_width)
-        staging = staging.permute(1, 0, 2, 3).contiguous()  # [Lm, n, P, W]
+        staging = typed.view(n, g.num_mla_layers, g.mla_rows_per_page, g.mla_row_width)
+        staging = staging.permute(1, 0, 2, 3).contiguous()  # [Lm, n, R, W]
         if self._pin:
             staging = staging.pin_memory()
         idx = torch.tensor(pids, dtype=torch.long, device=self.device)

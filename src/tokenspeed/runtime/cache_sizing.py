@@ -1,8 +1,18 @@
-"""How big an engine's device cache is, and whether the device can hold it."""
+"""How big an engine's device cache is, and whether the device can hold it.
+
+On a rank of a decode-context-parallel (DCP) group of C ranks, the model's MLA layers keep 1/C
+of every request's rows (position p on member p % C as its local row p // C). The cache keeps
+its pages of `page_size` tokens (the scheduler, prefix index, KDA checkpoints and L2 see the
+same pages on every member) but a device page holds only `page_size / C` rows of each MLA
+layer: the rows of that page's positions this member owns, which is exactly the local page the
+DCP attention reads (local row k at row k % R of page page_table[k // R], R = page_size / C).
+So a page costs 1/C of the MLA bytes, and one budget holds C times the tokens.
+"""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import attrs
 import torch
@@ -14,8 +24,22 @@ from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineConfigError
 from .device import InsufficientMemoryError, free_memory_bytes
 
 
-def cache_geometry(model, page_size: int) -> CacheGeometry:
-    """The cache geometry of a `KimiForCausalLM` (rows in the model's dtype)."""
+def mla_share(model) -> int:
+    """Ranks splitting every request's MLA rows in `model`: the DCP group of its MLA layers
+    (`tokenspeed.parallel.apply_dcp`), 1 when they are not split."""
+    dcp = sys.modules.get("tokenspeed.parallel.dcp")
+    if dcp is None or not hasattr(model, "modules"):
+        # Not imported: nothing was split (and a single-rank engine need not load it).
+        return 1
+    sizes = {m.dcp_group.size for m in model.modules() if isinstance(m, dcp.DcpGatedMla)}
+    if len(sizes) > 1:
+        raise EngineConfigError(f"the model's MLA layers are split over DCP groups of {sizes}")
+    return sizes.pop() if sizes else 1
+
+
+def cache_geometry(model, page_size: int, dcp: int = 1) -> CacheGeometry:
+    """The cache geometry of a `KimiForCausalLM` (rows in the model's dtype); dcp: ranks
+    splitting its MLA rows (each device page holds page_size / dcp rows)."""
     cfg, dtype = model.config, model.lm_head.weight.dtype
     if not cfg.mla_layers or not cfg.kda_layers:
         # The cache keys prefixes by MLA pages and restores KDA state checkpoints: it is built
@@ -24,7 +48,12 @@ def cache_geometry(model, page_size: int) -> CacheGeometry:
             "the engine serves hybrid models with at least one MLA and one KDA layer; this "
             f"model has {len(cfg.mla_layers)} MLA and {len(cfg.kda_layers)} KDA layers"
         )
-    return CacheGeometry.from_model_config(cfg, page_size=page_size, dtype=dtype)
+    if page_size % dcp:
+        raise EngineConfigError(
+            f"EngineConfig.page_size={page_size} is not a multiple of the DCP group size {dcp}: "
+            f"each of its ranks keeps page_size / {dcp} MLA rows of every page"
+        )
+    return CacheGeometry.from_model_config(cfg, page_size=page_size, dtype=dtype, mla_share=dcp)
 
 
 def fit_config(config: EngineConfig, model) -> EngineConfig:
@@ -63,11 +92,12 @@ def check_budget_fits(budget: int, device: torch.device, *, explicit: bool) -> N
 
 
 def plan_cache(
-    model, config: EngineConfig, device: torch.device
+    model, config: EngineConfig, device: torch.device, *, dcp: int | None = None
 ) -> tuple[CacheConfig, CacheGeometry]:
     """The device cache an engine over `model` builds from `config`: checked against the
-    device's free memory before anything is allocated."""
-    geometry = cache_geometry(model, config.page_size)
+    device's free memory before anything is allocated. dcp: ranks splitting the MLA rows
+    (None: as the model's MLA layers are split, `mla_share`)."""
+    geometry = cache_geometry(model, config.page_size, mla_share(model) if dcp is None else dcp)
     checkpoints = config.checkpoint_slots
     if config.cache_budget_bytes is None:
         checkpoints = checkpoints or 4 * config.max_num_seqs

@@ -10,9 +10,19 @@ though each has its own requests, scheduler and cache. Each step they agree on t
         outputs = lock.step()                   # (at least once: a rank with no requests too)
         if not lock.engine.has_unfinished() and not lock.group_busy:
             break                               # every rank leaves at the same step
+
+Decode context parallelism (`dcp`: a group of the control ranks whose members run the same
+requests, the MLA rows split between them) rides on the same all-reduce: each member also sends
+a digest of its plan and of its previous step's outputs, so members that would run different
+steps (or sampled different tokens) stop with a LockstepError before their forwards pair the
+wrong collectives; and the group's first member (its leader) sends how many commands it has
+received, the count every member applies before its next step (`commands_agreed`), so that a
+request reaches every member's scheduler at the same step.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -52,6 +62,13 @@ class LockstepEngine:
       added later on one rank need every rank to enter `step()` again (the front end tells
       them all).
     - `engine`: the wrapped engine; add_request and abort go to it directly, between steps.
+    - `dcp`: this rank's DCP group (None or one rank: no DCP), a run of whole groups tiling
+      `control`. Its members must be given the same commands in the same order; `step(commands=)`
+      takes the count the leader has received (ignored on the others) and `commands_agreed` is,
+      after the step, the leader's count, which every member applies before its next step. The
+      all-reduce then also carries each group's [leader's count, max digest, -min digest]: a
+      member whose plan or previous outputs differ from its peers' raises LockstepError (on
+      every member of the group at once, before any forward).
 
     Failures. A plan's forwards are counted by the runner as they begin and end:
     - `run_plan` raises `StepError` between forwards (sampling, host bookkeeping): the rank's
@@ -66,9 +83,19 @@ class LockstepEngine:
       issued fewer, so that the peers finish the step.
     """
 
-    def __init__(self, engine: Engine, control: Group) -> None:
+    def __init__(self, engine: Engine, control: Group, dcp: Group | None = None) -> None:
         self.engine = engine
         self.control = control
+        self.dcp = dcp if dcp is not None and dcp.size > 1 else None
+        self.commands_agreed = 0  # DCP: the leader's command count at the last step
+        self._outputs_digest = _digest(())
+        if self.dcp is not None:
+            if set(self.dcp.ranks) - set(control.ranks) or control.size % self.dcp.size:
+                raise ValueError(
+                    f"the DCP group {self.dcp.ranks} does not tile the control group "
+                    f"{control.ranks}"
+                )
+            self._slot = control.ranks.index(self.dcp.ranks[0]) // self.dcp.size
         self._busy = False
         self.steps = 0  # step() calls
         self.forwards = 0  # forwards this rank ran for its own plans
@@ -79,12 +106,13 @@ class LockstepEngine:
         """Whether any rank of the group had unfinished requests at the last `step()`."""
         return self._busy
 
-    def step(self) -> list[RequestOutput]:
-        """One step of the group (collective on `control`); this rank's outputs."""
+    def step(self, commands: int = 0) -> list[RequestOutput]:
+        """One step of the group (collective on `control`); this rank's outputs. commands: with
+        DCP, how many commands this rank (the leader's count is agreed) has received so far."""
         engine = self.engine
         plan = engine.plan_step()
         n = engine.forwards_in(plan)
-        total = self._agree(n, engine.has_unfinished())
+        total = self._agree(n, engine.has_unfinished(), plan, commands)
         self.steps += 1
         runner = engine.runner
         started, done = runner.forwards_started, runner.forwards_done
@@ -116,6 +144,8 @@ class LockstepEngine:
             self.idle_forwards += 1
         if error is not None:
             raise error
+        if self.dcp is not None:
+            self._outputs_digest = _digest(_output_summary(outputs))
         if issued != n:
             raise LockstepError(
                 f"rank {self.control.rank}: its plan issued {issued} forwards but forwards_in "
@@ -123,9 +153,13 @@ class LockstepEngine:
             )
         return outputs
 
-    def _agree(self, forwards: int, unfinished: bool) -> int:
-        """The group's maximum of `forwards`; sets `group_busy` (any rank unfinished)."""
-        agreed = torch.tensor([forwards, int(unfinished)], dtype=torch.int64)
+    def _agree(self, forwards: int, unfinished: bool, plan=None, commands: int = 0) -> int:
+        """The group's maximum of `forwards`; sets `group_busy` (any rank unfinished) and, with
+        DCP, `commands_agreed` (after checking the members agree)."""
+        values = [forwards, int(unfinished)]
+        if self.dcp is not None:
+            values += self._dcp_values(plan, commands)
+        agreed = torch.tensor(values, dtype=torch.int64)
         if self.control.size > 1:
             try:
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.control.handle)
@@ -135,6 +169,54 @@ class LockstepEngine:
                     f"{self.control.ranks} failed (a peer gone or out of step); this engine must "
                     "not be stepped again"
                 ) from exc
-        total, busy = agreed.tolist()
+        total, busy, *rest = agreed.tolist()
         self._busy = bool(busy)
+        if self.dcp is not None:
+            self._check_dcp(rest)
         return total
+
+    def _dcp_values(self, plan, commands: int) -> list[int]:
+        """This rank's entries of the DCP part of the all-reduce: NONE for every other group's
+        three slots (MAX ignores them), [the leader's count, digest, -digest] for its own."""
+        values = [NONE] * (3 * (self.control.size // self.dcp.size))
+        digest = _digest((_plan_summary(plan), self._outputs_digest))
+        count = commands if self.dcp.index == 0 else NONE
+        values[3 * self._slot : 3 * self._slot + 3] = [count, digest, -digest]
+        return values
+
+    def _check_dcp(self, values: list[int]) -> None:
+        count, most, least = values[3 * self._slot : 3 * self._slot + 3]
+        if most != -least:
+            raise LockstepError(
+                f"rank {self.control.rank}: the members of DCP group {self.dcp.ranks} disagree "
+                "on this step's plan or on the tokens of their last step (they must run the "
+                "same requests and sample the same tokens); the group is broken"
+            )
+        self.commands_agreed = count
+
+
+# The value of a slot a rank has nothing to say about in the MAX all-reduce.
+NONE = torch.iinfo(torch.int64).min
+
+
+def _digest(value) -> int:
+    """A non-negative int63 digest of `value`'s repr (the same on every process, unlike
+    hash(), which Python salts per process for strings)."""
+    raw = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 1
+
+
+def _plan_summary(plan) -> tuple:
+    """What a plan runs: each prefill chunk's request and token range, the decode batch."""
+    prefill = () if plan.prefill is None else plan.prefill.chunks
+    chunks = tuple((repr(c.request.rid), c.start, c.end, c.checkpoints, c.is_last) for c in prefill)
+    decode = plan.decode
+    rows = () if decode is None else tuple(repr(r.rid) for r in decode.requests)
+    return chunks, rows, None if decode is None else (decode.padded_size, decode.steps)
+
+
+def _output_summary(outputs: list[RequestOutput]) -> tuple:
+    """What a step returned: each request's token count, last tokens and end."""
+    return tuple(
+        (repr(o.request_id), len(o.token_ids), tuple(o.token_ids[-8:]), o.finished) for o in outputs
+    )

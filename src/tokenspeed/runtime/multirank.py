@@ -17,6 +17,12 @@ outstanding work (tokens still to compute of its unfinished requests, by the rou
 tokenspeed.sched.router) unless the caller names the rank (`add_request(..., rank=r)`). DEP
 ranks step together (`LockstepEngine`); DWDP ranks (`ParallelConfig.dwdp`) each step alone.
 
+Decode context parallelism (`ParallelConfig.dcp`): the unit of placement is a DCP group of
+`dcp` consecutive ranks. A request placed on a group is sent to every member (they apply it at
+the same step, agreed in the lockstep all-reduce), each member keeping its share of the
+request's MLA rows; the group's first rank (its leader) alone reports outputs, rejections and
+cache counters, and the load report has one entry per group (`rank`: its leader).
+
 Host tier: with `ParallelConfig.l2="mooncake"` every rank reads and writes one Mooncake store,
 so a turn placed on another rank than its conversation's earlier turns still loads their
 prefix. Without `l2_master`, the front end starts the store (a master and a segment owner on
@@ -176,13 +182,15 @@ def model_dtype(model: str, dtype: str, device: torch.device) -> torch.dtype:
     return resolve_dtype(dtype, load_config_json(model))
 
 
-def check_rank_cache(model, model_config, config, dtype, device, world_size: int) -> None:
+def check_rank_cache(
+    model, model_config, config, dtype, device, world_size: int, dcp: int = 1
+) -> None:
     """Refuse, before any worker starts, a cache every rank would refuse (a budget that cannot
     hold one request, more than the device holds); ranks sharing the host's memory (the CPU)
-    need world_size caches of it."""
+    need world_size caches of it. dcp: ranks splitting the MLA rows (pages of fewer bytes)."""
     head = types.SimpleNamespace(weight=torch.empty(0, dtype=model_dtype(model, dtype, device)))
     stub = types.SimpleNamespace(config=model_config, lm_head=head)
-    cache_config, _ = plan_cache(stub, config, device)
+    cache_config, _ = plan_cache(stub, config, device, dcp=dcp)
     if device.type == "cpu" and world_size > 1:
         budget = cache_config.device_budget_bytes
         try:
@@ -262,6 +270,7 @@ class MultiRankEngine:
         # Everything that can be checked is checked before a process starts.
         model_config = model_config_of(model)
         parallel.check_model(model_config)
+        parallel.check_engine(config)
         if parallel.l2_backend == "mooncake" and config.l2 == "none":
             raise ParallelError(
                 "ParallelConfig.l2='mooncake' shares a host tier, but EngineConfig.l2='none' "
@@ -281,19 +290,26 @@ class MultiRankEngine:
                 f"this machine has {torch.cuda.device_count()}"
             )
         self.config = fit_config(config, types.SimpleNamespace(config=model_config))
-        check_rank_cache(model, model_config, self.config, dtype, device, parallel.world_size)
+        check_rank_cache(
+            model, model_config, self.config, dtype, device, parallel.world_size, parallel.dcp
+        )
         self.parallel = parallel
         self.model_config = model_config
         self.tokenizer = front_tokenizer(model, model_config)
+        # Requests are placed on attention-DP units: ranks, or DCP groups (by their leader).
+        self._dcp = parallel.dcp
         self._router = Router(
-            RouterConfig(num_prefill_ranks=parallel.world_size, policy=RoutingPolicy(routing))
+            RouterConfig(num_prefill_ranks=parallel.attention_dp, policy=RoutingPolicy(routing))
         )
         self._placed: dict[Hashable, _Placed] = {}
         world = parallel.world_size
-        self._loads = [RankLoad(rank, None) for rank in range(world)]
+        self._loads = [RankLoad(rank, None) for rank in range(0, world, self._dcp)]
         self._pending: list[RequestOutput] = []
         # Per rank, how it holds the routed experts ("dep", "dwdp", "replicated"), once ready.
         self.rank_experts: list[str | None] = [None] * world
+        # Per rank, its device cache (`worker.cache_layout`: pages, MLA rows and bytes of a
+        # page, tokens held), once ready.
+        self.rank_caches: list[dict | None] = [None] * world
         self._failure: WorkerError | None = None
         self._closed = False
 
@@ -338,7 +354,8 @@ class MultiRankEngine:
                 # The parent's copies of the child's ends: closing them lets EOF through.
                 cmd_recv.close()
                 res_send.close()
-                self._loads[rank].pid = proc.pid
+                if rank % self._dcp == 0:
+                    self._loads[rank // self._dcp].pid = proc.pid
             self._wait_ready(parallel.start_timeout_s)
         except BaseException:
             self._finalizer()
@@ -422,7 +439,9 @@ class MultiRankEngine:
         rank: int | None = None,
     ) -> int:
         """Queue a request on `rank`, or (None) on the rank with the least outstanding work;
-        returns that rank. Raises RequestError (nothing queued) when it cannot be served."""
+        returns that rank. With DCP, on the group of `rank` (or the least loaded group), every
+        member of it; returns the group's leader. Raises RequestError (nothing queued) when it
+        cannot be served."""
         self._check()
         world = self.parallel.world_size
         if rank is not None and (
@@ -445,11 +464,12 @@ class MultiRankEngine:
         )
         if rank is None:
             loads = [load.outstanding_tokens for load in self._loads]
-            rank = self._router.pick_prefill(loads, session)
+            rank = self._router.pick_prefill(loads, session) * self._dcp
+        rank -= rank % self._dcp  # its DCP group's leader
         placed = _Placed(rank, len(ids), min(params.max_tokens, limit - len(ids)))
         self._send(rank, ("add", request_id, ids, params, prompt, session))
         self._placed[request_id] = placed
-        load = self._loads[rank]
+        load = self._loads[rank // self._dcp]
         load.requests += 1
         load.tokens += placed.outstanding
         load.outstanding_requests += 1
@@ -475,10 +495,12 @@ class MultiRankEngine:
         return len(self._placed)
 
     def _send(self, rank: int, command) -> None:
-        try:
-            self._commands[rank].send(command)
-        except (OSError, ValueError):
-            self._fail(rank, _exit_cause(self._procs[rank].exitcode))
+        """Send `command` to `rank`, or to every member of its DCP group (`rank`: the leader)."""
+        for member in self.parallel.dcp_ranks(rank):
+            try:
+                self._commands[member].send(command)
+            except (OSError, ValueError):
+                self._fail(member, _exit_cause(self._procs[member].exitcode))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -518,6 +540,7 @@ class MultiRankEngine:
                         continue
                     on_ready[rank] = config
                     self.rank_experts[rank] = message[4]
+                    self.rank_caches[rank] = message[5]
                 elif kind == "rejected":
                     _, rid, detail = message
                     self._forget(rid)
@@ -540,7 +563,7 @@ class MultiRankEngine:
             placed = self._placed.get(out.request_id)
             if placed is None:
                 continue  # rejected, or finished already
-            load = self._loads[rank]
+            load = self._loads[rank // self._dcp]
             before = placed.outstanding
             placed.generated = len(out.outputs[0].token_ids)
             load.outstanding_tokens -= before - placed.outstanding
@@ -551,7 +574,7 @@ class MultiRankEngine:
                 outputs.append(out)
 
     def _counted(self, rank: int, counts: dict[str, int]) -> None:
-        load = self._loads[rank]
+        load = self._loads[rank // self._dcp]
         load.cache_prompt_tokens = counts["prompt_tokens"]
         load.cache_hit_tokens = counts["hit_tokens"]
         load.l2_hit_tokens = counts["l2_hit_tokens"]
@@ -560,7 +583,7 @@ class MultiRankEngine:
     def _forget(self, rid) -> None:
         placed = self._placed.pop(rid, None)
         if placed is not None:
-            load = self._loads[placed.rank]
+            load = self._loads[placed.rank // self._dcp]
             load.outstanding_requests -= 1
             load.outstanding_tokens -= placed.outstanding
 
@@ -598,7 +621,8 @@ class MultiRankEngine:
 
     # ------------------------------------------------------------------ metrics
     def load_report(self) -> LoadReport:
-        """Per-rank load placed by the front end, and its imbalance (max / mean)."""
+        """Per-rank load placed by the front end, and its imbalance (max / mean); with DCP,
+        per group (counted once, `rank` its leader)."""
         return LoadReport(tuple(attrs.evolve(load) for load in self._loads))
 
     def metrics(self) -> dict:

@@ -1,11 +1,13 @@
 """`ParallelConfig`: how many worker processes a multi-rank engine runs, and how they split the
 model: DEP (attention data parallel on every rank, experts over `ep` ranks, projections over `tp`
-subgroups, ranks stepping in lockstep) or DWDP prefill ranks (every rank runs its own batches
-independently, routed expert weights stored split over `dwdp` ranks and fetched as needed); and
-which host tier (L2) the ranks use: each its own, or one Mooncake store they share. See
-docs/parallel.md and docs/guide.md.
+subgroups, ranks stepping in lockstep), optionally with decode context parallelism (`dcp`
+consecutive ranks running the same requests, each holding 1/dcp of every request's MLA rows),
+or DWDP prefill ranks (every rank runs its own batches independently, routed expert weights
+stored split over `dwdp` ranks and fetched as needed); and which host tier (L2) the ranks use:
+each its own, or one Mooncake store they share. See docs/parallel.md and docs/guide.md.
 
     LLM("tiny", parallel=ParallelConfig(world_size=4, tp=2))   # 4 workers, DEP 4, TP pairs
+    LLM("tiny", parallel=ParallelConfig(world_size=4, dcp=2))  # 2 DCP pairs, DEP 4
     LLM("tiny", parallel=ParallelConfig(world_size=2, dwdp=2, l2="mooncake"))  # DWDP, shared L2
 
 Validated when built (`ParallelError` naming the numbers), and against the model's heads and
@@ -79,6 +81,16 @@ class ParallelConfig:
         ranks; attention and its cache stay data parallel). 1: none.
     ep: expert-parallel size of the routed experts (None: world_size, DEP over every rank;
         1 with dwdp).
+    dcp: decode context parallelism: groups of `dcp` consecutive ranks each serve one share of
+        the requests (the front end places a request on a group: every member runs it, the same
+        tokens at the same steps), every member holding 1/dcp of each request's MLA latent rows
+        (position p on member p % dcp) and merging the members' partial attention exactly;
+        weights, KDA state and outputs are replicated in the group. The cache's pages stay
+        EngineConfig.page_size tokens (which dcp must divide) with page_size / dcp MLA rows on
+        each member, so one cache budget holds dcp times the tokens. Attention data parallel
+        over world_size / dcp groups; combines with ep and tp (DEP), not with dwdp, and not
+        with a shared l2="mooncake" (members' hits must agree, and a shared store evicts each
+        member's objects on its own). 1: none.
     dwdp: DWDP prefill ranks instead of DEP (None: DEP): the routed experts are stored split over
         groups of `dwdp` consecutive ranks and each rank fetches the others' blocks as it runs;
         every rank runs its own batches with no per-layer synchronisation (no lockstep, no empty
@@ -101,6 +113,7 @@ class ParallelConfig:
     world_size: int = attrs.field(validator=_count)
     tp: int = attrs.field(default=1, validator=_count)
     ep: int | None = attrs.field(default=None, validator=_optional_count)
+    dcp: int = attrs.field(default=1, validator=_count)
     timeout_s: float = attrs.field(default=60.0, validator=_seconds)
     start_timeout_s: float = attrs.field(default=120.0, validator=_seconds)
     stop_grace_s: float = attrs.field(default=5.0, validator=_seconds)
@@ -123,12 +136,39 @@ class ParallelConfig:
                     f"ParallelConfig.dwdp={self.dwdp} ranks run independently, and tp={self.tp} "
                     "subgroups gather tokens at every layer: DWDP takes tp=1"
                 )
+        if self.dcp > 1:
+            self._check_dcp()
         if self.l2 == "local" and self.l2_master is not None:
             raise ParallelError(
                 f"ParallelConfig.l2_master={self.l2_master!r} is a shared Mooncake tier, but "
                 "l2='local' keeps a tier per rank: give l2='mooncake' (or leave l2 out)"
             )
         self.dims()  # the degrees against each other (ParallelDims names the numbers)
+
+    def _check_dcp(self) -> None:
+        if self.dwdp is not None:
+            raise ParallelError(
+                f"ParallelConfig.dcp={self.dcp} members run the same tokens in lockstep, and "
+                f"dwdp={self.dwdp} ranks run independently: DCP takes DEP ranks (leave dwdp out)"
+            )
+        if self.l2_backend == "mooncake":
+            raise ParallelError(
+                f"ParallelConfig.dcp={self.dcp} members must see the same prefix hits, but a "
+                "shared Mooncake tier evicts each member's objects on its own: use l2='local' "
+                "(each member its own tier, which holds its share of the rows)"
+            )
+
+    @property
+    def attention_dp(self) -> int:
+        """Groups that run attention on their own requests (each with its own cache): every
+        rank, or every DCP group of `dcp` ranks."""
+        return self.world_size // self.dcp
+
+    def dcp_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of `rank`'s DCP group (consecutive; the first is its leader, whose outputs
+        the front end takes); (rank,) without DCP."""
+        start = rank // self.dcp * self.dcp
+        return tuple(range(start, start + self.dcp))
 
     @property
     def independent(self) -> bool:
@@ -160,6 +200,7 @@ class ParallelConfig:
                 world_size=self.world_size,
                 tp=self.tp,
                 ep=self.expert_parallel,
+                dcp=self.dcp,
                 dwdp=self.dwdp or 1,
             )
         except ParallelError as exc:
@@ -187,8 +228,24 @@ class ParallelConfig:
                 ) from None
 
     def check_model(self, config: ModelConfig) -> None:
-        """Refuse degrees the model cannot be split by (its heads, hidden size, experts)."""
+        """Refuse degrees the model cannot be split by (its heads, hidden size, experts; DCP
+        splits the MLA cache, so the model needs MLA layers)."""
         self.dims().check_model(config)
+        if self.dcp > 1 and not config.mla_layers:
+            raise ParallelError(
+                f"ParallelConfig.dcp={self.dcp} splits the MLA latent cache, but model "
+                f"{config.name} has no MLA layers"
+            )
+
+    def check_engine(self, config) -> None:
+        """Refuse an `EngineConfig` the layout cannot run: with DCP, pages whose tokens do not
+        split evenly over the members (each keeps page_size / dcp MLA rows of every page)."""
+        if config.page_size % self.dcp:
+            raise ParallelError(
+                f"ParallelConfig.dcp={self.dcp} gives each member page_size / {self.dcp} MLA "
+                f"rows of every page, but EngineConfig.page_size={config.page_size} is not a "
+                f"multiple of {self.dcp}"
+            )
 
 
 def model_config_of(model: str | Path) -> ModelConfig:

@@ -11,7 +11,12 @@ closes (the front end is gone).
 
 Two modes, by `ParallelConfig.dwdp`:
 - DEP (dwdp None): a `LockstepEngine` over a gloo control group spanning the world; every rank
-  steps with its peers (the experts' all-to-alls couple their forwards).
+  steps with its peers (the experts' all-to-alls couple their forwards). With
+  `ParallelConfig.dcp`, the members of a DCP group run the same requests (each holding its
+  share of their MLA rows): the front end sends every command to every member, and each member
+  applies them at the step its group's leader (first member) agreed in the lockstep all-reduce,
+  so their schedulers see the same requests at the same steps; only the leader answers
+  (outputs, rejections, cache counters).
 - DWDP prefill ranks: the routed experts stored split over the dwdp group and fetched one-sided
   (`apply_dwdp(..., transport="shared_memory")`, CPU weights: each rank's block in shared
   memory, its peers copying from it); every rank steps its own engine on its own, never waiting
@@ -26,6 +31,8 @@ prompt, in prompt order):
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m tokenspeed.runtime.worker --model tiny --ep 2 \\
         --prompt-ids '[[5, 6, 7], [8, 9]]' --max-tokens 16
+
+(--dcp N: DCP groups of N ranks, a prompt placed on a group.)
 
 --prompt-ids takes a JSON list of token-id lists, or a path to a file holding one; --prompt
 (repeatable) a text prompt. This mode serves one batch and exits.
@@ -42,7 +49,9 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
 
@@ -81,7 +90,7 @@ class WorkerSpec:
 @attrs.define
 class Rank:
     """One built rank: its engine, the lockstep wrapper (DEP; None: DWDP, independent) and the
-    groups."""
+    groups (`dcp`: the rank's DCP group, None without DCP)."""
 
     rank: int
     world_size: int
@@ -91,6 +100,13 @@ class Rank:
     engine: Engine
     lockstep: object | None  # a LockstepEngine
     shared_l2: object | None = None  # the client of the shared Mooncake tier, if any
+    dcp: Group | None = None
+
+    @property
+    def answers(self) -> bool:
+        """Whether this rank reports to the front end (a DCP group's members hold the same
+        requests: its leader alone answers)."""
+        return self.dcp is None or self.dcp.index == 0
 
     @property
     def experts(self) -> str:
@@ -103,9 +119,10 @@ class Rank:
         split = any(isinstance(m, DwdpExperts) for m in self.engine.model.modules())
         return "dwdp" if split else "replicated"
 
-    def step(self) -> list:
-        """One step of this rank: with its peers (DEP, collective) or alone (DWDP)."""
-        return self.engine.step() if self.lockstep is None else self.lockstep.step()
+    def step(self, commands: int = 0) -> list:
+        """One step of this rank: with its peers (DEP, collective) or alone (DWDP). commands:
+        the commands received so far (a DCP leader's count is agreed with its members)."""
+        return self.engine.step() if self.lockstep is None else self.lockstep.step(commands)
 
     @property
     def busy(self) -> bool:
@@ -175,10 +192,16 @@ def build_rank(spec: WorkerSpec, rank: int, init_method: str, local_rank: int) -
         control = Group(handle, ranks, rank)
     model, tokenizer = _rank_model(spec, groups, device)
     config = spec.config.evolve(device=str(device))
+    dcp = groups["dcp"] if dims.dcp > 1 else None
+    if dcp is not None and device.type == "cuda":
+        # DCP attention (the torch reference) syncs with the host: no graph can capture it.
+        config = config.evolve(enable_cuda_graph=False)
     l2 = shared_l2(spec)
+    # The engine sizes its cache from the model: a DCP member's pages hold page_size / dcp
+    # MLA rows (runtime/cache_sizing.py).
     engine = Engine(model, tokenizer, config, l2=l2)
-    lockstep = None if control is None else LockstepEngine(engine, control)
-    return Rank(rank, world, device, groups, control, engine, lockstep, l2)
+    lockstep = None if control is None else LockstepEngine(engine, control, dcp)
+    return Rank(rank, world, device, groups, control, engine, lockstep, l2, dcp)
 
 
 def _transform(spec: WorkerSpec, model, groups: ParallelGroups, *, loaded: bool) -> None:
@@ -256,6 +279,49 @@ class _Shutdown(Exception):
     """The front end asked this worker to stop."""
 
 
+class _Inbox:
+    """The front end's commands to one rank, applied in the order they came: each as soon as
+    it is read, or on a DCP member, up to the count its group's leader agreed (waiting up to
+    `wait_s` for one not yet read: the front end sends each command to every member)."""
+
+    def __init__(self, conn, wait_s: float) -> None:
+        self._conn = conn
+        self._wait_s = wait_s
+        self._pending: deque = deque()
+        self.count = 0  # commands read so far
+        self.applied = 0
+
+    def read(self) -> None:
+        """Take what has arrived; a shutdown stops the rank at once."""
+        while self._conn.poll(0):
+            self._take(self._conn.recv())
+
+    def _take(self, command) -> None:
+        if command[0] == "shutdown":
+            raise _Shutdown
+        self._pending.append(command)
+        self.count += 1
+
+    def apply(self, upto: int, engine: Engine, send) -> None:
+        """Apply the commands up to number `upto`."""
+        deadline = time.monotonic() + self._wait_s
+        while self.count < upto:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._conn.poll(left):
+                raise RuntimeError(
+                    f"command {self.count + 1} of the front end, which this rank's DCP leader "
+                    f"has, did not arrive within {self._wait_s} s"
+                )
+            self._take(self._conn.recv())
+        while self.applied < upto:
+            _handle(self._pending.popleft(), engine, send)
+            self.applied += 1
+
+
+def _unsent(message) -> None:
+    """Where a DCP member that is not its group's leader sends its answers: nowhere."""
+
+
 def _handle(command, engine: Engine, send) -> None:
     kind = command[0]
     if kind == "add":
@@ -285,18 +351,36 @@ def cache_counts(engine: Engine) -> dict[str, int]:
     }
 
 
-def serve(built: Rank, commands, send) -> None:
+def cache_layout(engine: Engine) -> dict[str, int]:
+    """The rank's device cache: pages of page_size tokens (the sink page not counted), the MLA
+    rows and bytes of one page (page_size / dcp rows on a DCP member), the tokens it holds."""
+    geometry, sizes = engine.cache.geometry, engine.cache.sizes
+    pages = sizes.num_pages - 1
+    return {
+        "page_size": geometry.page_size,
+        "num_pages": pages,
+        "mla_rows_per_page": geometry.mla_rows_per_page,
+        "mla_page_bytes": geometry.mla_page_bytes,
+        "token_capacity": pages * geometry.page_size,
+    }
+
+
+def serve(built: Rank, commands, send, wait_s: float = 60.0) -> None:
     """The step loop of a spawned rank, until a shutdown command (or EOFError when the front
-    end's pipe closes)."""
+    end's pipe closes). wait_s: how long a DCP member waits for a command its leader has."""
     engine = built.engine
+    inbox = _Inbox(commands, wait_s)
+    reply = send if built.answers else _unsent
     idle = 0.0
     while True:
-        while commands.poll(0):
-            _handle(commands.recv(), engine, send)
-        outputs = built.step()
-        if outputs:
+        inbox.read()
+        agreed = inbox.count if built.dcp is None else built.lockstep.commands_agreed
+        inbox.apply(agreed, engine, reply)
+        outputs = built.step(inbox.count)
+        if outputs and built.answers:
             send(("out", outputs, cache_counts(engine)))
-        if built.busy:
+        waiting = built.dcp is not None and built.lockstep.commands_agreed > inbox.applied
+        if built.busy or waiting:
             idle = 0.0
         else:  # nobody has anything to do: wait for a command, a little longer each time
             idle = min(IDLE_WAIT_S, max(2 * idle, 0.001))
@@ -324,8 +408,9 @@ def worker_main(spec: WorkerSpec, rank: int, port: int, commands, results) -> No
     built = None
     try:
         built = build_rank(spec, rank, f"tcp://127.0.0.1:{port}", local_rank=rank)
-        send(("ready", rank, os.getpid(), built.engine.config, built.experts))
-        serve(built, commands, send)
+        engine = built.engine
+        send(("ready", rank, os.getpid(), engine.config, built.experts, cache_layout(engine)))
+        serve(built, commands, send, wait_s=spec.parallel.timeout_s)
     except (_Shutdown, EOFError, BrokenPipeError):
         if built is not None:
             built.close()  # asked to stop, or the front end is gone: leave the store cleanly
@@ -355,6 +440,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny", help="a preset name or a checkpoint directory")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=None, help="default: the world size")
+    parser.add_argument("--dcp", type=int, default=1, help="DCP group size (default: none)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -396,7 +482,9 @@ def run_torchrun(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    parallel = ParallelConfig(world_size=world, tp=args.tp, ep=args.ep, timeout_s=args.timeout_s)
+    parallel = ParallelConfig(
+        world_size=world, tp=args.tp, ep=args.ep, dcp=args.dcp, timeout_s=args.timeout_s
+    )
     parallel.check_model(model_config_of(args.model))
     options = {"max_num_seqs": args.max_num_seqs, "decode_steps": args.decode_steps}
     if args.max_model_len is not None:
@@ -405,13 +493,16 @@ def run_torchrun(argv: list[str] | None = None) -> None:
     spec = WorkerSpec(
         model=args.model, dtype=args.dtype, seed=args.seed, config=config, parallel=parallel
     )
+    parallel.check_engine(config)
     built = build_rank(spec, rank, "env://", local_rank)
     engine, control = built.engine, built.control
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    # Rank 0 is the front end: it reads the prompts and places them by least outstanding work.
+    # Rank 0 is the front end: it reads the prompts and places them by least outstanding work,
+    # on a rank (or on a DCP group: every member runs it).
+    groups = parallel.attention_dp
     placed: list = [None]
     if rank == 0:
-        router, loads = Router(RouterConfig(num_prefill_ranks=world)), [0] * world
+        router, loads = Router(RouterConfig(num_prefill_ranks=groups)), [0] * groups
         limit = engine.config.max_model_len
         placement = []
         try:
@@ -436,7 +527,7 @@ def run_torchrun(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
         raise SystemExit(placed[0])
     for target, index, text, ids in placed[0]:
-        if target == rank:
+        if target == rank // parallel.dcp:
             engine.add_request(index, ids, params, prompt=text)
     finished = {}
     flag = torch.zeros(1, dtype=torch.int32)
@@ -449,6 +540,8 @@ def run_torchrun(argv: list[str] | None = None) -> None:
         if not flag.item():
             break
     mine = [(i, o.token_ids, o.text, o.outputs[0].finish_reason) for i, o in finished.items()]
+    if not built.answers:
+        mine = []  # its group's leader reports the same outputs
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=control.handle)
     if rank == 0:
