@@ -27,8 +27,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "parallel": frozenset({"types", "model"}),  # transforms a built model
     "sim": frozenset({"types", "cache", "sched", "workload", "model"}),
     "runtime": frozenset({"types", "model", "parallel", "cache", "sched", "workload"}),
+    "server": frozenset({"types", "runtime"}),  # the HTTP worker: above runtime, below cli
     "cli": frozenset(
-        {"", "types", "model", "parallel", "cache", "sched", "workload", "sim", "runtime"}
+        {"", "types", "model", "parallel", "cache", "sched", "workload", "sim", "runtime", "server"}
     ),
     "": frozenset({"runtime"}),  # tokenspeed/__init__.py: lazy LLM and SamplingParams
 }

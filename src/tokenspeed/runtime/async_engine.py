@@ -36,18 +36,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
+from typing import TypeVar
 
 import attrs
 import torch
 
 from .engine import Engine, StepError
+from .load import LoadSnapshot
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenspeed.runtime")
+
+T = TypeVar("T")
 
 
 class AsyncEngineClosed(RuntimeError):
@@ -97,6 +101,7 @@ class AsyncEngine:
         self._closed = False
         self._worker: ThreadPoolExecutor | None = None
         self._running_step: Future | None = None  # the worker thread's current step
+        self._last_load: LoadSnapshot | None = None  # what load() answers during a step
         if step_thread:
             # One thread, always the same: torch keeps some state per thread (the current
             # device and stream), set once for it here.
@@ -166,6 +171,19 @@ class AsyncEngine:
         if aborted:
             self._ensure_loop()
         return aborted
+
+    def load(self) -> LoadSnapshot:
+        """The engine's load (runtime/load.py), from the event loop's thread: computed now, or
+        while a step runs on the worker thread, as it was when that step started."""
+        if self._running_step is None or self._running_step.done():
+            self._last_load = self.engine.load()
+        return self._last_load
+
+    async def run_exclusive(self, fn: Callable[[Engine], T]) -> T:
+        """fn(engine) between two steps, never during one (an integrity check, cache stats)."""
+        await self._bind()
+        async with self._lock:
+            return fn(self.engine)
 
     async def wait_idle(self) -> None:
         """Wait until the engine has nothing left to run or report: every request has ended and
@@ -248,6 +266,7 @@ class AsyncEngine:
         """One step, inline or on the worker thread."""
         if self._worker is None:
             return self._step()
+        self._last_load = self.engine.load()  # ~10 us: what load() answers meanwhile
         self._running_step = self._worker.submit(self._step)
         step = asyncio.wrap_future(self._running_step)
         try:

@@ -35,6 +35,7 @@ from .config import EngineConfig
 from .device import apply_cpu_threads, resolve_device
 from .graphs import DecodeGraphConfig
 from .kda_keeper import KdaStateKeeper
+from .load import LoadSnapshot, engine_load
 from .metrics import EngineMetrics
 from .outputs import RequestMetrics, RequestOutput
 from .request_record import RequestError, RequestRecord, check_prompt
@@ -448,6 +449,10 @@ class Engine:
         old, self.metrics = self.metrics, EngineMetrics()
         self.metrics.queue_depth = old.queue_depth
         return old
+
+    def load(self) -> LoadSnapshot:
+        """Requests running and queued, outstanding tokens, device pages (runtime/load.py)."""
+        return engine_load(self)
 
     def check_integrity(self) -> None:
         self.port.check_integrity()
