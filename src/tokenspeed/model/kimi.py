@@ -4,11 +4,16 @@ The forward takes the step's tokens, their layout (`ForwardBatch`) and the reque
 (`DecoderState`) and hands back logits and the advanced state. The model owns no cache, so the
 same forward serves full prefill, extension of a cached prefix, single-token decode and
 multi-token verification.
+
+For speculative decoding (EAGLE3) the forward can also hand back the hidden states at a few
+capture points (`aux_hidden_layers`, see `AuxCapture`); off by default, and then nothing of it
+runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -26,10 +31,58 @@ from .state import DecoderState, PagedState
 
 @attrs.frozen(eq=False)
 class ForwardOutput:
-    """logits: [N, vocab] for the selected tokens (all T by default); state: after the step."""
+    """logits: [N, vocab] for the selected tokens (all T by default); state: after the step;
+    aux_hidden: with `aux_hidden_layers`, [T, len(aux_hidden_layers) * D] the hidden states at
+    those capture points concatenated in the order given, for every token of the step (not only
+    the `logits_indices` ones); None otherwise."""
 
     logits: torch.Tensor
     state: DecoderState | PagedState
+    aux_hidden: torch.Tensor | None = None
+
+
+class AuxCapture:
+    """Hidden states taken at capture points during one forward (EAGLE3's auxiliary states).
+
+    Point i < num_layers is the residual stream entering layer i: what its input norm reads
+    (with attention residuals, the pre-norm mix of the bank that layer reads; at layer 0, the
+    embedding). Point num_layers is the final hidden state before the output norm. This is
+    SGLang's `layers_to_capture` convention: "the output of layer j" is point j + 1.
+    """
+
+    def __init__(self, points: Sequence[int], num_layers: int):
+        if isinstance(points, str | bytes) or not isinstance(points, Sequence) or not points:
+            raise BatchError(f"aux_hidden_layers must be a non-empty sequence, got {points!r}")
+        checked = []
+        for point in points:
+            try:
+                if isinstance(point, bool):
+                    raise TypeError
+                checked.append(operator.index(point))
+            except TypeError:
+                raise BatchError(f"aux_hidden_layers holds {point!r}, not an integer") from None
+        bad = [p for p in checked if not 0 <= p <= num_layers]
+        if bad:
+            raise BatchError(
+                f"aux_hidden_layers {bad} are outside 0..{num_layers} (layer inputs 0.."
+                f"{num_layers - 1}, {num_layers}: the final hidden state)"
+            )
+        if len(set(checked)) != len(checked):
+            raise BatchError(f"aux_hidden_layers {checked} repeats a point")
+        self.points = tuple(checked)
+        self._wanted = frozenset(checked)
+        self.taken: dict[int, torch.Tensor] = {}
+
+    def wants(self, point: int) -> bool:
+        return point in self._wanted
+
+    def take(self, point: int, hidden: torch.Tensor) -> None:
+        if point in self._wanted:
+            self.taken[point] = hidden
+
+    def stacked(self) -> torch.Tensor:
+        """[T, len(points) * D]: the captured states side by side, in the order asked."""
+        return torch.cat([self.taken[p] for p in self.points], dim=-1)
 
 
 def _prefix_lens(batch: ForwardBatch) -> tuple[int, ...]:
@@ -91,20 +144,28 @@ class KimiModel(nn.Module):
         batch: ForwardBatch,
         state: DecoderState | PagedState,
         before_layer: Callable[[int], None] | None = None,
+        capture: AuxCapture | None = None,
     ) -> tuple[torch.Tensor, DecoderState | PagedState]:
         """input_ids: [T] -> (final hidden states [T, D] after the output norm, new state).
 
         A `PagedState` is updated in place and returned as the new state. `before_layer(i)` runs
         before layer i reads its state (the runtime waits there for that layer's prefix copies).
+        `capture` (None: off) is filled with the hidden states at its points.
         """
         hidden = self.embed_tokens(input_ids)
         if self.config.uses_attn_res and dispatch.half_kernels(hidden):
-            return self._forward_fused_attn_res(hidden, batch, state, before_layer)
+            return self._forward_fused_attn_res(hidden, batch, state, before_layer, capture)
         kda, mla = {}, {}
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             if before_layer is not None:
                 before_layer(layer.index)
+            if capture is not None and capture.wants(layer.index):
+                # The layer's own input (a fresh tensor each layer: never updated in place).
+                mixed = self.config.uses_attn_res and bank
+                capture.take(
+                    layer.index, layer.self_attention_res([*bank, hidden]) if mixed else hidden
+                )
             states = state.kda if layer.kind == "kda" else state.mla
             layer_state = states[layer.index]
             if self.config.uses_attn_res:
@@ -114,15 +175,19 @@ class KimiModel(nn.Module):
             (kda if layer.kind == "kda" else mla)[layer.index] = new
         if self.config.uses_attn_res:
             hidden = self.output_attn_res([*bank, hidden])
+        if capture is not None:
+            capture.take(len(self.layers), hidden)
         if isinstance(state, PagedState):
             return self.norm(hidden), state
         new_state = DecoderState(kda=kda, mla=mla, num_tokens=list(batch.total_lens))
         return self.norm(hidden), new_state
 
-    def _forward_fused_attn_res(self, hidden, batch, state, before_layer):
+    def _forward_fused_attn_res(self, hidden, batch, state, before_layer, capture=None):
         """The attention-residual stream with each mix, its following RMSNorm and the residual
         add fused in one kernel (ops.attn_res.fused) over a preallocated bank: slots 0..n-1
-        hold completed block sums (slot 0 the embedding), slot n the running partial sum."""
+        hold completed block sums (slot 0 the embedding), slot n the running partial sum.
+        A capture point takes the reference mix of the bank as that site reads it (the fused
+        kernel never writes the pre-norm mix out)."""
         cfg = self.config
         block = cfg.attn_res_block_size
         eps = cfg.rms_norm_eps
@@ -137,6 +202,8 @@ class KimiModel(nn.Module):
             x = _mix_norm(
                 bank[: n + 1], layer.self_attention_res, eps, layer.input_layernorm, pending
             )
+            if capture is not None and capture.wants(layer.index):
+                capture.take(layer.index, layer.self_attention_res(list(bank[: n + 1])))
             # A layer at a block boundary closes the running sum into a completed entry (at layer
             # 0: the embedding) and starts a new partial with its attention output.
             opened = layer.index % block == 0
@@ -154,6 +221,8 @@ class KimiModel(nn.Module):
             )
             pending = layer.mlp(x)
         hidden = _mix_norm(bank[: n + 1], self.output_attn_res, eps, self.norm, pending)
+        if capture is not None and capture.wants(len(self.layers)):
+            capture.take(len(self.layers), self.output_attn_res(list(bank[: n + 1])))
         if isinstance(state, PagedState):
             return hidden, state
         return hidden, DecoderState(kda=kda, mla=mla, num_tokens=list(batch.total_lens))
@@ -163,7 +232,9 @@ class KimiForCausalLM(nn.Module):
     """The decoder plus the LM head.
 
     forward(input_ids [T], batch, state, logits_indices=None) -> ForwardOutput. Pass
-    `logits_indices` (e.g. `batch.last_token_indices`) to compute logits for some tokens only.
+    `logits_indices` (e.g. `batch.last_token_indices`) to compute logits for some tokens only,
+    and `aux_hidden_layers` (capture points, `AuxCapture`) to get the hidden states an EAGLE3
+    drafter reads as `ForwardOutput.aux_hidden`.
     """
 
     def __init__(self, config: ModelConfig):
@@ -266,15 +337,26 @@ class KimiForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
         check: bool = True,
         before_layer: Callable[[int], None] | None = None,
+        aux_hidden_layers: Sequence[int] | None = None,
     ) -> ForwardOutput:
         """check=False skips the input checks (they read values back from the device, which a
-        CUDA graph capture cannot do; the runner validates before filling its buffers)."""
+        CUDA graph capture cannot do; the runner validates before filling its buffers).
+        aux_hidden_layers: capture points (`AuxCapture`; EAGLE3's default is
+        `eagle3.default_aux_layers(num_layers)`), returned as `aux_hidden` [T, n * D]."""
         if check:
             self.check_inputs(input_ids, batch, state)
-        hidden, new_state = self.model(input_ids, batch, state, before_layer)
+        if aux_hidden_layers is None:
+            hidden, new_state = self.model(input_ids, batch, state, before_layer)
+            if logits_indices is not None:
+                hidden = hidden[logits_indices]
+            return ForwardOutput(logits=self.lm_head(hidden), state=new_state)
+        capture = AuxCapture(aux_hidden_layers, self.config.num_layers)
+        hidden, new_state = self.model(input_ids, batch, state, before_layer, capture)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return ForwardOutput(logits=self.lm_head(hidden), state=new_state)
+        return ForwardOutput(
+            logits=self.lm_head(hidden), state=new_state, aux_hidden=capture.stacked()
+        )
 
     def overlap_shared_experts(self, enabled: bool = True) -> None:
         """Run every MoE layer's shared experts on one second CUDA stream, overlapping the

@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from .sampling_params import SamplingParams
+from .spec.acceptance import accept_draft as accept_draft  # moved there; re-exported
 
 
 @attrs.frozen(eq=False)
@@ -274,23 +275,3 @@ class Sampler:
                 tokens[torch.tensor(rows, device=tokens.device)].to(device),
             )
             self._counts.index_put_(where, torch.ones(len(rows), device=device), accumulate=True)
-
-
-def accept_draft(draft: Sequence[int], target: Sequence[int]) -> list[int]:
-    """Speculative verification: the tokens to emit after a verify step.
-
-    draft: the n proposed tokens fed to the verify step; target: the n + 1 tokens the sampler
-    chose at each verify position (position j predicts the token after draft[j-1]). The draft
-    is accepted while it agrees with the target; the first disagreement (or the bonus token
-    after a full accept) comes from the target. Returns 1 .. n + 1 tokens; a caller rolls the
-    request's state back to len(accepted) - 1 accepted draft tokens.
-    """
-    if len(target) != len(draft) + 1:
-        raise ValueError(f"need len(draft) + 1 targets, got {len(draft)} and {len(target)}")
-    out = []
-    for proposed, chosen in zip(draft, target, strict=False):
-        out.append(chosen)
-        if proposed != chosen:
-            return out
-    out.append(target[len(draft)])
-    return out
