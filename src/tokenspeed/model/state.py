@@ -136,11 +136,19 @@ class PagedKda:
 
     conv: [S, 3*H*K, W-1]; recurrent: [S, H, K, V] fp32; slots: [B] the slot of each request
     (padding rows may all point at one sink slot).
+
+    step_conv [B, T, 3*H*K, W-1] and step_states [B, T, H, K, V] fp32 (both or neither; T at
+    least each row's new tokens, at most `RECURRENT_MAX_TOKENS`): a speculative verify step
+    also records each row's state after each of its new tokens there, so that the caller can
+    roll the slots back to any of them (`ops.kda.decode.kda_decode_rollback`). None (the
+    default): the forward is exactly the one without them.
     """
 
     conv: torch.Tensor
     recurrent: torch.Tensor
     slots: torch.Tensor
+    step_conv: torch.Tensor | None = None
+    step_states: torch.Tensor | None = None
 
 
 @attrs.define(eq=False)

@@ -8,6 +8,7 @@ from attrs import field, frozen
 from tokenspeed.sched.config import MAX_DECODE_BATCH_SIZE
 
 from .sampling_params import is_int
+from .spec.config import SpeculativeConfig
 
 # max_model_len when none is given: the model's limit, but no more than this (a checkpoint's
 # max_position_embeddings may be a million tokens, whose default cache would not fit anywhere).
@@ -52,6 +53,13 @@ def _at_most_max_decode_batch(instance, attribute, value) -> None:
         raise EngineConfigError(
             f"EngineConfig.{attribute.name} is {value}, above the largest decode batch "
             f"{MAX_DECODE_BATCH_SIZE} (one CUDA graph and its buffers are built per batch size)"
+        )
+
+
+def _speculative(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, SpeculativeConfig):
+        raise EngineConfigError(
+            f"EngineConfig.speculative must be a SpeculativeConfig or None, got {value!r}"
         )
 
 
@@ -103,6 +111,9 @@ class EngineConfig:
     cpu_threads: torch's CPU threads for an engine on the CPU (process-wide). None: one thread
         for a model under 100M parameters unless OMP_NUM_THREADS is set (small models lose to
         thread overhead, and stall badly when another process holds a core), else torch's own.
+    speculative: a `tokenspeed.runtime.spec.SpeculativeConfig` to speculate decode rows
+        (docs/spec.md); None (the default): plain decoding. Speculation runs one verify forward
+        per step, so it needs decode_steps = 1.
     """
 
     device: str = "auto"
@@ -121,6 +132,7 @@ class EngineConfig:
     seed: int = field(default=0, validator=_integer)
     decode_steps: int = field(default=1, validator=_positive)
     cpu_threads: int | None = field(default=None, validator=_positive)
+    speculative: SpeculativeConfig | None = field(default=None, validator=_speculative)
 
     def __attrs_post_init__(self) -> None:
         if self.l2 not in ("local", "none"):
@@ -132,6 +144,11 @@ class EngineConfig:
             )
         if self.decode_batch_sizes is not None:
             self._check_decode_batch_sizes(self.decode_batch_sizes)
+        if self.speculative is not None and self.decode_steps != 1:
+            raise EngineConfigError(
+                f"EngineConfig.decode_steps is {self.decode_steps}, but speculative decoding "
+                "runs one verify forward per step: decode_steps must be 1"
+            )
 
     def _check_decode_batch_sizes(self, sizes: tuple[int, ...]) -> None:
         """The largest size is the decode batch cap and max_num_seqs the number of requests that

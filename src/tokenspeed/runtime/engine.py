@@ -24,6 +24,7 @@ from tokenspeed.cache import CacheManager, HostCache, KeyChain, LocalHostCache
 from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import (
     AggregatedScheduler,
+    DecodeBatch,
     Request,
     SchedulerConfig,
     StepPlan,
@@ -40,8 +41,10 @@ from .metrics import EngineMetrics
 from .outputs import RequestMetrics, RequestOutput
 from .request_record import RequestError, RequestRecord, check_prompt
 from .runner import DevicePools, ModelRunner
-from .sampler import Sampler
+from .sampler import SampleOutput, Sampler
 from .sampling_params import SamplingParams
+from .spec import NgramDrafts, Proposer, verify
+from .spec.config import SpeculativeConfig
 from .step_plan import forwards_in, is_multi_step, prefill_pieces
 from .stop import StopChecker
 from .tokenizer import Tokenizer
@@ -119,6 +122,10 @@ class Engine:
             seed=config.seed, device=self.device, eos_token_ids=model.config.eos_token_ids
         )
         self.metrics = EngineMetrics()
+        # Speculative decoding (docs/spec.md): the proposer is public so that a test or tool
+        # can put its own in (any `tokenspeed.runtime.spec.Proposer`) before adding requests.
+        self.speculative: SpeculativeConfig | None = config.speculative
+        self.proposer: Proposer | None = _make_proposer(config.speculative)
         self._records: dict[Hashable, RequestRecord] = {}
         self._eos = tuple(model.config.eos_token_ids)
         self._aborted: list[RequestRecord] = []  # aborted by the caller; reported at the next step
@@ -238,12 +245,19 @@ class Engine:
         steps = 1
         if plan.prefill is not None:
             self._run_prefill(plan.prefill, moved, finished)
+        completed = False  # the decode rows already reported to the scheduler
         if is_multi_step(plan):
             steps = self._run_decode_steps(plan, moved)  # reports each step to the scheduler
         elif plan.decode is not None:
-            self._run_decode(plan.decode, moved, finished)
+            completed = self._run_decode(plan.decode, moved, finished)
         if not plan.empty:
-            if steps == 1:
+            if completed and plan.prefill is not None:
+                self.scheduler.complete(
+                    StepPlan(prefill=plan.prefill, decode=None),
+                    finished=finished,
+                    save_state=self.keeper.save_state,
+                )
+            elif steps == 1 and not completed:
                 self.scheduler.complete(plan, finished=finished, save_state=self.keeper.save_state)
             self.metrics.record_step(plan, time.monotonic() - start, steps)
         for req in self.scheduler.take_preempted():
@@ -276,6 +290,8 @@ class Engine:
                     )
                 self.keeper.forget(record.rid)
                 self.sampler.forget(record.rid)
+                if self.proposer is not None:
+                    self.proposer.forget(record.rid)
         return outputs
 
     def _abort_batch(
@@ -328,8 +344,19 @@ class Engine:
                 records = [self._records[chunks[rows[j]].request.rid] for j in sample_rows]
                 self._sample(records, logits, moved, finished)
 
-    def _run_decode(self, batch, moved, finished) -> None:
+    def _run_decode(self, batch, moved, finished) -> bool:
+        """One decode step of `batch`; returns whether it reported the rows to the scheduler
+        itself (a speculative step, which completes its rows token by token)."""
         records = [self._records[r.rid] for r in batch.requests]
+        if self.proposer is not None:
+            drafts = [self._drafts(r) for r in records]
+            if any(drafts):
+                self._run_verify(batch, records, drafts, moved)
+                return True
+            # An earlier verify step may have reserved this page's length already, and then
+            # the scheduler's reservation handed the cache no keys: hand them over here.
+            for record in records:
+                self.port.sync_keys(record.sched)
         handles = [self.port.handle(r.rid) for r in batch.requests]
         prefixes = [r.sched.num_computed for r in records]
         tokens = [r.tokens[n] for r, n in zip(records, prefixes, strict=True)]
@@ -338,6 +365,137 @@ class Engine:
         # end will be checkpointed at its last full page.
         self.keeper.decoded([r.rid for r in records], prefixes)
         self._sample(records, logits, moved, finished)
+        return False
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _drafts(self, record: RequestRecord) -> list[int]:
+        """The drafts of a decode row this step ([]: it decodes plainly).
+
+        Not speculated: requests with penalties or min_tokens (their logits depend on outputs
+        not yet known at the verify positions) or asking for logprobs. The window (the row's
+        last token and its drafts) never crosses a page boundary: it ends at the end of the
+        page holding the row's next position at the latest, so a verify step writes only the
+        page the scheduler reserved for the plain step, the only page boundary its kept tokens
+        can reach is the window's end (where the rolled-back live state is), and KDA rolling
+        checkpoints are taken exactly as in plain decoding. Nor does it run past the row's
+        max_tokens. A row one token short of a boundary decodes plainly that step."""
+        spec, params, req = self.speculative, record.params, record.sched
+        if params.penalized or params.min_tokens > 0 or params.logprobs is not None:
+            return []
+        base, page = req.num_computed, self.config.page_size
+        room = min(page - base % page, req.max_new_tokens - req.num_output)
+        k = min(spec.num_steps, room - 1)
+        if k <= 0:
+            return []
+        draft = list(self.proposer.propose(record.rid, record.tokens, k))[:k]
+        if spec.forced_acceptance is not None and len(draft) < k:
+            # BENCHMARK ONLY: filler drafts, so that every row accepts the forced length.
+            draft += [record.tokens[-1]] * (k - len(draft))
+        return draft
+
+    def _run_verify(self, batch, records, drafts, moved) -> None:
+        """A speculative decode step: one verify forward over each row's last token and its
+        drafts, acceptance, the KDA rollback to each row's last kept token, then the emitted
+        tokens appended and reported to the scheduler one token at a time (stops checked at
+        each). Rows without drafts are sampled as in a plain step (their one row of logits)."""
+        reqs = batch.requests
+        handles = [self.port.handle(r.rid) for r in reqs]
+        base = [r.sched.num_computed for r in records]
+        inputs = [[r.tokens[n], *d] for r, n, d in zip(records, base, drafts, strict=True)]
+        for record, n, row in zip(records, base, inputs, strict=True):
+            # The window lies in the page already reserved (see `_drafts`): this extends the
+            # reservation's length over it without a new page, as a multi-step run's does.
+            if len(row) > 1 and not self.port.reserve(record.sched, n + len(row)):
+                raise RuntimeError(f"request {record.rid!r}: verify window outside its pages")
+        step = self.runner.verify(inputs, base, handles)
+        logits = step.logits
+        emitted: list[list[int]] = [[] for _ in records]
+        plain = [i for i, d in enumerate(drafts) if not d]
+        spec = [i for i, d in enumerate(drafts) if d]
+        plain_out = None
+        if plain:
+            rows = torch.tensor([step.rows(i).start for i in plain], device=logits.device)
+            plain_out = self.sampler.sample(
+                logits[rows], [records[i].params for i in plain], [records[i].rid for i in plain]
+            )
+            for j, token in zip(plain, plain_out.tokens.tolist(), strict=True):
+                emitted[j] = [token]
+        k = max(len(drafts[i]) for i in spec)
+        padded = logits.new_zeros(len(spec), k + 1, logits.shape[-1])
+        draft = torch.zeros(len(spec), k, dtype=torch.long, device=logits.device)
+        for j, i in enumerate(spec):
+            n = len(drafts[i])
+            padded[j, : n + 1] = logits[step.rows(i)]
+            draft[j, :n] = torch.tensor(drafts[i], dtype=torch.long)
+        result = verify(
+            draft,
+            padded,
+            [records[i].params for i in spec],
+            num_draft=[len(drafts[i]) for i in spec],
+            generators=[self.sampler.generator_for(records[i].rid) for i in spec],
+            forced_length=self.speculative.forced_acceptance,
+        )
+        for i, tokens in zip(spec, result.to_lists(), strict=True):
+            emitted[i] = tokens
+            self.metrics.record_verify(len(drafts[i]), len(tokens))
+        # The live KDA states now cover every fed token: keep each row's first len(emitted)
+        # (its last token and the accepted drafts; the last emitted token is the next input).
+        self.runner.rollback(step, [len(e) for e in emitted])
+        self._commit(batch, records, base, emitted, plain_out, plain, moved)
+
+    def _commit(self, batch, records, base, emitted, plain_out, plain, moved) -> None:
+        """Append a verify step's emitted tokens and report them to the scheduler token by
+        token, as a multi-step run reports its steps: a row that stops at its j-th token ends
+        there (the tokens after it are dropped; its live state past them is released with it)."""
+        last = [r.metrics.last_token_time for r in records]
+        counts = [len(r.output_ids) for r in records]
+        no_logprobs = SampleOutput(None, None, None)
+        plain_row = {i: j for j, i in enumerate(plain)}
+        alive = list(range(len(records)))
+        for j in range(max(len(e) for e in emitted)):
+            rows = [i for i in alive if j < len(emitted[i])]
+            if not rows:
+                break
+            finished: set[Hashable] = set()
+            for i in rows:
+                self.port.sync_keys(records[i].sched)
+            with_logprobs = [i for i in rows if i in plain_row]
+            others = [i for i in rows if i not in plain_row]
+            if with_logprobs:
+                self._accept(
+                    [records[i] for i in with_logprobs],
+                    [emitted[i][j] for i in with_logprobs],
+                    plain_out,
+                    [plain_row[i] for i in with_logprobs],
+                    moved,
+                    finished,
+                    itl=False,
+                )
+            if others:
+                self._accept(
+                    [records[i] for i in others],
+                    [emitted[i][j] for i in others],
+                    no_logprobs,
+                    [0] * len(others),
+                    moved,
+                    finished,
+                    itl=False,
+                )
+            # Token j of row i is at position base + j: a page boundary there is reachable only
+            # at the row's last emitted token (see `_drafts`), where its live state is now.
+            self.keeper.decoded([records[i].rid for i in rows], [base[i] + j for i in rows])
+            sub = DecodeBatch(tuple(records[i].sched for i in rows), batch.padded_size, 1)
+            self.scheduler.complete(
+                StepPlan(prefill=None, decode=sub),
+                finished=finished,
+                save_state=self.keeper.save_state,
+            )
+            alive = [i for i in rows if records[i].finish_reason is None]
+        for record, prev, n in zip(records, last, counts, strict=True):
+            m = record.metrics
+            self.metrics.record_run_itls(
+                prev, m.first_token_time, m.last_token_time, len(record.output_ids) - n
+            )
 
     def _run_decode_steps(self, plan, moved) -> int:
         """Multi-step decoding: the batch's `steps` decode steps back to back, each fed the
@@ -461,3 +619,15 @@ class Engine:
         self.port.close()
         if self._owns_l2:
             self.l2.close()
+
+
+def _make_proposer(spec: SpeculativeConfig | None) -> Proposer | None:
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramDrafts(spec.min_n, spec.max_n, spec.num_steps)
+    raise NotImplementedError(
+        "speculative method 'eagle3' is not wired into the engine yet (docs/spec.md, section "
+        "4): the drafter, its loader and the target's auxiliary states exist in "
+        "tokenspeed.model; use method='ngram'"
+    )

@@ -89,7 +89,8 @@ class LLM:
     model: a preset name ("tiny", ...) or a Hugging Face layout checkpoint directory.
     Remaining keyword arguments are `EngineConfig` fields (max_num_seqs, max_model_len, ...);
     decode_steps defaults to 8 here (offline generation wants throughput, not token-by-token
-    streaming; see `EngineConfig.decode_steps`).
+    streaming; see `EngineConfig.decode_steps`), 1 with `speculative=SpeculativeConfig(...)`
+    (speculative decoding, docs/spec.md: one verify forward per step).
     parallel: a `ParallelConfig` to run the model over `world_size` worker processes (attention
     data parallel, experts split over them; `tokenspeed.runtime.multirank`): `self.engine` is
     then a `MultiRankEngine` (`llm.close()` stops its workers; so do a worker failure and
@@ -109,7 +110,11 @@ class LLM:
         # The preset name or checkpoint directory (`chat` reads the checkpoint's template).
         self.model_source = model
         self._closed = False
-        engine_options.setdefault("decode_steps", OFFLINE_DECODE_STEPS)
+        # A speculating engine runs one verify forward per step (EngineConfig.speculative).
+        speculating = engine_options.get("speculative") is not None
+        engine_options.setdefault("decode_steps", 1 if speculating else OFFLINE_DECODE_STEPS)
+        if speculating and parallel is not None:
+            raise NotImplementedError("speculative decoding runs on a single-rank engine only")
         config = EngineConfig(device=device, seed=seed, **engine_options)
         if parallel is not None:
             # Worker processes, one rank each, behind a front end with the engine's interface

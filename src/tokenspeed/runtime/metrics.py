@@ -38,6 +38,12 @@ class EngineMetrics:
     ttfts: list[float] = attrs.Factory(list)
     itls: list[float] = attrs.Factory(list)  # one per token after a request's first
     request_itls: list[float] = attrs.Factory(list)  # one per finished request: its mean ITL
+    # Speculative decoding (docs/spec.md): verify rows (a request with drafts in a step), the
+    # tokens they emitted, and per draft position j the drafts proposed and accepted there.
+    spec_verify_rows: int = 0
+    spec_emitted_tokens: int = 0
+    spec_proposed: list[int] = attrs.Factory(list)
+    spec_accepted: list[int] = attrs.Factory(list)
 
     def record_step(self, plan, seconds: float, steps: int = 1) -> None:
         """A plan's forwards: one, or `steps` decode steps of a multi-step run."""
@@ -74,11 +80,38 @@ class EngineMetrics:
         if tokens > 1 and first_token_time is not None and last_token_time > first_token_time:
             self.request_itls.append((last_token_time - first_token_time) / (tokens - 1))
 
+    def record_verify(self, num_draft: int, num_emitted: int) -> None:
+        """One request's verify step: `num_draft` drafts, `num_emitted` tokens emitted (the
+        accepted drafts and one more; tokens after a stop inside them still count)."""
+        grow = num_draft - len(self.spec_proposed)
+        if grow > 0:
+            self.spec_proposed.extend([0] * grow)
+            self.spec_accepted.extend([0] * grow)
+        self.spec_verify_rows += 1
+        self.spec_emitted_tokens += num_emitted
+        for j in range(num_draft):
+            self.spec_proposed[j] += 1
+            self.spec_accepted[j] += j < num_emitted - 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify row (1 .. k + 1); None before any."""
+        if not self.spec_verify_rows:
+            return None
+        return self.spec_emitted_tokens / self.spec_verify_rows
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Per draft position j: the fraction of drafts proposed there that were accepted."""
+        return [
+            a / p if p else 0.0 for a, p in zip(self.spec_accepted, self.spec_proposed, strict=True)
+        ]
+
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def summary(self) -> dict[str, float | None]:
+    def summary(self) -> dict[str, float | list[float] | None]:
         p90_request_itl = percentile(self.request_itls, 90)
         return {
             "steps": self.steps,
@@ -91,4 +124,13 @@ class EngineMetrics:
             # Per request, as AgentX and the simulator score it (see the module docstring).
             "p90_interactivity_tok_s": 1.0 / p90_request_itl if p90_request_itl else None,
             "queue_depth": self.queue_depth,
+            # Only once a step speculated: plain engines report what they always did.
+            **(
+                {
+                    "spec_mean_acceptance_length": self.mean_acceptance_length,
+                    "spec_acceptance_rates": self.acceptance_rates,
+                }
+                if self.spec_verify_rows
+                else {}
+            ),
         }

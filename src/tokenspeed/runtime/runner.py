@@ -48,6 +48,24 @@ class DevicePools:
         return self._cache.live_slot_tensor(handles, **kwargs)
 
 
+class VerifyStep:
+    """A speculative verify forward's results: `logits` [sum(seq_lens), vocab], every row of
+    every request (request i's rows are `rows(i)`), and each KDA layer's per-token states, which
+    `ModelRunner.rollback` reads to move the live slots back to the last kept token."""
+
+    def __init__(self, logits, seq_lens, slots, steps) -> None:
+        self.logits = logits
+        self.seq_lens = list(seq_lens)
+        self.slots = slots
+        self.steps = steps  # kda layer -> (step_conv [B, T, C, W-1], step_states [B, T, ...])
+        self._starts = [0]
+        for n in self.seq_lens:
+            self._starts.append(self._starts[-1] + n)
+
+    def rows(self, i: int) -> slice:
+        return slice(self._starts[i], self._starts[i + 1])
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -78,12 +96,16 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ step inputs
-    def paged_state(self, slots: torch.Tensor, page_table: torch.Tensor) -> PagedState:
-        """A PagedState over the cache's pools for rows with these slots and page table."""
+    def paged_state(
+        self, slots: torch.Tensor, page_table: torch.Tensor, steps: dict | None = None
+    ) -> PagedState:
+        """A PagedState over the cache's pools for rows with these slots and page table;
+        steps: per KDA layer the (step_conv, step_states) buffers of a verify step."""
         kda = {}
         for layer in self.kda_layers:
             conv, rec = self.pools.kda_layer(self.kda_ordinal[layer])
-            kda[layer] = PagedKda(conv, rec, slots)
+            buffers = (None, None) if steps is None else steps[layer]
+            kda[layer] = PagedKda(conv, rec, slots, *buffers)
         mla = {
             layer: PagedMla(self.pools.mla_layer(self.mla_ordinal[layer]), page_table)
             for layer in self.mla_layers
@@ -145,6 +167,54 @@ class ModelRunner:
         )
         self.forwards_done += 1
         return out.logits
+
+    def verify(
+        self,
+        tokens: Sequence[Sequence[int]],
+        prefix_lens: Sequence[int],
+        handles: Sequence[RequestCache],
+    ) -> VerifyStep:
+        """A speculative verify forward (eager): request i computes `tokens[i]` (its last token
+        and its drafts, 1..4 tokens) after `prefix_lens[i]` cached tokens, with the logits of
+        every row and each KDA layer's state after each token kept for `rollback`. The MLA rows
+        of all its tokens are written (by position: a rejected row is overwritten later)."""
+        self.forwards_started += 1
+        seq_lens = [len(t) for t in tokens]
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
+        batch = ForwardBatch.build(seq_lens, prefix_lens, device=self.device)
+        slots = self.pools.live_slot_tensor(handles, device=self.device)
+        table = self.pools.page_table_tensor(handles, device=self.device)
+        rows, width = len(seq_lens), max(seq_lens)
+        steps = {}
+        for layer in self.kda_layers:
+            conv, rec = self.pools.kda_layer(self.kda_ordinal[layer])
+            steps[layer] = (
+                conv.new_zeros(rows, width, *conv.shape[1:]),
+                rec.new_zeros(rows, width, *rec.shape[1:], dtype=torch.float32),
+            )
+        every = torch.arange(ids.shape[0], device=self.device)
+        out = self.model(
+            ids,
+            batch,
+            self.paged_state(slots, table, steps),
+            logits_indices=every,
+            before_layer=self._waiter(handles),
+        )
+        self.forwards_done += 1
+        return VerifyStep(out.logits, seq_lens, slots, steps)
+
+    def rollback(self, step: VerifyStep, kept: Sequence[int]) -> None:
+        """Move each request's live KDA state (conv and recurrent, every KDA layer) to just after
+        its first `kept[i]` tokens of `step` (1..seq_lens[i]; all of them: a no-op copy)."""
+        # `ops.kda.decode.kda_decode_rollback`'s copy, without importing the Triton module.
+        last = torch.tensor([n - 1 for n in kept], dtype=torch.long, device=self.device)
+        rows = torch.arange(len(kept), device=self.device)
+        index = step.slots.to(torch.long)
+        for layer in self.kda_layers:
+            conv, rec = self.pools.kda_layer(self.kda_ordinal[layer])
+            step_conv, step_states = step.steps[layer]
+            rec.index_copy_(0, index, step_states[rows, last].to(rec.dtype))
+            conv.index_copy_(0, index, step_conv[rows, last].to(conv.dtype))
 
     def empty_forward(self) -> torch.Tensor:
         """One forward over no requests ([0, vocab] logits), on the cache's pools over zero rows:

@@ -117,6 +117,11 @@ class Sampler:
         if params.penalized or params.min_tokens > 0:
             self._tracked[request_id] = _Tracked(params, tuple(prompt_token_ids))
 
+    def generator_for(self, request_id: object) -> torch.Generator:
+        """The generator a request's draws come from: its own (a seeded request), else the
+        sampler's (a speculative verify step draws its acceptance from it)."""
+        return self._request_generators.get(request_id, self.generator)
+
     def forget(self, request_id: object) -> None:
         self._request_generators.pop(request_id, None)
         self._release(request_id)

@@ -96,14 +96,20 @@ class KdaAttention(nn.Module):
     ) -> tuple[torch.Tensor, KdaState | PagedKda]:
         if isinstance(state, PagedKda):
             n = batch.uniform_len
+            steps = None
+            if state.step_states is not None or state.step_conv is not None:
+                steps = _check_steps(batch, state)
             if n is not None and n <= RECURRENT_MAX_TOKENS and dispatch.triton_kernels(x):
                 return self._decode_fused(x, n, state), state
-            if dispatch.fla_prefill(x):
+            if steps is None and dispatch.fla_prefill(x):
                 return self._prefill_fla(x, batch, state), state
             # Gather the batch's slots, advance them, scatter back: static shapes, no host sync.
             slots = state.slots.long()
             current = KdaState(state.conv[slots], state.recurrent[slots])
-            out, new = self._forward(x, batch, current)
+            if steps is not None:  # a verify step: per-token states, token by token
+                out, new = self._forward_steps(x, batch, current, steps)
+            else:
+                out, new = self._forward(x, batch, current)
             state.conv.index_copy_(0, slots, new.conv.to(state.conv.dtype))
             state.recurrent.index_copy_(0, slots, new.recurrent.to(state.recurrent.dtype))
             return out, state
@@ -127,6 +133,11 @@ class KdaAttention(nn.Module):
             state.slots,
             gate=c.gate,
             lower_bound=c.gate_lower_bound,
+            **(
+                {}
+                if state.step_states is None
+                else {"step_states": state.step_states, "step_conv": state.step_conv}
+            ),
         )
         return self._tail(x, o.view(tokens, c.num_heads, c.head_dim))
 
@@ -180,3 +191,72 @@ class KdaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).float())
         o, recurrent = self._recurrence(q, k, v, g, beta, batch, state)
         return self._tail(x, o), KdaState(conv_state, recurrent)
+
+    def _forward_steps(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        state: KdaState,
+        steps: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, KdaState]:
+        """`_forward` of a verify step (at most RECURRENT_MAX_TOKENS new tokens per row) that
+        also writes each row's conv and recurrent state after each of its tokens into
+        `steps` = (step_conv [B, T, C, W-1], step_states [B, T, H, K, V]). The recurrence runs
+        token by token (the recurrent form is a loop over tokens, so the outputs and the final
+        states are those of `_forward`); the conv states are windows of the inputs."""
+        c = self.config
+        step_conv, step_states = steps
+        tokens = x.shape[0]
+        width = self.conv_weight.shape[1]
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed = qkv.new_empty(qkv.shape)
+        conv = qkv.new_empty(state.conv.shape)
+        for i, seg in batch.segments():
+            if seg.stop - seg.start == 1:  # as a decode step computes it
+                y, new = causal_conv_update(qkv[seg], state.conv[i : i + 1], self.conv_weight)
+                mixed[seg], conv[i] = y, new[0]
+            else:
+                mixed[seg], conv[i] = causal_conv(qkv[seg], self.conv_weight, state.conv[i])
+            window = torch.cat([state.conv[i].to(qkv.dtype), qkv[seg].t()], dim=1)
+            for t in range(seg.stop - seg.start):
+                step_conv[i, t] = window[:, t + 1 : t + width].to(step_conv.dtype)
+        q, k, v = (t.reshape(tokens, c.num_heads, c.head_dim) for t in mixed.chunk(3, dim=-1))
+        q, k = l2_norm(q), l2_norm(k)
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(tokens, c.num_heads, c.head_dim)
+        g = kda_gate(f, self.A_log, self.dt_bias, c.gate, c.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        out = v.new_empty(v.shape)
+        finals = torch.empty_like(state.recurrent, dtype=torch.float32)
+        for i, seg in batch.segments():
+            current = state.recurrent[i : i + 1]
+            for t in range(seg.stop - seg.start):
+                at = slice(seg.start + t, seg.start + t + 1)
+                o, current = kda_recurrent(
+                    q[at][None], k[at][None], v[at][None], g[at][None], beta[at][None],
+                    initial_state=current,
+                )  # fmt: skip
+                out[at] = o[0]
+                step_states[i, t] = current[0]
+            finals[i] = current[0]
+        return self._tail(x, out), KdaState(conv, finals)
+
+
+def _check_steps(batch: ForwardBatch, state: PagedKda) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify step's per-token state buffers, checked against the batch."""
+    step_conv, step_states = state.step_conv, state.step_states
+    if step_conv is None or step_states is None:
+        raise ValueError("pass both step_states and step_conv, or neither")
+    longest = max(batch.seq_lens, default=0)
+    if longest > RECURRENT_MAX_TOKENS:
+        raise ValueError(
+            f"per-token states are kept for at most {RECURRENT_MAX_TOKENS} new tokens per row "
+            f"(a verify step), got {longest}"
+        )
+    rows = batch.batch_size
+    if step_states.shape[0] < rows or step_states.shape[1] < longest:
+        raise ValueError(
+            f"step_states {tuple(step_states.shape)} cannot hold {rows} rows of {longest} tokens"
+        )
+    if step_conv.shape[:2] != step_states.shape[:2]:
+        raise ValueError("step_conv and step_states must have the same [B, T]")
+    return step_conv, step_states

@@ -11,12 +11,19 @@ from .acceptance import (
     target_probs,
     verify,
 )
+from .config import MAX_VERIFY_TOKENS, SpeculativeConfig, SpeculativeConfigError
 from .ngram import NgramIndex, NgramProposer
+from .proposer import NgramDrafts, Proposer
 
 __all__ = [
+    "MAX_VERIFY_TOKENS",
     "Acceptance",
+    "NgramDrafts",
     "NgramIndex",
     "NgramProposer",
+    "Proposer",
+    "SpeculativeConfig",
+    "SpeculativeConfigError",
     "accept_draft",
     "forced_acceptance",
     "greedy_accept",
