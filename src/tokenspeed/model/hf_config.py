@@ -8,6 +8,8 @@ Three spellings exist in the wild and all are read:
 - Kimi K3: `model_type: kimi_k3` with the text model nested under `text_config`, adding
   `attn_res_block_size`, `routed_expert_hidden_size`, `latent_moe_use_norm`, `mla_use_output_gate`,
   `linear_attn_config.gate_lower_bound` / `use_full_rank_gate` and SiTU (`hidden_act: situ`).
+
+`fp8_config_of` reads an FP8 block-scaled `quantization_config` (DeepSeek / Kimi FP8 releases).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from .config import ActivationConfig, ConfigError, KdaConfig, MlaConfig, ModelConfig, MoeConfig
 
@@ -394,3 +398,93 @@ def to_hf_config(config: ModelConfig, layout: str = "k3") -> dict[str, Any]:
         "pad_token_id": config.pad_token_id,
         "tie_word_embeddings": config.tie_word_embeddings,
     }
+
+
+# --- FP8 block-scaled checkpoints --------------------------------------------------------------
+
+# Prefixes K3 checkpoints wrap the text model's names in, and the text model's spelling.
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("language_model.", "model."),
+)
+
+
+def normalize_name(name: str) -> str:
+    """Checkpoint name -> the text-model name (K3 wraps it in `language_model.`)."""
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+@attrs.frozen
+class Fp8Config:
+    """An FP8 block-scaled checkpoint's `quantization_config`: e4m3 weights with one fp32
+    `weight_scale_inv` per `block_size` = (B0 rows, B1 columns) block, activations quantised on
+    the fly ("dynamic"); `ignored` modules (`ignored_layers` / `modules_to_not_convert`) are
+    stored unquantised."""
+
+    block_size: tuple[int, int]
+    ignored: tuple[str, ...] = ()
+
+    def ignores(self, *modules: str) -> bool:
+        """Whether any of `modules` (qualified names, e.g. the checkpoint's and ours) is in the
+        ignored list: an entry names a module or one of its parents, or a trailing part of its
+        name (`kv_b_proj`, `self_attn.o_proj`), whole dotted components only (`layers.1` is not
+        `layers.10`)."""
+        for module in modules:
+            wrapped = f".{normalize_name(module)}."
+            if any(f".{normalize_name(entry)}." in wrapped for entry in self.ignored):
+                return True
+        return False
+
+
+def quantization_config_of(raw: Mapping[str, Any]) -> Any:
+    """The checkpoint's `quantization_config` (top level, or K3's text_config), None if none."""
+    return raw.get("quantization_config") or text_config_of(raw).get("quantization_config")
+
+
+def fp8_config_of(raw: Mapping[str, Any]) -> Fp8Config | None:
+    """The `Fp8Config` of a config.json whose quantization_config has quant_method "fp8"; None
+    for any other (or no) quantization. Refuses, naming the field, what the loader cannot read
+    right: fmt other than e4m3, static activation scales, per-tensor scales (no
+    weight_block_size), a weight_block_size that is not two positive ints, an ignored list that
+    is not a list of names."""
+    quant = quantization_config_of(raw)
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "fp8":
+        return None
+    where = "config.json quantization_config (quant_method fp8)"
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{where}: fmt {fmt!r} is not supported (e4m3 only)")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(
+            f"{where}: activation_scheme {scheme!r} is not supported (dynamic only: activations "
+            "are quantised on the fly, static input scales are not read)"
+        )
+    block = quant.get("weight_block_size")
+    if block is None:
+        raise ConfigError(
+            f"{where}: no weight_block_size; per-tensor FP8 scales (weight_scale) are not "
+            "supported, block-scaled FP8 (weight_block_size [128, 128] and weight_scale_inv) is"
+        )
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ConfigError(
+            f"{where}: weight_block_size must be two positive ints [rows, columns], got {block!r}"
+        )
+    ignored: list[str] = []
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        names = quant.get(key)
+        if names is None:
+            continue
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"{where}: {key} must be a list of module names, got {names!r}")
+        ignored += names
+    return Fp8Config(block_size=(block[0], block[1]), ignored=tuple(ignored))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, ModelConfig
-from .hf_config import from_hf_config, load_config_json
+from .hf_config import fp8_config_of, from_hf_config, load_config_json
 from .kimi import KimiForCausalLM
 from .layers.moe import expert_format
 from .loader import (
@@ -270,6 +270,14 @@ def load_checkpoint_into(
     root = Path(path)
     raw = load_config_json(root)
     experts = expert_format_of(raw)
+    if fp8_config_of(raw) is not None:
+        raise CheckpointError(
+            other=[
+                f"{root}: an FP8 block-scaled checkpoint (quantization_config quant_method "
+                "fp8): only load_checkpoint reads these (one rank); slices of FP8 weights and "
+                "their block scales are not read by load_checkpoint_into yet"
+            ]
+        )
     config = model.config if config is None else config
     stored = from_hf_config(raw)
     if stored != config:

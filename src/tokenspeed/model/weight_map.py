@@ -11,11 +11,15 @@ Most parameters map one-to-one by name. The exceptions:
   layer is `mlp.` in release checkpoints but transformers' `save_pretrained` writes it under
   `block_sparse_moe.` too, so both are accepted;
 - AttnRes weights are `<site>_res_norm.weight` / `<site>_res_proj.weight` in checkpoints;
-- `A_log` is [1, 1, H, 1] (Kimi Linear) or [H] zero-padded to head_dim (K3); here it is [H].
+- `A_log` is [1, 1, H, 1] (Kimi Linear) or [H] zero-padded to head_dim (K3); here it is [H];
+- FP8 block-scaled checkpoints (`quant_method: fp8`) store a linear weight `W` as e4m3 with
+  `W_scale_inv` (`<module>.weight_scale_inv`) beside it; `fp8_role` says which of our
+  parameters may come so (see `loader.py`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import attrs
@@ -25,6 +29,36 @@ from .config import ConfigError, ModelConfig
 
 # Parameters that stay fp32 whatever dtype the model is loaded in (decay rates, router).
 FP32_SUFFIXES = ("A_log", "dt_bias", "mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+# Linear weights of the decoder layers that an FP8 block-scaled checkpoint may store as e4m3 with
+# block scales: the attention projections (KDA and MLA), the dense MLP, the shared experts and
+# the latent MoE projections. They stay FP8 (`layers.fp8_linear.Fp8Linear`), except MLA's
+# kv_b_proj: only its weight is read (split into the absorbed w_uk / w_uv, or expanded for
+# prefill), so it is dequantised at load, as are FP8 routed experts (stacked dense `Experts`).
+_FP8_LINEAR = re.compile(
+    r"model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_experts)\.\w+_proj(_with_mqa)?\.weight"
+)
+_FP8_DEQUANTIZED = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.kv_b_proj\.weight|mlp\.experts\.w[123])"
+)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_role(target: str) -> str | None:
+    """How our parameter `target` is loaded from an FP8 block-scaled checkpoint that stores it
+    in e4m3: "linear" (kept FP8, its module an `Fp8Linear`), "dequantize" (dequantised to the
+    model's dtype at load) or None (never stored FP8: embeddings, norms, router, convs ...)."""
+    if _FP8_DEQUANTIZED.fullmatch(target):
+        return "dequantize"
+    if _FP8_LINEAR.fullmatch(target):
+        return "linear"
+    return None
+
+
+def scale_name(weight_name: str) -> str:
+    """The block scales' name beside an FP8 weight: `x.weight` -> `x.weight_scale_inv`."""
+    return weight_name + SCALE_SUFFIX
 
 
 @attrs.frozen
