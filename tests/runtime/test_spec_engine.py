@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (docs/spec.md, section 4): greedy outputs are the plain
+"""Speculative decoding in the engine (docs/spec.md, section 5): greedy outputs are the plain
 engine's, acceptance behaves as the proposer dictates, sampling keeps the target distribution,
 and the cache stays consistent."""
 
@@ -82,8 +82,9 @@ def test_config_is_validated():
         EngineConfig(speculative={"method": "ngram"})
 
 
-def test_eagle3_is_refused_by_the_engine(model):
-    with pytest.raises(NotImplementedError, match="eagle3"):
+def test_eagle3_without_a_checkpoint_is_refused(model):
+    # EAGLE3 itself: tests/runtime/test_spec_eagle3.py.
+    with pytest.raises(EngineConfigError, match="draft_model='/nowhere'.*no config.json"):
         engine(model, SpeculativeConfig(method="eagle3", draft_model="/nowhere"))
 
 

@@ -7,6 +7,10 @@ same pages on every member) but a device page holds only `page_size / C` rows of
 layer: the rows of that page's positions this member owns, which is exactly the local page the
 DCP attention reads (local row k at row k % R of page page_table[k // R], R = page_size / C).
 So a page costs 1/C of the MLA bytes, and one budget holds C times the tokens.
+
+An EAGLE3 drafter keeps its KV rows in a pool of the same pages (`runtime/spec/eagle3.py`), so
+with one a page costs its MLA bytes plus the drafter's (`draft_page_bytes`): the budget is split
+as before, the pages getting fewer, and the cache is handed the budget less the drafter's pool.
 """
 
 from __future__ import annotations
@@ -92,21 +96,29 @@ def check_budget_fits(budget: int, device: torch.device, *, explicit: bool) -> N
 
 
 def plan_cache(
-    model, config: EngineConfig, device: torch.device, *, dcp: int | None = None
+    model,
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    dcp: int | None = None,
+    draft_page_bytes: int = 0,
 ) -> tuple[CacheConfig, CacheGeometry]:
     """The device cache an engine over `model` builds from `config`: checked against the
     device's free memory before anything is allocated. dcp: ranks splitting the MLA rows
-    (None: as the model's MLA layers are split, `mla_share`)."""
+    (None: as the model's MLA layers are split, `mla_share`). draft_page_bytes: what a page
+    costs an EAGLE3 drafter besides (its pool has as many pages as the cache's): the returned
+    config's budget is then what is left for the cache once that pool is set aside."""
     geometry = cache_geometry(model, config.page_size, mla_share(model) if dcp is None else dcp)
     checkpoints = config.checkpoint_slots
     if config.cache_budget_bytes is None:
         checkpoints = checkpoints or 4 * config.max_num_seqs
-    budget = config.cache_budget_bytes or CacheConfig.budget_for(
-        geometry,
-        pages=2 * config.max_num_seqs * config.max_pages_per_request,
-        live_requests=config.max_num_seqs,
-        checkpoints=checkpoints,
-    )
+    budget = config.cache_budget_bytes
+    if budget is None:
+        pages = 2 * config.max_num_seqs * config.max_pages_per_request
+        budget = CacheConfig.budget_for(
+            geometry, pages=pages, live_requests=config.max_num_seqs, checkpoints=checkpoints
+        )
+        budget += (pages + 1) * draft_page_bytes  # the drafter's rows of those pages
     cache_config = CacheConfig(
         device_budget_bytes=budget,
         max_live_requests=config.max_num_seqs,
@@ -114,9 +126,43 @@ def plan_cache(
         checkpoint_policy=CheckpointPolicy(interval_pages=config.checkpoint_interval_pages),
         device=str(device),
     )
+    if draft_page_bytes:
+        cache_config = _beside_drafter(cache_config, geometry, config, draft_page_bytes)
     check_one_request_fits(cache_config, geometry, config)
     check_budget_fits(budget, device, explicit=config.cache_budget_bytes is not None)
     return cache_config, geometry
+
+
+def _beside_drafter(
+    cache_config: CacheConfig, geometry: CacheGeometry, config: EngineConfig, extra: int
+) -> CacheConfig:
+    """`cache_config` with the budget less a drafter pool of `extra` bytes per page: the live
+    and checkpoint slots as the whole budget gives them (their number fixed), then as many
+    pages as fit at their MLA bytes plus `extra` each. Refuses a budget whose pages then cannot
+    hold one request of max_model_len tokens."""
+    try:
+        sizes = cache_config.pool_sizes(geometry)
+    except BudgetTooSmallError:
+        return cache_config  # too small even without the drafter: refused as such
+    page = geometry.mla_page_bytes
+    slots = (sizes.num_live_slots + sizes.num_checkpoint_slots) * geometry.kda_state_bytes
+    pages = (cache_config.device_budget_bytes - slots) // (page + extra)
+    need = config.max_pages_per_request
+    if pages - 1 < need:  # the sink page and the request's
+        least = slots + (need + 1) * (page + extra)
+        raise EngineConfigError(
+            f"cache_budget_bytes={cache_config.device_budget_bytes} cannot hold one request of "
+            f"max_model_len={config.max_model_len} tokens beside the EAGLE3 drafter's KV: each "
+            f"page costs {page} bytes of the target's rows and {extra} of the drafter's, and "
+            f"after {sizes.num_live_slots} live and {sizes.num_checkpoint_slots} checkpoint "
+            f"slots it holds {_count(max(pages - 1, 0), 'page')}, not {need}: raise "
+            f"cache_budget_bytes to at least {least}, or lower max_model_len or max_num_seqs"
+        )
+    return attrs.evolve(
+        cache_config,
+        device_budget_bytes=slots + pages * page,
+        num_checkpoint_slots=sizes.num_checkpoint_slots,
+    )
 
 
 def _checkpoint_slots(rest: int, geometry: CacheGeometry) -> int:

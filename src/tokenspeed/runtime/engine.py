@@ -24,7 +24,6 @@ from tokenspeed.cache import CacheManager, HostCache, KeyChain, LocalHostCache
 from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import (
     AggregatedScheduler,
-    DecodeBatch,
     Request,
     SchedulerConfig,
     StepPlan,
@@ -41,10 +40,11 @@ from .metrics import EngineMetrics
 from .outputs import RequestMetrics, RequestOutput
 from .request_record import RequestError, RequestRecord, check_prompt
 from .runner import DevicePools, ModelRunner
-from .sampler import SampleOutput, Sampler
+from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .spec import NgramDrafts, Proposer, verify
-from .spec.config import SpeculativeConfig
+from .spec import Proposer
+from .spec.eagle3 import capture_points, drafter_page_bytes, load_drafter
+from .spec.step import SpeculativeStep
 from .step_plan import forwards_in, is_multi_step, prefill_pieces
 from .stop import StopChecker
 from .tokenizer import Tokenizer
@@ -89,7 +89,12 @@ class Engine:
         if self.device.type == "cuda":
             self.model.overlap_shared_experts()
         self.tokenizer = tokenizer
-        cache_config, geometry = plan_cache(self.model, config, self.device)
+        # An EAGLE3 drafter's KV rows share the target's pages: the budget pays for them too.
+        drafter = load_drafter(config.speculative, self.model)
+        draft_bytes = drafter_page_bytes(drafter, config.page_size)
+        cache_config, geometry = plan_cache(
+            self.model, config, self.device, draft_page_bytes=draft_bytes
+        )
         self._owns_l2 = l2 is None and config.l2 == "local"
         if self._owns_l2:
             l2 = LocalHostCache(capacity_bytes=config.l2_capacity_bytes)
@@ -117,15 +122,14 @@ class Engine:
             graphs = DecodeGraphConfig(
                 sizes, config.max_pages_per_request, capture=config.enable_cuda_graph
             )
-        self.runner = ModelRunner(self.model, DevicePools(self.cache), self.device, graphs)
+        aux = capture_points(drafter, self.model)
+        self.runner = ModelRunner(self.model, DevicePools(self.cache), self.device, graphs, aux)
         self.sampler = Sampler(
             seed=config.seed, device=self.device, eos_token_ids=model.config.eos_token_ids
         )
         self.metrics = EngineMetrics()
-        # Speculative decoding (docs/spec.md): the proposer is public so that a test or tool
-        # can put its own in (any `tokenspeed.runtime.spec.Proposer`) before adding requests.
-        self.speculative: SpeculativeConfig | None = config.speculative
-        self.proposer: Proposer | None = _make_proposer(config.speculative)
+        # Speculative decoding (docs/spec.md): None without.
+        self.spec = SpeculativeStep.build(self, drafter, self.cache.sizes.num_pages)
         self._records: dict[Hashable, RequestRecord] = {}
         self._eos = tuple(model.config.eos_token_ids)
         self._aborted: list[RequestRecord] = []  # aborted by the caller; reported at the next step
@@ -196,6 +200,16 @@ class Engine:
     def num_unfinished(self) -> int:
         """Requests still running (an abort waiting to be reported is not one of them)."""
         return sum(r.finish_reason is None for r in self._records.values())
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The speculative step's per-request proposer (None without one); a test or tool may
+        put its own in (any `tokenspeed.runtime.spec.Proposer`) before adding requests."""
+        return None if self.spec is None else self.spec.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        self.spec.proposer = proposer
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -290,8 +304,8 @@ class Engine:
                     )
                 self.keeper.forget(record.rid)
                 self.sampler.forget(record.rid)
-                if self.proposer is not None:
-                    self.proposer.forget(record.rid)
+                if self.spec is not None:
+                    self.spec.forget(record.rid)
         return outputs
 
     def _abort_batch(
@@ -337,6 +351,9 @@ class Engine:
                 if round_ == len(pieces[i]) - 1 and chunks[i].is_last:
                     sample_rows.append(j)
             logits = self.runner.forward(tokens, prefixes, handles, logits_rows=sample_rows)
+            if self.spec is not None:  # an EAGLE3 drafter reads the target's states
+                rids = [chunks[i].request.rid for i in rows]
+                self.spec.prefilled(rids, prefixes, [len(t) for t in tokens])
             for i in rows:
                 if round_ < len(pieces[i]) - 1:  # ended at an interior checkpoint
                     self.keeper.stash(chunks[i].request.rid, pieces[i][round_][1])
@@ -348,15 +365,8 @@ class Engine:
         """One decode step of `batch`; returns whether it reported the rows to the scheduler
         itself (a speculative step, which completes its rows token by token)."""
         records = [self._records[r.rid] for r in batch.requests]
-        if self.proposer is not None:
-            drafts = [self._drafts(r) for r in records]
-            if any(drafts):
-                self._run_verify(batch, records, drafts, moved)
-                return True
-            # An earlier verify step may have reserved this page's length already, and then
-            # the scheduler's reservation handed the cache no keys: hand them over here.
-            for record in records:
-                self.port.sync_keys(record.sched)
+        if self.spec is not None and self.spec.run(batch, records, moved):
+            return True
         handles = [self.port.handle(r.rid) for r in batch.requests]
         prefixes = [r.sched.num_computed for r in records]
         tokens = [r.tokens[n] for r, n in zip(records, prefixes, strict=True)]
@@ -366,136 +376,6 @@ class Engine:
         self.keeper.decoded([r.rid for r in records], prefixes)
         self._sample(records, logits, moved, finished)
         return False
-
-    # ------------------------------------------------------------------ speculative decoding
-    def _drafts(self, record: RequestRecord) -> list[int]:
-        """The drafts of a decode row this step ([]: it decodes plainly).
-
-        Not speculated: requests with penalties or min_tokens (their logits depend on outputs
-        not yet known at the verify positions) or asking for logprobs. The window (the row's
-        last token and its drafts) never crosses a page boundary: it ends at the end of the
-        page holding the row's next position at the latest, so a verify step writes only the
-        page the scheduler reserved for the plain step, the only page boundary its kept tokens
-        can reach is the window's end (where the rolled-back live state is), and KDA rolling
-        checkpoints are taken exactly as in plain decoding. Nor does it run past the row's
-        max_tokens. A row one token short of a boundary decodes plainly that step."""
-        spec, params, req = self.speculative, record.params, record.sched
-        if params.penalized or params.min_tokens > 0 or params.logprobs is not None:
-            return []
-        base, page = req.num_computed, self.config.page_size
-        room = min(page - base % page, req.max_new_tokens - req.num_output)
-        k = min(spec.num_steps, room - 1)
-        if k <= 0:
-            return []
-        draft = list(self.proposer.propose(record.rid, record.tokens, k))[:k]
-        if spec.forced_acceptance is not None and len(draft) < k:
-            # BENCHMARK ONLY: filler drafts, so that every row accepts the forced length.
-            draft += [record.tokens[-1]] * (k - len(draft))
-        return draft
-
-    def _run_verify(self, batch, records, drafts, moved) -> None:
-        """A speculative decode step: one verify forward over each row's last token and its
-        drafts, acceptance, the KDA rollback to each row's last kept token, then the emitted
-        tokens appended and reported to the scheduler one token at a time (stops checked at
-        each). Rows without drafts are sampled as in a plain step (their one row of logits)."""
-        reqs = batch.requests
-        handles = [self.port.handle(r.rid) for r in reqs]
-        base = [r.sched.num_computed for r in records]
-        inputs = [[r.tokens[n], *d] for r, n, d in zip(records, base, drafts, strict=True)]
-        for record, n, row in zip(records, base, inputs, strict=True):
-            # The window lies in the page already reserved (see `_drafts`): this extends the
-            # reservation's length over it without a new page, as a multi-step run's does.
-            if len(row) > 1 and not self.port.reserve(record.sched, n + len(row)):
-                raise RuntimeError(f"request {record.rid!r}: verify window outside its pages")
-        step = self.runner.verify(inputs, base, handles)
-        logits = step.logits
-        emitted: list[list[int]] = [[] for _ in records]
-        plain = [i for i, d in enumerate(drafts) if not d]
-        spec = [i for i, d in enumerate(drafts) if d]
-        plain_out = None
-        if plain:
-            rows = torch.tensor([step.rows(i).start for i in plain], device=logits.device)
-            plain_out = self.sampler.sample(
-                logits[rows], [records[i].params for i in plain], [records[i].rid for i in plain]
-            )
-            for j, token in zip(plain, plain_out.tokens.tolist(), strict=True):
-                emitted[j] = [token]
-        k = max(len(drafts[i]) for i in spec)
-        padded = logits.new_zeros(len(spec), k + 1, logits.shape[-1])
-        draft = torch.zeros(len(spec), k, dtype=torch.long, device=logits.device)
-        for j, i in enumerate(spec):
-            n = len(drafts[i])
-            padded[j, : n + 1] = logits[step.rows(i)]
-            draft[j, :n] = torch.tensor(drafts[i], dtype=torch.long)
-        result = verify(
-            draft,
-            padded,
-            [records[i].params for i in spec],
-            num_draft=[len(drafts[i]) for i in spec],
-            generators=[self.sampler.generator_for(records[i].rid) for i in spec],
-            forced_length=self.speculative.forced_acceptance,
-        )
-        for i, tokens in zip(spec, result.to_lists(), strict=True):
-            emitted[i] = tokens
-            self.metrics.record_verify(len(drafts[i]), len(tokens))
-        # The live KDA states now cover every fed token: keep each row's first len(emitted)
-        # (its last token and the accepted drafts; the last emitted token is the next input).
-        self.runner.rollback(step, [len(e) for e in emitted])
-        self._commit(batch, records, base, emitted, plain_out, plain, moved)
-
-    def _commit(self, batch, records, base, emitted, plain_out, plain, moved) -> None:
-        """Append a verify step's emitted tokens and report them to the scheduler token by
-        token, as a multi-step run reports its steps: a row that stops at its j-th token ends
-        there (the tokens after it are dropped; its live state past them is released with it)."""
-        last = [r.metrics.last_token_time for r in records]
-        counts = [len(r.output_ids) for r in records]
-        no_logprobs = SampleOutput(None, None, None)
-        plain_row = {i: j for j, i in enumerate(plain)}
-        alive = list(range(len(records)))
-        for j in range(max(len(e) for e in emitted)):
-            rows = [i for i in alive if j < len(emitted[i])]
-            if not rows:
-                break
-            finished: set[Hashable] = set()
-            for i in rows:
-                self.port.sync_keys(records[i].sched)
-            with_logprobs = [i for i in rows if i in plain_row]
-            others = [i for i in rows if i not in plain_row]
-            if with_logprobs:
-                self._accept(
-                    [records[i] for i in with_logprobs],
-                    [emitted[i][j] for i in with_logprobs],
-                    plain_out,
-                    [plain_row[i] for i in with_logprobs],
-                    moved,
-                    finished,
-                    itl=False,
-                )
-            if others:
-                self._accept(
-                    [records[i] for i in others],
-                    [emitted[i][j] for i in others],
-                    no_logprobs,
-                    [0] * len(others),
-                    moved,
-                    finished,
-                    itl=False,
-                )
-            # Token j of row i is at position base + j: a page boundary there is reachable only
-            # at the row's last emitted token (see `_drafts`), where its live state is now.
-            self.keeper.decoded([records[i].rid for i in rows], [base[i] + j for i in rows])
-            sub = DecodeBatch(tuple(records[i].sched for i in rows), batch.padded_size, 1)
-            self.scheduler.complete(
-                StepPlan(prefill=None, decode=sub),
-                finished=finished,
-                save_state=self.keeper.save_state,
-            )
-            alive = [i for i in rows if records[i].finish_reason is None]
-        for record, prev, n in zip(records, last, counts, strict=True):
-            m = record.metrics
-            self.metrics.record_run_itls(
-                prev, m.first_token_time, m.last_token_time, len(record.output_ids) - n
-            )
 
     def _run_decode_steps(self, plan, moved) -> int:
         """Multi-step decoding: the batch's `steps` decode steps back to back, each fed the
@@ -619,15 +499,3 @@ class Engine:
         self.port.close()
         if self._owns_l2:
             self.l2.close()
-
-
-def _make_proposer(spec: SpeculativeConfig | None) -> Proposer | None:
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramDrafts(spec.min_n, spec.max_n, spec.num_steps)
-    raise NotImplementedError(
-        "speculative method 'eagle3' is not wired into the engine yet (docs/spec.md, section "
-        "4): the drafter, its loader and the target's auxiliary states exist in "
-        "tokenspeed.model; use method='ngram'"
-    )

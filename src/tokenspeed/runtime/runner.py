@@ -51,10 +51,12 @@ class DevicePools:
 class VerifyStep:
     """A speculative verify forward's results: `logits` [sum(seq_lens), vocab], every row of
     every request (request i's rows are `rows(i)`), and each KDA layer's per-token states, which
-    `ModelRunner.rollback` reads to move the live slots back to the last kept token."""
+    `ModelRunner.rollback` reads to move the live slots back to the last kept token; `aux`: the
+    auxiliary hidden states of every row when the runner captures them (else None)."""
 
-    def __init__(self, logits, seq_lens, slots, steps) -> None:
+    def __init__(self, logits, seq_lens, slots, steps, aux=None) -> None:
         self.logits = logits
+        self.aux = aux
         self.seq_lens = list(seq_lens)
         self.slots = slots
         self.steps = steps  # kda layer -> (step_conv [B, T, C, W-1], step_states [B, T, ...])
@@ -73,10 +75,16 @@ class ModelRunner:
         pools: DevicePools,
         device: torch.device,
         graphs: DecodeGraphConfig | None = None,
+        aux_layers: Sequence[int] | None = None,
     ):
         """graphs: decode steps go through `DecodeGraphs` of this configuration (a CUDA device
-        only), built once the runner is; None: every step runs eagerly, unpadded."""
+        only), built once the runner is; None: every step runs eagerly, unpadded.
+        aux_layers: capture points (`KimiForCausalLM.forward`'s aux_hidden_layers) of every
+        eager forward and verify step, for an EAGLE3 drafter: the last eager forward's states
+        are `aux_hidden` [tokens, n * D] (graph replays capture none)."""
         self.model = model
+        self.aux_layers = None if aux_layers is None else tuple(aux_layers)
+        self.aux_hidden: torch.Tensor | None = None
         self.pools = pools
         self.device = device
         config = model.config
@@ -164,9 +172,15 @@ class ModelRunner:
             self.paged_state(slots, table),
             logits_indices=last,
             before_layer=self._waiter(handles),
+            **self._aux(),
         )
+        self.aux_hidden = getattr(out, "aux_hidden", None)
         self.forwards_done += 1
         return out.logits
+
+    def _aux(self) -> dict:
+        # Only when asked: the forwards of other models (a DCP rank's) take no such argument.
+        return {} if self.aux_layers is None else {"aux_hidden_layers": self.aux_layers}
 
     def verify(
         self,
@@ -199,9 +213,10 @@ class ModelRunner:
             self.paged_state(slots, table, steps),
             logits_indices=every,
             before_layer=self._waiter(handles),
+            **self._aux(),
         )
         self.forwards_done += 1
-        return VerifyStep(out.logits, seq_lens, slots, steps)
+        return VerifyStep(out.logits, seq_lens, slots, steps, getattr(out, "aux_hidden", None))
 
     def rollback(self, step: VerifyStep, kept: Sequence[int]) -> None:
         """Move each request's live KDA state (conv and recurrent, every KDA layer) to just after

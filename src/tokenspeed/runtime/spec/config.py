@@ -1,4 +1,4 @@
-"""`SpeculativeConfig`: how an engine speculates (docs/spec.md, section 4)."""
+"""`SpeculativeConfig`: how an engine speculates (docs/spec.md, section 5)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ class SpeculativeConfig:
 
     method: "ngram" (prompt lookup over the request's own history: no weights; min_n..max_n
         token n-grams, longest first) or "eagle3" (an EAGLE3 drafter at `draft_model`, a
-        checkpoint directory; NOT wired into the engine yet: an engine refuses it).
+        checkpoint directory in the Hugging Face layout; the engine loads it against its model
+        and refuses one that cannot draft for it).
     num_steps: k, the tokens drafted per request and step (1..3: a verify step feeds the target
         the last token and k drafts, at most 4 tokens per row).
     forced_acceptance: BENCHMARK ONLY. Accept exactly this many drafts (0..num_steps) per row and
