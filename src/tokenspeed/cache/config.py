@@ -53,13 +53,42 @@ def _element_size(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+# MLA rows may be kept in the model's floating dtype or as e4m3 with one fp32 scale per row.
+FP8_MLA_DTYPE = torch.float8_e4m3fn
+MLA_SCALE_DTYPE = torch.float32
+# KDA checkpoints may be kept narrower than the live state (bf16: half the bytes of fp32).
+CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _mla_dtype(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    _dtype(instance, attribute, value)
+    if not value.is_floating_point:
+        raise CacheConfigError(f"mla_dtype must be a floating dtype, got {value!r}")
+    if value.itemsize == 1 and value != FP8_MLA_DTYPE:
+        raise CacheConfigError(
+            f"mla_dtype {value} is not supported: the only 8-bit MLA cache is {FP8_MLA_DTYPE} "
+            "(e4m3 rows with a per-row fp32 scale)"
+        )
+
+
+def _checkpoint_dtype(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and value not in CHECKPOINT_DTYPES:
+        raise CacheConfigError(
+            f"kda_checkpoint_dtype must be None (as the live state) or one of "
+            f"{[str(d) for d in CHECKPOINT_DTYPES]}, got {value!r}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class CacheGeometry:
     """Shape of the cached state of one model, per page and per request.
 
     page_size: tokens per page (P): the unit of every page id, key, checkpoint and L2 object.
     num_mla_layers / mla_row_width / mla_dtype: an MLA layer caches one row of `mla_row_width`
-        elements per token; a page holds `[num_mla_layers, R, mla_row_width]` of them.
+        elements per token; a page holds `[num_mla_layers, R, mla_row_width]` of them. With
+        mla_dtype float8_e4m3fn (an FP8 cache) each row also has one fp32 scale (row ~= e4m3 *
+        scale, the per-row scheme of the e4m3 MLA decode kernel), kept beside the page pool as
+        `[num_mla_layers, num_pages, R]` and after the rows in a page's L2 object.
     mla_rows_per_page: the MLA rows R a page holds on this device (default P). Below P when C =
         P / R ranks split every request's MLA rows (decode context parallelism: position p on
         member p % C as its local row p // C, so a page of P tokens is R = P / C local rows of
@@ -68,6 +97,9 @@ class CacheGeometry:
     num_kda_layers: KDA layers; each keeps, per request, a conv window `kda_conv_shape`
         (`(3*H*K, conv_kernel-1)`, `kda_conv_dtype`) and a recurrent state `kda_recurrent_shape`
         (`(H, K, V)`, `kda_recurrent_dtype`, fp32 by default).
+    kda_checkpoint_dtype: None (the default): checkpoints hold the live state's bytes; bf16:
+        checkpoint slots and L2 checkpoint objects hold each KDA tensor wider than bf16 in bf16
+        (the live recurrent state stays fp32; a restore converts up).
     layer_kinds: optional model order of the layers ("kda" / "mla"), used to order layer-by-layer
         loads like the forward consumes them; by default the two kinds are interleaved evenly.
     """
@@ -75,7 +107,7 @@ class CacheGeometry:
     page_size: int = attrs.field(default=64, validator=_positive_int)
     num_mla_layers: int = attrs.field(validator=_positive_int)
     mla_row_width: int = attrs.field(validator=_positive_int)
-    mla_dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_dtype)
+    mla_dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_mla_dtype)
     mla_rows_per_page: int = attrs.field(
         default=attrs.Factory(lambda self: self.page_size, takes_self=True),
         validator=_positive_int,
@@ -87,6 +119,9 @@ class CacheGeometry:
     )
     kda_conv_dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_dtype)
     kda_recurrent_dtype: torch.dtype = attrs.field(default=torch.float32, validator=_dtype)
+    kda_checkpoint_dtype: torch.dtype | None = attrs.field(
+        default=None, validator=_checkpoint_dtype
+    )
     layer_kinds: tuple[LayerKind, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple)
     )
@@ -127,6 +162,7 @@ class CacheGeometry:
         kda_conv_dtype: torch.dtype = torch.bfloat16,
         layer_kinds: tuple[LayerKind, ...] | None = None,
         mla_share: int = 1,
+        kda_checkpoint_dtype: torch.dtype | None = None,
     ) -> CacheGeometry:
         """The geometry of a KDA/MLA hybrid from its attention dimensions (K = V = head_dim).
         mla_share: ranks splitting every request's MLA rows (DCP; must divide page_size)."""
@@ -147,6 +183,7 @@ class CacheGeometry:
             kda_conv_shape=(3 * kda_num_heads * kda_head_dim, kda_conv_kernel - 1),
             kda_recurrent_shape=(kda_num_heads, kda_head_dim, kda_head_dim),
             kda_conv_dtype=kda_conv_dtype,
+            kda_checkpoint_dtype=kda_checkpoint_dtype,
             layer_kinds=layer_kinds,
         )
 
@@ -158,10 +195,14 @@ class CacheGeometry:
         page_size: int = 64,
         dtype: torch.dtype = torch.bfloat16,
         mla_share: int = 1,
+        mla_dtype: torch.dtype | None = None,
+        kda_checkpoint_dtype: torch.dtype | None = None,
     ) -> CacheGeometry:
         """The geometry of a model described by a `tokenspeed.model.ModelConfig` (read by its
         attributes: the cache does not import the model), with MLA rows and conv windows in
-        `dtype` and the layers in the model's order; mla_share as for `from_model_dims`."""
+        `dtype` and the layers in the model's order; mla_share as for `from_model_dims`.
+        mla_dtype: the MLA rows' dtype when not `dtype` (float8_e4m3fn: an FP8 cache);
+        kda_checkpoint_dtype: as the field (None: checkpoints as the live state)."""
         return cls.from_model_dims(
             num_mla_layers=len(config.mla_layers),
             kv_lora_rank=config.mla.kv_lora_rank,
@@ -171,16 +212,32 @@ class CacheGeometry:
             kda_head_dim=config.kda.head_dim,
             kda_conv_kernel=config.kda.conv_kernel,
             page_size=page_size,
-            mla_dtype=dtype,
+            mla_dtype=dtype if mla_dtype is None else mla_dtype,
             kda_conv_dtype=dtype,
             layer_kinds=config.layer_kinds,
             mla_share=mla_share,
+            kda_checkpoint_dtype=kda_checkpoint_dtype,
         )
 
     @property
+    def mla_fp8(self) -> bool:
+        """Whether MLA rows are e4m3 with a per-row fp32 scale."""
+        return self.mla_dtype == FP8_MLA_DTYPE
+
+    @property
+    def mla_scale_bytes(self) -> int:
+        """Bytes of one row's scale (0 unless the cache is FP8)."""
+        return _element_size(MLA_SCALE_DTYPE) if self.mla_fp8 else 0
+
+    @property
     def mla_row_bytes(self) -> int:
-        """Bytes of one token's row in one MLA layer."""
-        return self.mla_row_width * _element_size(self.mla_dtype)
+        """Bytes of one token's row in one MLA layer (its scale included for an FP8 cache)."""
+        return self.mla_row_width * _element_size(self.mla_dtype) + self.mla_scale_bytes
+
+    @property
+    def mla_token_bytes(self) -> float:
+        """MLA bytes per token on this device: every MLA layer's row (1 / mla_share of it)."""
+        return self.mla_page_bytes / self.page_size
 
     @property
     def mla_share(self) -> int:
@@ -210,8 +267,51 @@ class CacheGeometry:
 
     @property
     def kda_state_bytes(self) -> int:
-        """Bytes of one request's complete KDA state (every layer): one live slot or checkpoint."""
+        """Bytes of one request's complete KDA state (every layer): one live slot."""
         return self.num_kda_layers * self.kda_layer_state_bytes
+
+    def _narrowed(self, dtype: torch.dtype) -> torch.dtype:
+        c = self.kda_checkpoint_dtype
+        return dtype if c is None or _element_size(c) >= _element_size(dtype) else c
+
+    @property
+    def kda_checkpoint_conv_dtype(self) -> torch.dtype:
+        """The conv window's dtype in a checkpoint (the live one unless kda_checkpoint_dtype
+        is narrower)."""
+        return self._narrowed(self.kda_conv_dtype)
+
+    @property
+    def kda_checkpoint_recurrent_dtype(self) -> torch.dtype:
+        """The recurrent state's dtype in a checkpoint (fp32, or bf16 with bf16 checkpoints)."""
+        return self._narrowed(self.kda_recurrent_dtype)
+
+    @property
+    def kda_checkpoint_conv_bytes(self) -> int:
+        c, w = self.kda_conv_shape
+        return c * w * _element_size(self.kda_checkpoint_conv_dtype)
+
+    @property
+    def kda_checkpoint_recurrent_bytes(self) -> int:
+        h, k, v = self.kda_recurrent_shape
+        return h * k * v * _element_size(self.kda_checkpoint_recurrent_dtype)
+
+    @property
+    def kda_checkpoint_layer_bytes(self) -> int:
+        return self.kda_checkpoint_conv_bytes + self.kda_checkpoint_recurrent_bytes
+
+    @property
+    def kda_checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint (every KDA layer): a checkpoint slot or an L2 object. Equals
+        kda_state_bytes unless kda_checkpoint_dtype narrows it."""
+        return self.num_kda_layers * self.kda_checkpoint_layer_bytes
+
+    @property
+    def checkpoint_narrowed(self) -> bool:
+        """Whether checkpoints hold a narrower copy of the live state (a restore converts up)."""
+        return (
+            self.kda_checkpoint_conv_dtype != self.kda_conv_dtype
+            or self.kda_checkpoint_recurrent_dtype != self.kda_recurrent_dtype
+        )
 
     @property
     def copy_order(self) -> tuple[tuple[LayerKind, int], ...]:
@@ -250,6 +350,16 @@ class CacheGeometry:
         if self.mla_rows_per_page != self.page_size:
             # Only then: whole-page layouts keep the ids the objects already stored carry.
             fields = (*fields, self.mla_rows_per_page)
+        if self.mla_fp8:
+            # str(mla_dtype) differs already; the scale scheme is part of the layout too.
+            fields = (*fields, "mla_row_scales", str(MLA_SCALE_DTYPE))
+        if self.checkpoint_narrowed:
+            fields = (
+                *fields,
+                "kda_checkpoint",
+                str(self.kda_checkpoint_conv_dtype),
+                str(self.kda_checkpoint_recurrent_dtype),
+            )
         text = repr(fields)
         return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
@@ -361,6 +471,7 @@ class CacheConfig:
         """Split the budget: live slots (plus one sink slot) first, then checkpoint slots, then
         pages (plus one sink page). Raises BudgetTooSmallError if not even one request fits."""
         state, page = geometry.kda_state_bytes, geometry.mla_page_bytes
+        ckpt = geometry.kda_checkpoint_bytes
         live_slots = self.max_live_requests + 1
         rest = self.device_budget_bytes - live_slots * state
         if rest < 2 * page:
@@ -372,8 +483,8 @@ class CacheConfig:
         if self.num_checkpoint_slots is not None:
             checkpoints = self.num_checkpoint_slots
         else:
-            checkpoints = int(rest * self.checkpoint_fraction) // state
-        pages = (rest - checkpoints * state) // page
+            checkpoints = int(rest * self.checkpoint_fraction) // ckpt
+        pages = (rest - checkpoints * ckpt) // page
         if pages < 2:
             raise BudgetTooSmallError(
                 f"device_budget_bytes={self.device_budget_bytes} leaves room for {pages} pages "
@@ -393,5 +504,5 @@ class CacheConfig:
         return (
             (pages + 1) * geometry.mla_page_bytes
             + (live_requests + 1) * geometry.kda_state_bytes
-            + checkpoints * geometry.kda_state_bytes
+            + checkpoints * geometry.kda_checkpoint_bytes
         )

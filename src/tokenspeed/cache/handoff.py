@@ -14,7 +14,8 @@ partial, and the state is the live one, not a checkpoint (checkpoints sit on pag
         at r.dst_offset (a transfer engine, a socket, or `copy_ranges` in one process)...
 
 Regions are the device tier's tensors, named as in `storage.py`: "mla" `[Lm, pages, R, W]`,
-"conv" `[Lk, live slots, C, Kc]` and "recurrent" `[Lk, live slots, H, K, V]`; offsets are bytes
+"conv" `[Lk, live slots, C, Kc]` and "recurrent" `[Lk, live slots, H, K, V]`, plus
+"mla_scales" `[Lm, pages, R]` fp32 for an FP8 cache (its rows' scales); offsets are bytes
 into each, whose flat uint8 views `device_regions` gives (the memory a transfer engine
 registers). Only the destination's pages from `dst.first_page` on are written: the pages before
 are the destination's own prefix hit, shared with other requests, and hold the same tokens.
@@ -34,7 +35,7 @@ from .errors import CacheConfigError, InvalidRequestError
 from .handles import RequestCache
 from .storage import DeviceStorage, _as_bytes
 
-REGIONS = ("mla", "conv", "recurrent")
+REGIONS = ("mla", "conv", "recurrent", "mla_scales")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -58,6 +59,7 @@ class CacheLayout:
     num_live_slots: int
     conv_bytes: int  # one live slot's conv window in one KDA layer
     recurrent_bytes: int  # one live slot's recurrent state in one KDA layer
+    mla_scale_bytes: int = 0  # one row's scale in an FP8 cache (0: rows carry no scale)
 
     @classmethod
     def of(cls, storage: DeviceStorage) -> CacheLayout:
@@ -74,6 +76,7 @@ class CacheLayout:
             num_live_slots=conv.shape[1],
             conv_bytes=conv[0, 0].numel() * conv.element_size(),
             recurrent_bytes=rec[0, 0].numel() * rec.element_size(),
+            mla_scale_bytes=g.mla_scale_bytes,
         )
 
     @property
@@ -82,11 +85,16 @@ class CacheLayout:
         return self.mla_rows_per_page * self.mla_row_bytes
 
     def region_bytes(self) -> dict[str, int]:
-        return {
+        regions = {
             "mla": self.num_mla_layers * self.num_pages * self.page_bytes,
             "conv": self.num_kda_layers * self.num_live_slots * self.conv_bytes,
             "recurrent": self.num_kda_layers * self.num_live_slots * self.recurrent_bytes,
         }
+        if self.mla_scale_bytes:
+            regions["mla_scales"] = (
+                self.num_mla_layers * self.num_pages * self.mla_rows_per_page * self.mla_scale_bytes
+            )
+        return regions
 
     def rows_of_page(self, page: int, num_tokens: int) -> int:
         """MLA rows of page `page` (index in the request's table) that tokens [0, num_tokens)
@@ -136,11 +144,14 @@ class ByteRange:
 
 def device_regions(storage: DeviceStorage) -> dict[str, torch.Tensor]:
     """The device tier's regions a handoff reads or writes, as flat uint8 views (same memory)."""
-    return {
+    regions = {
         "mla": _as_bytes(storage.mla),
         "conv": _as_bytes(storage.conv),
         "recurrent": _as_bytes(storage.recurrent),
     }
+    if storage.mla_scales is not None:
+        regions["mla_scales"] = _as_bytes(storage.mla_scales)
+    return regions
 
 
 def _quiesce(storage: DeviceStorage, handle: RequestCache) -> None:
@@ -227,6 +238,21 @@ def transfer_ranges(
         d_base = layer * dst_layout.num_pages * page_bytes
         for s_pid, d_pid, nbytes in zip(src_pids, dst.page_ids, rows, strict=True):
             add("mla", s_base + s_pid * page_bytes, d_base + d_pid * page_bytes, nbytes)
+    if lay.mla_scale_bytes:  # an FP8 cache: the same rows' scales
+        scale_page = lay.mla_rows_per_page * lay.mla_scale_bytes
+        counts = [
+            lay.rows_of_page(j, n) * lay.mla_scale_bytes for j in range(dst.first_page, pages)
+        ]
+        for layer in range(lay.num_mla_layers):
+            s_base = layer * src_layout.num_pages * scale_page
+            d_base = layer * dst_layout.num_pages * scale_page
+            for s_pid, d_pid, nbytes in zip(src_pids, dst.page_ids, counts, strict=True):
+                add(
+                    "mla_scales",
+                    s_base + s_pid * scale_page,
+                    d_base + d_pid * scale_page,
+                    nbytes,
+                )
     for region, size in (("conv", lay.conv_bytes), ("recurrent", lay.recurrent_bytes)):
         for layer in range(lay.num_kda_layers):
             add(

@@ -94,7 +94,7 @@ class Loader:
             target = mla_events if kind == "mla" else kda_events
             target[index] = (*target[index], event)
         self.counters.bytes_loaded += len(l2_pids) * g.mla_page_bytes + (
-            g.kda_state_bytes if from_l2 else 0
+            g.kda_checkpoint_bytes if from_l2 else 0
         )
         load = LoadHandle(
             mla_events,

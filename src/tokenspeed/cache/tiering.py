@@ -297,6 +297,6 @@ class Tiering:
             ObjectKind.CHECKPOINT,
             entry.key,
             entry.num_tokens,
-            self.geometry.kda_state_bytes,
+            self.geometry.kda_checkpoint_bytes,
             payload,
         )

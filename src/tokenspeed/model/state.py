@@ -151,6 +151,15 @@ class PagedKda:
     step_states: torch.Tensor | None = None
 
 
+# The attribute of an FP8 page pool holding its row scales (set by the runtime's cache,
+# `tokenspeed.cache.storage.ROW_SCALES_ATTR`: the model does not import the cache).
+ROW_SCALES_ATTR = "tokenspeed_row_scales"
+
+
+def _row_scales_of(self: PagedMla) -> torch.Tensor | None:
+    return getattr(self.pages, ROW_SCALES_ATTR, None)
+
+
 @attrs.define(eq=False)
 class PagedMla:
     """One MLA layer's latent rows in a shared page pool, written in place.
@@ -158,10 +167,38 @@ class PagedMla:
     pages: [NP, P, R + Dr]; page_table: [B, MP] the pages of each request in order (padding rows
     and unused entries may point at a sink page). Token t of request i lives at row t % P of
     page page_table[i, t // P].
+    scales: [NP, P] fp32 for float8_e4m3fn pages (an FP8 cache): row = e4m3 row * its scale;
+    None for other pages. Default: the pool's `ROW_SCALES_ATTR` attribute when it has one.
     """
 
     pages: torch.Tensor
     page_table: torch.Tensor
+    scales: torch.Tensor | None = attrs.field(
+        default=attrs.Factory(_row_scales_of, takes_self=True)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        fp8 = self.pages.dtype == torch.float8_e4m3fn
+        if fp8 != (self.scales is not None):
+            raise ValueError(
+                "float8_e4m3fn pages need their [NP, P] fp32 row scales (PagedMla.scales); "
+                "other pages take none"
+            )
+        if fp8 and (
+            self.scales.dtype != torch.float32
+            or tuple(self.scales.shape) != tuple(self.pages.shape[:2])
+        ):
+            raise ValueError(
+                f"PagedMla.scales must be fp32 {tuple(self.pages.shape[:2])} (one per row), got "
+                f"{self.scales.dtype} {tuple(self.scales.shape)}"
+            )
+
+    def rows(self) -> torch.Tensor:
+        """The pool's rows as the attention reads them: the pages, dequantised (fp32) when
+        FP8."""
+        if self.scales is None:
+            return self.pages
+        return self.pages.float() * self.scales[..., None]
 
 
 @attrs.define(eq=False)

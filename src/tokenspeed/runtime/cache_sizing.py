@@ -41,9 +41,10 @@ def mla_share(model) -> int:
     return sizes.pop() if sizes else 1
 
 
-def cache_geometry(model, page_size: int, dcp: int = 1) -> CacheGeometry:
+def cache_geometry(model, page_size: int, dcp: int = 1, **dtypes) -> CacheGeometry:
     """The cache geometry of a `KimiForCausalLM` (rows in the model's dtype); dcp: ranks
-    splitting its MLA rows (each device page holds page_size / dcp rows)."""
+    splitting its MLA rows (each device page holds page_size / dcp rows); dtypes:
+    `EngineConfig.cache_dtypes` (an FP8 MLA cache, bf16 KDA checkpoints)."""
     cfg, dtype = model.config, model.lm_head.weight.dtype
     if not cfg.mla_layers or not cfg.kda_layers:
         # The cache keys prefixes by MLA pages and restores KDA state checkpoints: it is built
@@ -57,7 +58,9 @@ def cache_geometry(model, page_size: int, dcp: int = 1) -> CacheGeometry:
             f"EngineConfig.page_size={page_size} is not a multiple of the DCP group size {dcp}: "
             f"each of its ranks keeps page_size / {dcp} MLA rows of every page"
         )
-    return CacheGeometry.from_model_config(cfg, page_size=page_size, dtype=dtype, mla_share=dcp)
+    return CacheGeometry.from_model_config(
+        cfg, page_size=page_size, dtype=dtype, mla_share=dcp, **dtypes
+    )
 
 
 def fit_config(config: EngineConfig, model) -> EngineConfig:
@@ -108,7 +111,8 @@ def plan_cache(
     (None: as the model's MLA layers are split, `mla_share`). draft_page_bytes: what a page
     costs an EAGLE3 drafter besides (its pool has as many pages as the cache's): the returned
     config's budget is then what is left for the cache once that pool is set aside."""
-    geometry = cache_geometry(model, config.page_size, mla_share(model) if dcp is None else dcp)
+    dcp = mla_share(model) if dcp is None else dcp
+    geometry = cache_geometry(model, config.page_size, dcp, **config.cache_dtypes)
     checkpoints = config.checkpoint_slots
     if config.cache_budget_bytes is None:
         checkpoints = checkpoints or 4 * config.max_num_seqs

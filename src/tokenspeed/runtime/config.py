@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import torch
 from attrs import field, frozen
 
 from tokenspeed.sched.config import MAX_DECODE_BATCH_SIZE
@@ -63,6 +64,21 @@ def _speculative(instance, attribute, value) -> None:
         )
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KDA_CHECKPOINT_DTYPES = ("float32", "bfloat16")
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(instance, attribute, value) -> None:
+        if not isinstance(value, str) or value not in choices:
+            raise EngineConfigError(
+                f"EngineConfig.{attribute.name} must be one of {', '.join(map(repr, choices))}, "
+                f"got {value!r}"
+            )
+
+    return check
+
+
 def _optional_sizes(value):
     # tuple() of a bare int fails with "'int' object is not iterable", which names no field.
     if value is None:
@@ -114,6 +130,14 @@ class EngineConfig:
     speculative: a `tokenspeed.runtime.spec.SpeculativeConfig` to speculate decode rows
         (docs/spec.md); None (the default): plain decoding. Speculation runs one verify forward
         per step, so it needs decode_steps = 1.
+    kv_cache_dtype: the MLA cache's rows: "auto" (the model's dtype, the default) or "fp8_e4m3"
+        (e4m3 rows with one fp32 scale per row, the e4m3 MLA kernels' per-row scheme: a
+        512 + 64 wide row takes 580 bytes instead of 1152 in bf16). Every step attends to the
+        rows as stored, so prefix hits and chunking change no token; a different cache dtype is a
+        different cache layout (never shares L2 objects with the other).
+    kda_checkpoint_dtype: KDA checkpoints (device checkpoint slots and L2 objects): "float32"
+        (the default: exact copies of the live state) or "bfloat16" (half the bytes; the live
+        recurrent state stays fp32 and a restore converts up).
     """
 
     device: str = "auto"
@@ -133,6 +157,8 @@ class EngineConfig:
     decode_steps: int = field(default=1, validator=_positive)
     cpu_threads: int | None = field(default=None, validator=_positive)
     speculative: SpeculativeConfig | None = field(default=None, validator=_speculative)
+    kv_cache_dtype: str = field(default="auto", validator=_one_of(KV_CACHE_DTYPES))
+    kda_checkpoint_dtype: str = field(default="float32", validator=_one_of(KDA_CHECKPOINT_DTYPES))
 
     def __attrs_post_init__(self) -> None:
         if self.l2 not in ("local", "none"):
@@ -172,6 +198,17 @@ class EngineConfig:
                 f"({self.max_num_seqs}), the largest decode batch, but ends at {sizes[-1]}: "
                 f"got {sizes!r}"
             )
+
+    @property
+    def cache_dtypes(self) -> dict:
+        """`CacheGeometry.from_model_config`'s mla_dtype and kda_checkpoint_dtype for the two
+        cache dtype fields (None: as the model / the live state, today's layout)."""
+        return {
+            "mla_dtype": torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else None,
+            "kda_checkpoint_dtype": (
+                torch.bfloat16 if self.kda_checkpoint_dtype == "bfloat16" else None
+            ),
+        }
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:

@@ -122,7 +122,7 @@ class HostCache(ABC):
         if g is not self.geometry:  # bound since the last call (or never)
             g = self.geometry
             assert g is not None, "bind() first"
-            g, page, checkpoint = self._sizes = (g, g.mla_page_bytes, g.kda_state_bytes)
+            g, page, checkpoint = self._sizes = (g, g.mla_page_bytes, g.kda_checkpoint_bytes)
         return page if kind is ObjectKind.PAGE else checkpoint
 
     @abstractmethod

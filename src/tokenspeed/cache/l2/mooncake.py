@@ -200,7 +200,7 @@ class MooncakeHostCache(HostCache):
 
     def bind(self, geometry: CacheGeometry, *, metadata_only: bool) -> None:
         super().bind(geometry, metadata_only=metadata_only)
-        largest = max(geometry.mla_page_bytes, geometry.kda_state_bytes) + HEADER_BYTES
+        largest = max(geometry.mla_page_bytes, geometry.kda_checkpoint_bytes) + HEADER_BYTES
         if self.config.local_buffer_bytes < largest:
             raise CacheConfigError(
                 f"local_buffer_bytes={self.config.local_buffer_bytes} cannot hold one object of "

@@ -8,7 +8,14 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import MlaConfig
 from ..ops import dispatch
-from ..ops.mla import gather_pages, mla_decode, mla_prefill, split_kv_b
+from ..ops.mla import (
+    dequantize_rows,
+    gather_pages,
+    mla_decode,
+    mla_prefill,
+    quantize_rows_e4m3,
+    split_kv_b,
+)
 from ..state import PagedMla
 from .norm import RMSNorm
 
@@ -24,7 +31,9 @@ class GatedMla(nn.Module):
 
     forward(x [T, D], batch, latents) -> (out [T, D], new latents). Explicit latents are a list
     with request i's cached rows [prefix_i, R + Dr]; the new list appends this step's rows
-    (inputs untouched). A `PagedMla` gets this step's rows written into its pages in place.
+    (inputs untouched). A `PagedMla` gets this step's rows written into its pages in place;
+    FP8 pages (e4m3 with per-row scales) get them quantised, and every step attends to the rows
+    as stored, its own included, so chunking, prefix hits and decode all see the same numbers.
     """
 
     def __init__(self, hidden: int, config: MlaConfig):
@@ -128,7 +137,15 @@ class GatedMla(nn.Module):
         positions = batch.positions
         page = cache.page_table[batch.token_request, positions // page_size].long()
         slot = page * page_size + positions % page_size
-        pages.view(-1, pages.shape[-1]).index_copy_(0, slot, self.latent_rows(x).to(pages.dtype))
+        scales = cache.scales
+        if scales is None:
+            rows = self.latent_rows(x).to(pages.dtype)
+        else:
+            rows, row_scales = quantize_rows_e4m3(self.latent_rows(x))
+            scales.view(-1).index_copy_(0, slot, row_scales)
+            # As bytes: index_copy_ has no float8 kernels on every device.
+            rows = rows.view(torch.uint8)
+        pages.view(-1, pages.shape[-1]).view(rows.dtype).index_copy_(0, slot, rows)
         n = batch.uniform_len
         if n is not None and n <= ABSORBED_MAX_TOKENS:
             gate = self.g_proj(x) if c.output_gate else None
@@ -145,6 +162,7 @@ class GatedMla(nn.Module):
                 c.softmax_scale,
                 gate,
                 plan=batch.attn_plan,
+                page_scales=scales,
             )
             return self.o_proj(o.flatten(1))  # the gate is applied already
         # Lengths from the host: the kernel plans its key chunks on the host, and reading them
@@ -158,9 +176,12 @@ class GatedMla(nn.Module):
             self.kv_b_proj.weight,
             c.v_head_dim,
             c.softmax_scale,
+            page_scales=scales,
         )
         if o is None:
             # Reference (eager only): gather each request's rows and attend over them.
+            if scales is not None:
+                pages = dequantize_rows(pages, scales, x.dtype)
             rows = gather_pages(pages, cache.page_table)
             lens = batch.total_lens
             o = self._attend_rows(q, [rows[i, :n] for i, n in enumerate(lens)], batch, x.dtype)

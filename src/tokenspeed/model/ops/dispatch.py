@@ -108,11 +108,13 @@ def mla_decode(
     scale: float,
     gate: torch.Tensor | None,
     plan=None,
+    page_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed paged MLA decode of n queries per request, times sigmoid(gate) when given.
     q: [B*n, H, Dn+Dr] -> [B*n, H, Dv]. On CUDA in half precision: the split-KV kernel (Gluon on
     Hopper, else Triton) with the runner's split plan (or uniform splits without one); else the
-    reference."""
+    reference. page_scales: [NP, P] fp32 row scales of float8_e4m3fn pages (the reference
+    dequantises the rows to q's dtype)."""
     nope = w_uk.shape[1]
     if half_kernels(q) and _tile_dims(w_uk.shape[2], q.shape[-1] - nope, w_uv.shape[1], nope):
         from .mla.decode import decode_parallelism, mla_decode_paged_split, uniform_split_count
@@ -132,12 +134,24 @@ def mla_decode(
                 scale,
                 gate=gate,
                 uniform_splits=uniform_split_count(page_table.shape[0], budget),
+                page_scales=page_scales,
             )
         return mla_decode_paged_split(
-            q, pages, page_table, context_lens, w_uk, w_uv, scale, plan, gate=gate
+            q,
+            pages,
+            page_table,
+            context_lens,
+            w_uk,
+            w_uv,
+            scale,
+            plan,
+            gate=gate,
+            page_scales=page_scales,
         )
-    from .mla import mla_decode_paged
+    from .mla import dequantize_rows, mla_decode_paged
 
+    if page_scales is not None:
+        pages = dequantize_rows(pages, page_scales, q.dtype)
     o = mla_decode_paged(q, pages, page_table, context_lens, w_uk, w_uv, scale)
     if gate is not None:
         o = o * torch.sigmoid(gate.view(o.shape).float()).to(o.dtype)
@@ -145,15 +159,36 @@ def mla_decode(
 
 
 def mla_prefill_paged(
-    q, pages, page_table, cu_seqlens_q, context_lens, kv_b_weight, v_head_dim, scale
+    q,
+    pages,
+    page_table,
+    cu_seqlens_q,
+    context_lens,
+    kv_b_weight,
+    v_head_dim,
+    scale,
+    page_scales=None,
 ) -> torch.Tensor | None:
     """Prefill / extend over paged rows with the Triton kernel, or None where it does not
-    apply (the caller then gathers the rows and runs the reference)."""
+    apply (the caller then gathers the rows and runs the reference). page_scales: [NP, P] fp32
+    row scales of float8_e4m3fn pages."""
     nope = kv_b_weight.shape[0] // q.shape[1] - v_head_dim
     if not (half_kernels(q) and _tile_dims(nope, q.shape[-1] - nope, v_head_dim)):
         return None
     from .mla.prefill import mla_prefill_paged as kernel
 
+    if page_scales is not None:
+        return kernel(
+            q,
+            pages,
+            page_table,
+            cu_seqlens_q,
+            context_lens,
+            kv_b_weight,
+            v_head_dim,
+            scale,
+            page_scales=page_scales,
+        )
     return kernel(q, pages, page_table, cu_seqlens_q, context_lens, kv_b_weight, v_head_dim, scale)
 
 

@@ -14,6 +14,27 @@ from __future__ import annotations
 
 import torch
 
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn (`decode.FP8_MAX`)
+
+
+def quantize_rows_e4m3(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache rows [..., W] -> (float8_e4m3fn rows [..., W], fp32 scales [...]), row ~= e4m3 *
+    scale: the per-row scheme of the e4m3 MLA kernels (`decode.quantize_fp8_rows`, the same
+    math without Triton). Each row depends on its own values only, so a row is stored the same
+    whichever chunk or step wrote it."""
+    amax = rows.float().abs().amax(-1).clamp_min(1e-12)
+    scale = amax / E4M3_MAX
+    q = (rows.float() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_rows(
+    pages: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """e4m3 pages [NP, P, W] with row scales [NP, P] -> the rows they stand for, in `dtype`
+    (the product in fp32, then one rounding)."""
+    return (pages.float() * scales[..., None]).to(dtype)
+
 
 def split_kv_b(
     kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int
