@@ -89,6 +89,23 @@ def test_bench_agentx_reports_throughput_and_hit_rate(capsys):
     assert "AgentX replay" in out and "hit_rate" in out
 
 
+def test_bench_agentx_replays_an_aiperf_dataset(capsys, tmp_path):
+    from tokenspeed.workload import AgentXWorkload, write_aiperf_dataset
+    from tokenspeed.workload.agentx import AgentXConfig
+
+    path = write_aiperf_dataset(
+        [AgentXWorkload(AgentXConfig(max_turns=2), seed=3).session(i) for i in range(2)],
+        tmp_path / "dataset.jsonl",
+    )
+    argv = ["bench", "agentx", "--trace", str(path), "--sessions", "2", "--device", "cpu"]
+    assert main([*argv, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"aiperf trace replay: model tiny, 2 sessions of {path}" in out
+    assert "prefix_hit_rate" in out and "skipped_turns            0" in out
+    assert main(["bench", "agentx", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read the aiperf dataset" in capsys.readouterr().err
+
+
 def test_a_small_model_on_the_cpu_runs_single_threaded(monkeypatch, capsys):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch.set_num_threads(2)
@@ -418,3 +435,24 @@ def test_parallel_takes_a_dcp_degree(spec, layout):
     assert got == layout
     assert _layout(config).endswith(f"DCP {config.dcp}")
     assert f"attention DP {config.attention_dp}," in _layout(config)
+
+
+def test_bench_agentx_with_speculation_reports_acceptance(capsys):
+    argv = ["bench", "agentx", "--sessions", "2", "--concurrency", "2", "--max-turns", "2"]
+    argv += ["--device", "cpu", "--no-progress", "--speculative", "ngram"]
+    assert main([*argv, "--num-speculative-steps", "2", "--forced-acceptance", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding: ngram, k=2, FORCED acceptance of 1" in out
+    assert "BENCHMARK ONLY" in out
+    # Forced acceptance: every row with drafts emits 2 tokens (rows near a page end fewer).
+    length = float(out.split("spec_mean_acceptance_length")[1].split()[0])
+    assert 1.5 < length <= 2.0
+    rates = out.split("spec_acceptance_rates")[1].splitlines()[0].strip()
+    assert rates.startswith("1, 0")
+    # Without speculation the result has no spec_* lines; bad combinations are refused.
+    assert main(["bench", "agentx", "--sessions", "1", "--device", "cpu", "--no-progress"]) == 0
+    assert "spec_" not in capsys.readouterr().out
+    assert main([*argv, "--draft-model", "/nowhere"]) == 2
+    assert "draft_model is for eagle3 only" in capsys.readouterr().err
+    assert main(["bench", "agentx", "--forced-acceptance", "1"]) == 2
+    assert "--forced-acceptance needs --speculative" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 # `tokenspeed generate` shows a progress bar from this many new tokens (or from two prompts).
 LONG_RUN_TOKENS = 64
@@ -277,13 +278,66 @@ def _layout(parallel) -> str:
     )
 
 
+def _bench_speculative(args: argparse.Namespace):
+    """bench agentx: the `SpeculativeConfig` its options ask for, None without --speculative,
+    or False after printing why the options cannot work."""
+    from tokenspeed.runtime.spec import SpeculativeConfig, SpeculativeConfigError
+
+    if args.speculative is None:
+        extra = [
+            name
+            for name, value in (
+                ("--num-speculative-steps", args.num_speculative_steps),
+                ("--draft-model", args.draft_model),
+                ("--forced-acceptance", args.forced_acceptance),
+            )
+            if value is not None
+        ]
+        if extra:
+            print(
+                f"tokenspeed bench agentx: error: {', '.join(extra)} needs --speculative",
+                file=sys.stderr,
+            )
+            return False
+        return None
+    options = {"method": args.speculative, "forced_acceptance": args.forced_acceptance}
+    if args.num_speculative_steps is not None:
+        options["num_steps"] = args.num_speculative_steps
+    if args.draft_model is not None:
+        options["draft_model"] = args.draft_model
+    try:
+        return SpeculativeConfig(**options)
+    except SpeculativeConfigError as err:
+        print(f"tokenspeed bench agentx: error: {err}", file=sys.stderr)
+        return False
+
+
+def _describe_speculative(spec) -> str:
+    what = f"{spec.method}, k={spec.num_steps}"
+    if spec.draft_model:
+        what += f", drafter {spec.draft_model}"
+    if spec.forced_acceptance is not None:
+        what += (
+            f", FORCED acceptance of {spec.forced_acceptance} drafts per step (BENCHMARK ONLY: "
+            "the output is not the model's; acceptance length = "
+            f"{spec.forced_acceptance + 1} tokens per verify step where a row has the drafts)"
+        )
+    return what
+
+
 def bench_agentx(args: argparse.Namespace) -> int:
     from tokenspeed.runtime import Engine, EngineConfig
-    from tokenspeed.runtime.agentx_replay import agentx_sessions, replay
+    from tokenspeed.runtime.agentx_replay import agentx_sessions, replay, trace_sessions
     from tokenspeed.runtime.llm import load_model
 
     # The workload first: a scale too small for it is refused before the model loads.
-    sessions, block = agentx_sessions(args.sessions, args.seed, args.scale, args.max_turns)
+    if args.trace is not None:
+        sessions, block = trace_sessions(args.trace, args.sessions, args.scale)
+    else:
+        sessions, block = agentx_sessions(args.sessions, args.seed, args.scale, args.max_turns)
+    speculative = _bench_speculative(args)
+    if speculative is False:
+        return 2
     options = _engine_options(args)
     config = EngineConfig(
         device=options["device"],
@@ -294,6 +348,7 @@ def bench_agentx(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         seed=args.seed,
         decode_steps=args.decode_steps or 1,
+        speculative=speculative,
     )
     if args.parallel is None:
         from tokenspeed.runtime.device import resolve_device
@@ -329,14 +384,24 @@ def bench_agentx(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
         engine.close()
+    source = (
+        f"{len(sessions)} sessions of {args.trace} (scale {args.scale:g})"
+        if args.trace is not None
+        else f"{args.sessions} sessions (scale {args.scale:g}, up to {args.max_turns} turns)"
+    )
     print(
-        f"AgentX replay: model {name}, {args.sessions} sessions (scale "
-        f"{args.scale:g}, up to {args.max_turns} turns), concurrency {args.concurrency}"
+        f"{'aiperf trace' if args.trace is not None else 'AgentX'} replay: model {name}, "
+        f"{source}, concurrency {args.concurrency}"
         + ("" if args.parallel is None else f", {_layout(args.parallel)}")
     )
+    if speculative is not None:
+        print(f"  speculative decoding: {_describe_speculative(speculative)}")
     ranks = result.pop("ranks", None)
     for key, value in result.items():
-        shown = f"{value:.4g}" if isinstance(value, float) else value
+        if isinstance(value, list) and all(isinstance(v, float) for v in value):
+            shown = ", ".join(f"{v:.3g}" for v in value)  # per draft position
+        else:
+            shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"  {key:24s} {shown}")
     if ranks is not None:
         _print_ranks(ranks)
@@ -351,18 +416,23 @@ def serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tokenspeed.model import PRESETS
-    from tokenspeed.runtime import Engine, EngineConfig
+    from tokenspeed.runtime import EngineConfig
     from tokenspeed.runtime.async_engine import AsyncEngine
     from tokenspeed.runtime.device import resolve_device
     from tokenspeed.runtime.llm import load_model
     from tokenspeed.server import ServedModel, ServerConfig, ServerConfigError, make_role
     from tokenspeed.server import serve as serve_http
+    from tokenspeed.server.role import make_engine  # P/D roles' engines
 
     if args.model_arg is not None:
         args.model = args.model_arg
     if args.parallel is not None:
         print("tokenspeed serve: error: --parallel is not supported by serve yet", file=sys.stderr)
         return 2
+    backend = _serve_l2_backend(args)
+    if backend is None:
+        return 2
+    parallel = _serve_l2_config(args, backend)  # before the model loads: refused early
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server_config = ServerConfig(
         model_name=args.served_model_name or args.model,
@@ -382,9 +452,20 @@ def serve(args: argparse.Namespace) -> int:
         enable_cuda_graph=options["enable_cuda_graph"],
         cpu_threads=options["cpu_threads"],
         decode_steps=args.decode_steps or 1,
+        l2="none" if backend == "none" else "local",
+        **({} if args.page_size is None else {"page_size": args.page_size}),
     )
     model, tokenizer = load_model(args.model, args.dtype, resolve_device(config.device), args.seed)
-    engine = Engine(model, tokenizer, config)
+    shared = _shared_l2(args, config, parallel)
+    try:
+        # P/D roles: a PrefillEngine / DecodeEngine (tokenspeed.server.role.make_engine).
+        engine = make_engine(
+            args.role, model, tokenizer, config, shared, host=args.host, timeout_s=args.pd_timeout
+        )
+    except BaseException:
+        if shared is not None:
+            shared.close()
+        raise
     try:
         served = ServedModel.load(
             server_config.model_name,
@@ -395,7 +476,13 @@ def serve(args: argparse.Namespace) -> int:
             chat_template=args.chat_template,
             created=int(time.time()),
         )
-        role = make_role(args.role, AsyncEngine(engine, step_thread=args.step_thread))
+        role = make_role(
+            args.role,
+            AsyncEngine(engine, step_thread=args.step_thread),
+            host=args.host,
+            bootstrap_port=args.bootstrap_port,  # P/D: the prefill worker's rendezvous
+            timeout_s=args.pd_timeout,
+        )
 
         def announce(line: str) -> None:
             print(line, flush=True)
@@ -406,7 +493,62 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     finally:
         engine.close()
+        if shared is not None:
+            shared.close()
     return 0
+
+
+def _serve_l2_backend(args: argparse.Namespace) -> str | None:
+    """The host tier serve runs with: "local", "none" or "mooncake" (--l2; --l2-master alone
+    means mooncake). None, with the reason printed, for flags that do not go together."""
+    backend = args.l2 or ("mooncake" if args.l2_master is not None else "local")
+    if backend == "mooncake" and args.l2_master is None:
+        print(
+            "tokenspeed serve: error: --l2 mooncake needs --l2-master HOST:PORT (a running "
+            "mooncake_master whose segment owners hold the data; see docs/guide.md)",
+            file=sys.stderr,
+        )
+        return None
+    if backend != "mooncake" and args.l2_master is not None:
+        print(
+            f"tokenspeed serve: error: --l2-master is a shared Mooncake tier, but --l2 {backend} "
+            "keeps one in this process: give --l2 mooncake (or leave --l2 out)",
+            file=sys.stderr,
+        )
+        return None
+    return backend
+
+
+def _serve_l2_config(args: argparse.Namespace, backend: str):
+    """With --l2 mooncake, the shared tier as a multi-rank engine describes it (a
+    `ParallelConfig` of one rank), checked: Mooncake installed, the master answering (else a
+    ParallelError naming the flag: exit status 2). None: the engine's own tier."""
+    if backend != "mooncake":
+        return None
+    from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
+
+    try:
+        parallel = ParallelConfig(
+            world_size=1, l2="mooncake", l2_master=args.l2_master, l2_namespace=args.l2_namespace
+        )
+        parallel.check_environment()
+    except ParallelError as exc:
+        message = str(exc).replace("ParallelConfig.l2_master", "--l2-master")
+        message = message.replace("ParallelConfig.l2='mooncake'", "--l2 mooncake")
+        raise ParallelError(message) from None
+    return parallel
+
+
+def _shared_l2(args: argparse.Namespace, config, parallel):
+    """This worker's client of the Mooncake store (None without one), built as a multi-rank
+    engine's rank builds its own (`runtime.worker.shared_l2`). Workers given the same master
+    and --l2-namespace share one host tier."""
+    if parallel is None:
+        return None
+    from tokenspeed.runtime.worker import WorkerSpec, shared_l2
+
+    spec = WorkerSpec(model=args.model, config=config, parallel=parallel, l2_master=args.l2_master)
+    return shared_l2(spec)
 
 
 def _chat_template(text: str) -> str:
@@ -511,6 +653,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="token counts relative to AgentX (1/128 suits the tiny preset)",
     )
     agentx.add_argument("--page-size", type=_positive_int, default=16)
+    agentx.add_argument(
+        "--trace",
+        type=Path,
+        help="replay an aiperf dataset.jsonl instead (its first --sessions sessions; "
+        "--scale scales its token counts; --max-turns does not apply)",
+    )
+    agentx.add_argument(
+        "--speculative",
+        choices=("ngram", "eagle3"),
+        default=None,
+        help="speculative decoding: n-gram prompt lookup, or an EAGLE3 drafter (--draft-model)",
+    )
+    agentx.add_argument(
+        "--num-speculative-steps",
+        type=_positive_int,
+        default=None,
+        help="drafts per verify step, k (1..3; default 3)",
+    )
+    agentx.add_argument(
+        "--draft-model", default=None, help="the EAGLE3 drafter's checkpoint directory"
+    )
+    agentx.add_argument(
+        "--forced-acceptance",
+        type=_non_negative_int,
+        default=None,
+        help="BENCHMARK ONLY: accept exactly N drafts per step whatever the model says (the "
+        "output is not the model's), to time the engine at acceptance length N + 1",
+    )
     agentx.set_defaults(func=bench_agentx)
     _serve_parser(sub)
     sub.add_parser("sim", help="the cluster simulator: tokenspeed sim --help")
@@ -582,7 +752,24 @@ def _serve_parser(sub) -> None:
         "--role",
         choices=ROLES,
         default="aggregated",
-        help="what this worker does with a request (only 'aggregated': prefill and decode here)",
+        help="what this worker does with a request: aggregated (prefill and decode here), or one "
+        "half of a prefill/decode split behind smg --pd-disaggregation: prefill or decode",
+    )
+    # P/D split (tokenspeed.server.pd_roles; docs/guide.md, "Prefill/decode split behind smg").
+    srv.add_argument(
+        "--bootstrap-port",
+        type=_port,
+        default=8998,
+        help="--role prefill: the port decode workers register their destinations on, given "
+        "to smg as --prefill URL PORT (default 8998; 0: a free one, logged)",
+    )
+    srv.add_argument(
+        "--pd-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="P/D roles: how long either half of a request waits for the other (a decode "
+        "destination, its registration, room on the decode worker) (default 60)",
     )
     srv.add_argument(
         "--chat-template",
@@ -593,6 +780,31 @@ def _serve_parser(sub) -> None:
     )
     srv.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: MODEL)"
+    )
+    srv.add_argument(
+        "--page-size",
+        type=_positive_int,
+        default=None,
+        help="tokens per cache page (default: EngineConfig's, 64)",
+    )
+    srv.add_argument(
+        "--l2",
+        choices=["local", "none", "mooncake"],
+        default=None,
+        help="the host cache tier (L2): local (this process's, the default), none, or mooncake "
+        "(a Mooncake store shared by every worker given the same --l2-master and "
+        "--l2-namespace: a later turn sent to another worker still finds its prefix)",
+    )
+    srv.add_argument(
+        "--l2-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="the running mooncake_master of the shared tier (implies --l2 mooncake)",
+    )
+    srv.add_argument(
+        "--l2-namespace",
+        default="tokenspeed",
+        help="prefix of this deployment's objects in the shared store (default tokenspeed)",
     )
     srv.add_argument(
         "--step-thread",

@@ -264,3 +264,44 @@ def test_replay_runs_over_worker_processes():
     assert [r["requests"] for r in result["ranks"]] == placed
     assert result["skipped_turns"] == 0
     assert result["request_imbalance"] >= 1.0 and result["token_imbalance"] >= 1.0
+
+
+def test_an_aiperf_dataset_replays_scaled_with_its_shared_prefixes(tiny, tmp_path):
+    """`bench agentx --trace`: an aiperf dataset.jsonl (written as aiperf writes it) becomes
+    sessions with token counts and the block size times the scale; shared block ids still hit."""
+    from tokenspeed.runtime import Engine, EngineConfig
+    from tokenspeed.runtime.agentx_replay import trace_sessions
+    from tokenspeed.workload import AgentXWorkload, load_aiperf_dataset, write_aiperf_dataset
+    from tokenspeed.workload.agentx import AgentXConfig
+
+    path = write_aiperf_dataset(
+        [AgentXWorkload(AgentXConfig(max_turns=3), seed=1).session(i) for i in range(3)],
+        tmp_path / "dataset.jsonl",
+    )
+    full = load_aiperf_dataset(path)
+    sessions, block = trace_sessions(path, 2, 1 / 128)
+    assert block == 4 and [s.sid for s in sessions] == [s.sid for s in full.sessions[:2]]
+    for ours, theirs in zip(sessions, full.sessions, strict=False):
+        for a, b in zip(ours.turns, theirs.turns, strict=True):
+            assert a.new_tokens == max(1, round(b.new_tokens / 128))
+            assert a.output_tokens == max(1, round(b.output_tokens / 128))
+            assert a.blocks == b.blocks
+    engine = Engine(tiny, None, EngineConfig(device="cpu", max_model_len=2048, page_size=4))
+    result = replay(engine, sessions, concurrency=2, block_size=block)
+    assert result["requests"] + result["skipped_turns"] == sum(s.num_requests for s in sessions)
+    assert result["requests"] > 0 and result["prefix_hit_rate"] > 0.3
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "cannot read the aiperf dataset"), ("", "holds no session")],
+)
+def test_an_unreadable_or_empty_dataset_is_refused(tmp_path, content, message):
+    from tokenspeed.runtime.agentx_replay import trace_sessions
+
+    path = tmp_path / "dataset.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ReplayError, match=message):
+        trace_sessions(path, 4, 1 / 128)

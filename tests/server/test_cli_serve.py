@@ -12,7 +12,7 @@ from tokenspeed.cli import main
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--role", "prefill"], "invalid choice: 'prefill'"),
+        (["--role", "mixed"], "invalid choice: 'mixed'"),
         (["--port", "70000"], "a port in [0, 65535]"),
         (["--port", "-1"], "an integer >= 0"),
         (["--max-pending", "0"], "a positive integer"),

@@ -78,7 +78,9 @@ def test_past_max_pending_the_server_answers_503_then_serves_again(tiny_served):
     assert over[0] == 503 and over[1] == "1"
     assert over[2]["error"]["code"] == "overloaded" and "at most 2" in over[2]["error"]["message"]
     assert too_many[0] == 400 and too_many[2]["error"]["param"] == "n"
-    assert loads["pending"] == 2 and loads["max_pending"] == 2 and loads["running"] == 2
+    ours = loads["tokenspeed"]
+    assert ours["pending"] == 2 and ours["max_pending"] == 2 and ours["running"] == 2
+    assert loads["loads"][0]["num_running_reqs"] == 2
 
 
 def test_the_api_key_guards_v1_and_leaves_probes_open(tiny_served):
@@ -115,6 +117,7 @@ def test_models_loads_health_and_metrics(tiny_served):
             stream = await client.post("/v1/completions", json={**LONG, "stream": True})
             await stream.content.readline()
             busy = await (await client.get("/v1/loads")).json()
+            busy_alias = await (await client.get("/loads?model=tiny")).json()
             stream.close()
             await wait_until(lambda: not engine.has_unfinished(), "the abort")
             for _ in range(2):  # two turns: the second hits the first's pages
@@ -122,7 +125,7 @@ def test_models_loads_health_and_metrics(tiny_served):
                     "/v1/completions", json={**LONG, "max_tokens": 6, "prompt": "x" * 40}
                 )
                 assert resp.status == 200
-            idle = await (await client.get("/v1/loads")).json()
+            idle = await (await client.get("/v1/loads?include=core,queues")).json()
             health = await (await client.get("/health?integrity=1")).json()
             text = await (await client.get("/metrics")).text()
             content_type = (await client.get("/metrics")).headers["Content-Type"]
@@ -130,14 +133,33 @@ def test_models_loads_health_and_metrics(tiny_served):
             closing = await client.get("/health")
             refused = await client.post("/v1/completions", json=LONG)
             state.admission.closed = False
-            return models, busy, idle, health, text, content_type, closing, refused
+            return models, (busy, busy_alias), idle, health, text, content_type, closing, refused
 
-    models, busy, idle, health, text, content_type, closing, refused = run(main())
+    models, (busy, busy_alias), idle, health, text, content_type, closing, refused = run(main())
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
-    assert busy["running"] == 1 and busy["pending"] == 1 and busy["used_pages"] > 0
-    assert busy["outstanding_decode_tokens"] > 300 and busy["accepting"] is True
-    assert idle["running"] == idle["waiting"] == idle["used_pages"] == idle["pending"] == 0
-    assert idle["free_pages"] + idle["cached_pages"] == idle["total_pages"] > 0
+    ours = busy["tokenspeed"]
+    assert ours["model"] == "tiny" and ours["role"] == "aggregated"
+    assert ours["running"] == 1 and ours["pending"] == 1 and ours["used_pages"] > 0
+    assert ours["outstanding_decode_tokens"] > 300 and ours["accepting"] is True
+    assert (ours["page_size"], ours["max_num_seqs"]) == (16, 8)
+    # The same in SGLang's schema (what smg parses): one rank, tokens = pages x page_size.
+    assert busy["dp_rank_count"] == 1 and isinstance(busy["timestamp"], str)
+    (rank,) = busy["loads"]
+    assert rank["dp_rank"] == 0
+    assert (rank["num_running_reqs"], rank["num_waiting_reqs"], rank["num_total_reqs"]) == (1, 0, 1)
+    assert rank["num_used_tokens"] == 16 * ours["used_pages"]
+    assert rank["max_total_num_tokens"] == 16 * ours["total_pages"]
+    assert rank["token_usage"] == round(ours["used_pages"] / ours["total_pages"], 4) > 0
+    assert rank["max_running_requests"] == 8 and rank["utilization"] == 1 / 8
+    assert busy_alias["loads"][0]["num_running_reqs"] == 1
+    assert busy_alias["tokenspeed"]["used_pages"] == ours["used_pages"]
+    ours = idle["tokenspeed"]
+    assert ours["running"] == ours["waiting"] == ours["used_pages"] == ours["pending"] == 0
+    assert ours["free_pages"] + ours["cached_pages"] == ours["total_pages"] > 0
+    (rank,) = idle["loads"]
+    assert rank["num_running_reqs"] == rank["num_used_tokens"] == rank["token_usage"] == 0
+    assert rank["num_waiting_uncached_tokens"] == 0
+    assert 0 < rank["cache_hit_rate"] < 1  # the second turn hit the first's pages
     assert health == {"status": "ok", "integrity": "ok"}
     assert content_type.startswith("text/plain; version=0.0.4")
     metric = {}

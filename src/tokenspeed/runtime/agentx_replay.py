@@ -1,12 +1,14 @@
 """Replay an AgentX-style workload through the real engine (`tokenspeed bench agentx`).
 
 Sessions come from `tokenspeed.workload.AgentXWorkload`, scaled down so that the `tiny`
-preset replays them on a CPU in seconds. A trace block id becomes `block_size` token ids drawn
-from a generator seeded by the id, so equal block ids are equal text (the shared prefixes hit);
-each turn's prompt is the session's history: earlier prompts, the outputs the engine actually
-generated, then the turn's new tokens. Up to `concurrency` sessions run at once; a session's next
-turn is submitted when its previous one finishes (inter-turn delays are not waited out: this
-measures the engine, not the clock). Subagents run as sessions of their own.
+preset replays them on a CPU in seconds, or from an aiperf `dataset.jsonl` (`trace_sessions`:
+the file aiperf's agentic workload writes and replays against a server, read as the simulator
+reads it, its token counts scaled the same way). A trace block id becomes `block_size` token
+ids drawn from a generator seeded by the id, so equal block ids are equal text (the shared
+prefixes hit); each turn's prompt is the session's history: earlier prompts, the outputs the
+engine actually generated, then the turn's new tokens. Up to `concurrency` sessions run at once;
+a session's next turn is submitted when its previous one finishes (inter-turn delays are not
+waited out: this measures the engine, not the clock). Subagents run as sessions of their own.
 
 The engine is an `Engine` or a `MultiRankEngine` (runtime/multirank.py: the same add_request /
 step / has_unfinished interface over worker processes). A multi-rank replay also reports each
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
-from tokenspeed.workload import AgentXConfig, AgentXWorkload, Session
+from tokenspeed.workload import AgentXConfig, AgentXWorkload, Session, load_aiperf_dataset
 
 from .engine import Engine
 from .metrics import EngineMetrics
@@ -253,6 +255,11 @@ def replay(
         "p90_interactivity_tok_s": summary["p90_interactivity_tok_s"],
         "prefix_hit_rate": summary["prefix_hit_rate"],
     }
+    # Speculative decoding (single rank): tokens emitted per verify step, and per draft
+    # position the fraction of proposed drafts accepted; only once a step speculated.
+    for key in ("spec_mean_acceptance_length", "spec_acceptance_rates"):
+        if key in summary:
+            result[key] = summary[key]
     if load_report is not None:
         result.update(_rank_results(load_report(), tallies))
     return result
@@ -291,3 +298,36 @@ def agentx_sessions(num_sessions: int, seed: int, scale: float, max_turns: int) 
         raise ReplayError(f"scale {scale:g} leaves no usable AgentX workload: {err}") from err
     workload = AgentXWorkload(config, seed=seed)
     return [workload.session(i) for i in range(num_sessions)], config.block_size
+
+
+def _scaled(session: Session, scale: float) -> Session:
+    """The session with every turn's token counts times `scale` (at least one token each)."""
+    turns = tuple(
+        attrs.evolve(
+            turn,
+            new_tokens=max(1, round(turn.new_tokens * scale)),
+            output_tokens=max(1, round(turn.output_tokens * scale)),
+            subagents=tuple(_scaled(sub, scale) for sub in turn.subagents),
+        )
+        for turn in session.turns
+    )
+    return attrs.evolve(session, turns=turns)
+
+
+def trace_sessions(path, num_sessions: int, scale: float) -> tuple[list[Session], int]:
+    """The first `num_sessions` sessions of an aiperf `dataset.jsonl` (its lines that do not
+    parse are skipped, as the simulator skips them), with token counts and the block size
+    times `scale`, and that block size. Equal block ids stay equal text, so the prefixes the
+    trace shares still hit."""
+    _check_positive_int("num_sessions", num_sessions)
+    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        raise ReplayError(f"scale must be a finite number > 0, got {scale!r}")
+    try:
+        workload = load_aiperf_dataset(path)
+    except (OSError, ValueError) as err:
+        raise ReplayError(f"cannot read the aiperf dataset {str(path)!r}: {err}") from err
+    if not workload.sessions:
+        raise ReplayError(f"the aiperf dataset {str(path)!r} holds no session")
+    block = max(1, round(workload.block_size * scale))
+    sessions = [_scaled(s, scale) for s in workload.sessions[:num_sessions]]
+    return sessions, block

@@ -25,6 +25,12 @@ consumers get a final output with finish_reason "abort" and the error in `abort_
 others go on. Any other failure of the loop reaches every consumer as the exception, and the
 request of each consumer it reached is aborted (nobody can read it any more).
 
+P/D engines (`runtime/pd/`): `submit(request_id, add)` puts a request in by any call of the
+engine (a `DecodeEngine.admit`), yielding what that call returned before the outputs. While
+every unfinished request only waits for a transfer (an engine whose `only_transfers_pending()`
+says so: a prefill held for its send, a destination waiting for its bytes) the loop does not
+step: it polls that every `transfer_poll_s`, or at once when a request comes or goes.
+
 An `AsyncEngine` serves one event loop at a time. Used from a new loop once the old one has
 stopped (a second `asyncio.run`, say), it waits for a step still running on its worker thread and
 aborts the requests the old loop's consumers held: nobody can read them any more. `close()`
@@ -34,6 +40,7 @@ aborts everything, delivers the last outputs and stops the worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
@@ -90,12 +97,15 @@ class _Stream:
 
 
 class AsyncEngine:
+    transfer_poll_s = 0.002  # while only transfers are pending: how often to look again
+
     def __init__(self, engine: Engine, *, step_thread: bool = False):
         self.engine = engine
         self._streams: dict[Hashable, _Stream] = {}
         # Per event loop (see `_bind`): the loop served, its lock and its stepping task.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = asyncio.Lock()  # held while the engine is in use (a step, an add, an abort)
+        self._wake = asyncio.Event()  # something changed: stop waiting for transfers
         self._loop_task: asyncio.Task | None = None
         self._leaving: list[Hashable] = []  # consumers gone during a step: abort after it
         self._closed = False
@@ -113,7 +123,7 @@ class AsyncEngine:
             )
             weakref.finalize(self, self._worker.shutdown, wait=False)
 
-    async def generate(
+    def generate(
         self,
         request_id: Hashable,
         prompt_token_ids: Sequence[int],
@@ -125,18 +135,39 @@ class AsyncEngine:
         that stops early aborts the request once the iterator is closed: `break` out of
         `async for` closes it only when it is garbage collected, so wrap the iterator in
         `contextlib.aclosing` to abort at once."""
+
+        def add(engine: Engine) -> bool:
+            engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, session=session)
+            return True
+
+        return self._outputs(request_id, add, announce=False)
+
+    def submit(self, request_id: Hashable, add: Callable[[Engine], T | None]) -> AsyncIterator:
+        """`generate` for a request that `add(engine)` puts in the engine (run between two
+        steps; a `DecodeEngine.admit`, say): yields what `add` returned, then the request's
+        outputs as `generate` does. When `add` returns None it put nothing in (no room now):
+        that None is the only item. When it raises, nothing was put in either."""
+        return self._outputs(request_id, add, announce=True)
+
+    async def _outputs(
+        self, request_id: Hashable, add: Callable[[Engine], object], announce: bool
+    ) -> AsyncIterator:
         await self._bind()
         if self._closed:
             raise AsyncEngineClosed("this AsyncEngine is closed")
         stream = _Stream()
         async with self._lock:
-            self.engine.add_request(
-                request_id, prompt_token_ids, params, prompt=prompt, session=session
-            )
-            self._streams[request_id] = stream
+            value = add(self.engine)
+            if value is not None:
+                self._streams[request_id] = stream
+        if value is None:
+            yield None
+            return
         self._ensure_loop()
         ended = False
         try:
+            if announce:
+                yield value
             while True:
                 out = await stream.get()
                 if isinstance(out, _LoopFailure):
@@ -180,10 +211,14 @@ class AsyncEngine:
         return self._last_load
 
     async def run_exclusive(self, fn: Callable[[Engine], T]) -> T:
-        """fn(engine) between two steps, never during one (an integrity check, cache stats)."""
+        """fn(engine) between two steps, never during one (an integrity check, cache stats, a
+        P/D send or abort). What fn changed is reported by the steps that follow."""
         await self._bind()
         async with self._lock:
-            return fn(self.engine)
+            result = fn(self.engine)
+        if self.engine.has_unfinished():
+            self._ensure_loop()
+        return result
 
     async def wait_idle(self) -> None:
         """Wait until the engine has nothing left to run or report: every request has ended and
@@ -218,6 +253,7 @@ class AsyncEngine:
             raise RuntimeError("this AsyncEngine serves another event loop, which is running")
         self._loop = loop
         self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
         self._loop_task = None
         async with self._lock:  # the new loop's other callers wait for this
             if self._running_step is not None:
@@ -236,7 +272,10 @@ class AsyncEngine:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        if loop is self._loop and (self._loop_task is None or self._loop_task.done()):
+        if loop is not self._loop:
+            return
+        self._wake.set()  # a request came or went: a loop waiting for transfers looks again
+        if self._loop_task is None or self._loop_task.done():
             self._loop_task = loop.create_task(self._run())
 
     async def _run(self) -> None:
@@ -249,7 +288,14 @@ class AsyncEngine:
                             self.engine.abort(request_id)
                     if not self.engine.has_unfinished():
                         return
-                    outputs = await self._run_step()
+                    self._wake.clear()
+                    waiting = self._only_transfers_pending()
+                    if not waiting:
+                        outputs = await self._run_step()
+                if waiting:  # nothing to step until a transfer ends or a request comes
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.transfer_poll_s)
+                    continue
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
@@ -261,6 +307,12 @@ class AsyncEngine:
             for stream in self._streams.values():
                 stream.put(failure)
             # Not re-raised: every consumer gets it, and nobody awaits this task's result.
+
+    def _only_transfers_pending(self) -> bool:
+        """A P/D engine whose unfinished requests all wait for transfers: a step would do
+        nothing (it settles the transfers that ended as it answers)."""
+        check = getattr(self.engine, "only_transfers_pending", None)
+        return check is not None and check()
 
     async def _run_step(self) -> list[RequestOutput]:
         """One step, inline or on the worker thread."""

@@ -9,7 +9,9 @@ requests counted at their prompt minus their current prefix hit, as the router c
 and `outstanding_decode_tokens` (tokens every unfinished request may still generate, up to its
 `max_tokens`: an upper bound). Pages of the device tier: `total_pages` (usable), `used_pages`
 (held by requests), `cached_pages` (kept for prefix reuse, evictable) and `free_pages` (neither);
-an allocation may take `free_pages + cached_pages` (`available_pages`).
+an allocation may take `free_pages + cached_pages` (`available_pages`). Capacity: `page_size`
+(tokens per page) and `max_num_seqs` (requests that may run at once), so that a gateway can
+turn pages into tokens and see how many more requests would start now.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class LoadSnapshot:
     used_pages: int
     cached_pages: int
     free_pages: int
+    page_size: int = 1
+    max_num_seqs: int = 0  # 0: not known
 
     @property
     def outstanding_tokens(self) -> int:
@@ -65,4 +69,6 @@ def engine_load(engine: Engine) -> LoadSnapshot:
         used_pages=pages.used,
         cached_pages=pages.cached,
         free_pages=pages.free,
+        page_size=engine.config.page_size,
+        max_num_seqs=engine.config.max_num_seqs,
     )

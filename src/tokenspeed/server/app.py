@@ -1,7 +1,9 @@
 """The aiohttp application: routes, API key check, errors as OpenAI JSON bodies.
 
     POST /v1/completions        POST /v1/chat/completions     (handlers.py)
-    GET  /v1/models             GET  /v1/loads                 GET /health    GET /metrics
+    GET  /v1/models             GET  /health                   GET /metrics
+    GET  /v1/loads (and /loads)     GET /server_info     GET /model_info
+                                (handlers.py: what a gateway such as smg reads)
 
 aiohttp was chosen over FastAPI on uvicorn by measured overhead (benchmarks/serve_overhead.py,
 docs/perf/serve.md): 1.5-1.7x less server CPU per request and 1.3-1.5x less per SSE event.
@@ -39,9 +41,17 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/loads", loads)
+    app.router.add_get("/v1/loads", handlers.loads)
+    app.router.add_get("/loads", handlers.loads)  # smg asks here first
+    app.router.add_get("/server_info", handlers.server_info)
+    app.router.add_get("/model_info", handlers.model_info)
+    # No /version: smg takes a worker answering both /version and /server_info for vLLM and
+    # then reads none of /server_info's labels (max_running_requests among them).
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    install = getattr(state.role, "install", None)  # P/D roles: their middleware and startup
+    if install is not None:
+        install(app)
     return app
 
 
@@ -98,21 +108,6 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": model.max_model_len,
     }
     return json_response({"object": "list", "data": [entry]})
-
-
-async def loads(request: web.Request) -> web.Response:
-    """What a load-based gateway reads: the engine's running and queued requests, outstanding
-    tokens and device pages (`LoadSnapshot`), and the server's admission count and cap."""
-    state = state_of(request)
-    body = {
-        "model": state.model.name,
-        "role": state.role.name,
-        **state.role.load().as_dict(),
-        "pending": state.admission.pending,
-        "max_pending": state.admission.max_pending,
-        "accepting": not state.admission.closed,
-    }
-    return json_response(body)
 
 
 async def health(request: web.Request) -> web.Response:

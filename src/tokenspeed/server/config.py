@@ -9,7 +9,7 @@ DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the worker is an explicit --hos
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 200k-token prompt as token ids is ~1.4 MB of JSON
 DEFAULT_MAX_PENDING = 256
-ROLES = ("aggregated",)
+ROLES = ("aggregated", "prefill", "decode")  # P/D roles: server/pd_roles.py
 
 
 class ServerConfigError(ValueError):
@@ -28,10 +28,7 @@ def _positive(instance, attribute, value) -> None:
 
 def _role(instance, attribute, value) -> None:
     if value not in ROLES:
-        raise ServerConfigError(
-            f"role must be one of {list(ROLES)} (prefill and decode roles are not built yet), "
-            f"got {value!r}"
-        )
+        raise ServerConfigError(f"role must be one of {list(ROLES)}, got {value!r}")
 
 
 def _api_key(instance, attribute, value) -> None:
@@ -46,8 +43,9 @@ class ServerConfig:
     KEY` (401 otherwise); /health and /metrics stay open, as probes and scrapers expect.
     max_body_bytes: larger request bodies get 413. max_pending: engine requests (each
     completion of each prompt) waiting or running at once; past it, 503. role: what this
-    worker does with a request (`tokenspeed.server.role`); "aggregated" only, for now. (The
-    chat template belongs to the model: `ServedModel`.)"""
+    worker does with a request (`tokenspeed.server.role`): "aggregated", or one half of a P/D
+    split, "prefill" / "decode" (`pd_roles.py`). (The chat template belongs to the model:
+    `ServedModel`.)"""
 
     model_name: str
     host: str = DEFAULT_HOST

@@ -9,12 +9,15 @@ The app (`tokenspeed.server.app`) never touches an engine. It calls its role:
   GET /metrics and GET /health?integrity=1;
 - `close()` at shutdown: abort what runs, deliver the last outputs.
 
-`AggregatedRole`, the only role today, runs prefill and decode on one `AsyncEngine`. A P/D
-split adds roles with the same methods, chosen by `--role` in `make_role`: a prefill role would
-compute the prompt and hand the request (its pages and KDA state) to a decode worker through the
-P/D transfer package, then relay that worker's outputs (or answer with a handle the gateway
-follows); a decode role would take in transferred requests and continue them. The HTTP layer,
-its validation, streaming and errors stay as they are.
+A role may also have `install(app)`, called by `build_app`: what it adds to the app (a
+middleware, startup and cleanup hooks).
+
+`AggregatedRole` runs prefill and decode on one `AsyncEngine`. A prefill/decode split behind
+smg's P/D mode uses the two roles of pd_roles.py, chosen by `--role` (`make_engine` builds their
+engines, `make_role` the role): `PrefillRole` prefills on a `PrefillEngine` and hands each request
+to the decode worker that registered its room with its bootstrap server; `DecodeRole` admits
+each request on a `DecodeEngine`, registers its destination there, and streams it from the first
+token on. The HTTP layer, its validation, streaming and errors stay as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Protocol
 
 from tokenspeed.runtime.async_engine import AsyncEngine
+from tokenspeed.runtime.config import EngineConfig
+from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.load import LoadSnapshot
 from tokenspeed.runtime.metrics import EngineMetrics
 from tokenspeed.runtime.outputs import RequestOutput
@@ -91,7 +96,54 @@ class AggregatedRole:
         await self.engine.close()
 
 
-def make_role(name: str, engine: AsyncEngine) -> Role:
+def make_engine(
+    name: str,
+    model,
+    tokenizer=None,
+    config: EngineConfig | None = None,
+    l2=None,
+    *,
+    host: str = "127.0.0.1",
+    timeout_s: float | None = None,
+) -> Engine:
+    """The engine role `name` runs on: an `Engine`, or for a P/D role a `PrefillEngine` /
+    `DecodeEngine` whose transfers listen on `host` (loopback for a wildcard address: give the
+    worker's own address to split across machines). timeout_s: the decode side's destination
+    deadline (default `DEFAULT_PD_TIMEOUT_S`)."""
+    if name == "aggregated":
+        return Engine(model, tokenizer, config, l2)
+    from tokenspeed.runtime.pd import DecodeEngine, PrefillEngine
+
+    from .pd_roles import DEFAULT_PD_TIMEOUT_S
+
+    where = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    if name == "prefill":
+        return PrefillEngine(model, tokenizer, config, l2, transport_host=where)
+    if name == "decode":
+        deadline = DEFAULT_PD_TIMEOUT_S if timeout_s is None else timeout_s
+        return DecodeEngine(model, tokenizer, config, l2, transport_host=where, deadline_s=deadline)
+    raise ServerConfigError(f"role must be one of {list(ROLES)}, got {name!r}")
+
+
+def make_role(
+    name: str,
+    engine: AsyncEngine,
+    *,
+    host: str = "127.0.0.1",
+    bootstrap_port: int | None = None,
+    timeout_s: float | None = None,
+) -> Role:
+    """The role `name` over `engine` (built by `make_engine`). A prefill role listens for the
+    decode workers' registrations on host:bootstrap_port (default 8998; 0: a free port, logged);
+    timeout_s bounds every wait for the other half of a request (default 60 s)."""
     if name == "aggregated":
         return AggregatedRole(engine)
+    from .pd_roles import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PD_TIMEOUT_S, DecodeRole, PrefillRole
+
+    timeout_s = DEFAULT_PD_TIMEOUT_S if timeout_s is None else timeout_s
+    if name == "prefill":
+        port = DEFAULT_BOOTSTRAP_PORT if bootstrap_port is None else bootstrap_port
+        return PrefillRole(engine, host=host, bootstrap_port=port, timeout_s=timeout_s)
+    if name == "decode":
+        return DecodeRole(engine, timeout_s=timeout_s)
     raise ServerConfigError(f"role must be one of {list(ROLES)}, got {name!r}")

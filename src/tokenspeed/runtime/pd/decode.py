@@ -65,6 +65,7 @@ class DecodeEngine(Engine):
 
     transport: receives the bytes and the notifications (`make_transport()` by default);
         closed with the engine when the engine made it.
+    transport_host: the address the default transport listens on (its endpoint's host).
     deadline_s: how long a destination stays valid for the prefill side to start writing.
     grace_s: how long after the deadline a write may still land (default: the transport's
         timeout plus 5 s); only then is a destination nothing arrived for freed.
@@ -80,13 +81,16 @@ class DecodeEngine(Engine):
         l2: HostCache | None = None,
         *,
         transport: Transport | None = None,
+        transport_host: str = "127.0.0.1",
         deadline_s: float = 60.0,
         grace_s: float | None = None,
         reuse_prefix: bool = True,
     ) -> None:
         super().__init__(model, tokenizer, config, l2)
         self._owns_transport = transport is None
-        self.transport = make_transport(device=self.device) if transport is None else transport
+        if transport is None:
+            transport = make_transport(host=transport_host, device=self.device)
+        self.transport = transport
         self.transport.register(device_regions(self.cache.storage))
         self.transport.set_acceptor(self._accepts)
         self.layout = self.cache.handoff_layout()
@@ -291,6 +295,13 @@ class DecodeEngine(Engine):
         self._aborted.append(record)
         self._fenced[rid] = w  # freed when the prefill side reports, or at w.free_at
 
+    def only_transfers_pending(self) -> bool:
+        """Apply the notifications received (`poll_transfers`); then whether a step would do
+        nothing: no request to decode or prefill, no output to report, every unfinished one
+        waiting for its transfer (a driver may wait and ask again instead of stepping)."""
+        self.poll_transfers()
+        return not self._aborted and not self.scheduler.has_work
+
     # ------------------------------------------------------------------ engine overrides
     def plan_step(self):
         self.poll_transfers()
@@ -306,7 +317,12 @@ class DecodeEngine(Engine):
         """As `Engine.abort`. A request still waiting for its transfer is reported aborted at
         the next step; its destination is freed when the prefill side reports its write ended,
         or failed, or at its deadline plus the grace period (a write may be landing). With
-        writer_gone=True (the caller knows no write was started or will be) it is freed now."""
+        writer_gone=True (the caller knows no write was started or will be) it is freed now;
+        so is the destination of one aborted earlier and still kept (returns False: it had
+        ended already)."""
+        if writer_gone and request_id in self._fenced:
+            self.port.release(self._fenced.pop(request_id).request)
+            return False
         if request_id not in self._waiting:
             return super().abort(request_id, reason)
         self._end_waiting(request_id, reason, writer_gone=writer_gone)

@@ -44,6 +44,7 @@ class PrefillEngine(Engine):
 
     transport: moves the bytes (`make_transport()` by default: Mooncake when installed, else
     sockets); closed with the engine when the engine made it.
+    transport_host: the address the default transport listens on (its endpoint's host).
     """
 
     def __init__(
@@ -54,13 +55,16 @@ class PrefillEngine(Engine):
         l2: HostCache | None = None,
         *,
         transport: Transport | None = None,
+        transport_host: str = "127.0.0.1",
     ) -> None:
         super().__init__(model, tokenizer, config, l2)
         # The prefill scheduler's P/D mode: a completed prefill stays pinned (TRANSFERRING)
         # until `release`, and never joins this rank's decode rows.
         self.scheduler.prefill.disaggregated = True
         self._owns_transport = transport is None
-        self.transport = make_transport(device=self.device) if transport is None else transport
+        if transport is None:
+            transport = make_transport(host=transport_host, device=self.device)
+        self.transport = transport
         self.transport.register(device_regions(self.cache.storage))
         self.layout = self.cache.handoff_layout()
         self._sender = concurrent.futures.ThreadPoolExecutor(
@@ -191,6 +195,13 @@ class PrefillEngine(Engine):
     @property
     def transfers_in_flight(self) -> int:
         return len(self._sending)
+
+    def only_transfers_pending(self) -> bool:
+        """Settle the sends that ended (`poll_transfers`); then whether a step would do nothing:
+        no prefill to run, no output to report, every unfinished request held for its transfer
+        (a driver may wait and ask again instead of stepping; `AsyncEngine` does)."""
+        self.poll_transfers()
+        return not self._aborted and not self.scheduler.has_work
 
     # ------------------------------------------------------------------ engine overrides
     def plan_step(self):
