@@ -17,9 +17,13 @@ events/s at concurrency 32. Stacks: aiohttp (installed with the project), and Fa
 `worker`: streamed tokens/s through a `tokenspeed serve` subprocess (HTTP, SSE, real TCP on
 loopback, the client in this process) against the in-process `AsyncEngine` on the same prompts
 and engine options, at each concurrency of `--concurrency` (tiny preset on the CPU by default),
-and the ratio worker / in-process:
+and the ratio worker / in-process; with `--gateway`, also through `smg` (the gateway, started
+in front of the worker with round-robin routing) on the same prompts:
 
-    python benchmarks/serve_overhead.py worker [--concurrency 1,32,128] [--new 64]
+    python benchmarks/serve_overhead.py worker [--concurrency 1,32,128] [--new 64] [--gateway]
+
+Prompts are text (random lowercase letters, one byte token each under the tiny preset's byte
+tokenizer), as an OpenAI client sends them: smg refuses token-id prompts.
 """
 
 from __future__ import annotations
@@ -268,15 +272,16 @@ def _engine_config(args: argparse.Namespace):
     )
 
 
-def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    """Random byte-token prompts (ids 3..258 of the tiny preset's byte tokenizer)."""
+def _prompts(count: int, length: int, seed: int) -> list[str]:
+    """Random text prompts of `length` lowercase letters (one token each for the byte tokenizer)."""
     import random
+    import string
 
     rng = random.Random(seed)
-    return [[rng.randrange(3, 259) for _ in range(length)] for _ in range(count)]
+    return ["".join(rng.choices(string.ascii_lowercase, k=length)) for _ in range(count)]
 
 
-async def _in_process(engine, prompts: list[list[int]], new: int) -> float:
+async def _in_process(engine, prompts: list[str], new: int) -> float:
     """Streamed tokens/s of the prompts, all at once, through an in-process AsyncEngine."""
     from tokenspeed.runtime import SamplingParams
     from tokenspeed.runtime.async_engine import AsyncEngine
@@ -284,9 +289,10 @@ async def _in_process(engine, prompts: list[list[int]], new: int) -> float:
     server = AsyncEngine(engine)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
-    async def one(i: int, prompt: list[int]) -> int:
+    async def one(i: int, prompt: str) -> int:
         count = 0
-        async for out in server.generate(f"r{i}-{time.monotonic_ns()}", prompt, params):
+        ids = engine.tokenizer.encode(prompt)
+        async for out in server.generate(f"r{i}-{time.monotonic_ns()}", ids, params):
             count = len(out.token_ids)
         return count
 
@@ -298,15 +304,17 @@ async def _in_process(engine, prompts: list[list[int]], new: int) -> float:
     return sum(counts) / wall
 
 
-async def _through_worker(port: int, prompts: list[list[int]], new: int) -> float:
-    """Streamed tokens/s of the prompts, all at once, through the worker (SSE over TCP); the
-    tokens are counted from the `token_ids` of the chunks."""
+async def _through_worker(port: int, prompts: list[str], new: int) -> float:
+    """Streamed tokens/s of the prompts, all at once, through the worker (or the gateway in
+    front of it) at `port` (SSE over TCP); the tokens are counted from the `token_ids` of the
+    chunks."""
     import aiohttp
 
     url = f"http://127.0.0.1:{port}/v1/completions"
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> int:
+    async def one(session: aiohttp.ClientSession, prompt: str) -> int:
         body = {
+            "model": "tiny",
             "prompt": prompt,
             "max_tokens": new,
             "temperature": 0,
@@ -348,34 +356,40 @@ def worker(args: argparse.Namespace) -> int:
         "--max-model-len", str(config.max_model_len), "--max-pending", "100000",
     ]  # fmt: skip
     proc, port = _start(command)
+    gateway = None
     rows = []
     try:
+        if args.gateway:
+            gateway, gateway_port = _start_smg(port)
         warm = _prompts(8, args.prompt_len, seed=10**6)  # first steps, compilation: not timed
         asyncio.run(_in_process(engine, warm, args.new))
         asyncio.run(_through_worker(port, warm, args.new))
+        sides = {
+            "in-process": lambda p: asyncio.run(_in_process(engine, p, args.new)),
+            "worker": lambda p: asyncio.run(_through_worker(port, p, args.new)),
+        }
+        if gateway is not None:
+            asyncio.run(_through_worker(gateway_port, warm, args.new))
+            sides["smg"] = lambda p: asyncio.run(_through_worker(gateway_port, p, args.new))
         for c in levels:
-            ratios, local, remote = [], [], []
+            figures: dict[str, list[float]] = {name: [] for name in sides}
             for rep in range(args.repeats):
                 prompts = _prompts(c, args.prompt_len, seed=1000 * c + rep)  # fresh: no hits
-                runs = [
-                    ("in-process", lambda p=prompts: asyncio.run(_in_process(engine, p, args.new))),
-                    ("worker", lambda p=prompts: asyncio.run(_through_worker(port, p, args.new))),
-                ]
-                if rep % 2:
-                    runs.reverse()
-                got = {name: run() for name, run in runs}
-                local.append(got["in-process"])
-                remote.append(got["worker"])
-                ratios.append(got["worker"] / got["in-process"])
+                order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+                got = {name: sides[name](prompts) for name in order}
+                for name, value in got.items():
+                    figures[name].append(
+                        value / got["in-process"] if name != "in-process" else value
+                    )
                 print(
-                    f"concurrency {c}, repeat {rep}: in-process {got['in-process']:.0f} tok/s, "
-                    f"worker {got['worker']:.0f} tok/s, ratio {ratios[-1]:.3f}",
+                    f"concurrency {c}, repeat {rep}: "
+                    + ", ".join(f"{name} {value:.0f} tok/s" for name, value in got.items()),
                     flush=True,
                 )
-            rows.append(
-                (c, statistics.median(local), statistics.median(remote), statistics.median(ratios))
-            )
+            rows.append((c, {name: statistics.median(v) for name, v in figures.items()}))
     finally:
+        if gateway is not None:
+            _stop(gateway)
         _stop(proc)
         engine.close()
     import aiohttp
@@ -386,11 +400,45 @@ def worker(args: argparse.Namespace) -> int:
         f"prompts of {args.prompt_len} random tokens, {args.new} new tokens each (greedy, EOS "
         f"ignored), max_num_seqs {config.max_num_seqs}, median of {args.repeats} runs"
     )
-    print("| concurrency | in-process AsyncEngine tok/s | worker (HTTP + SSE) tok/s | ratio |")
-    print("|---:|---:|---:|---:|")
-    for c, local, remote, ratio in rows:
-        print(f"| {c} | {local:.0f} | {remote:.0f} | {ratio:.3f} |")
+    through = [name for name in rows[0][1] if name != "in-process"]
+    print(
+        "| concurrency | in-process AsyncEngine tok/s | "
+        + " | ".join(f"{name} / in-process" for name in through)
+        + " |"
+    )
+    print("|---:|---:|" + "---:|" * len(through))
+    for c, medians in rows:
+        ratios = " | ".join(f"{medians[name]:.3f}" for name in through)
+        print(f"| {c} | {medians['in-process']:.0f} | {ratios} |")
     return 0
+
+
+def _start_smg(worker_port: int, timeout_s: float = 60.0) -> tuple[subprocess.Popen, int]:
+    """smg in front of the worker (round-robin over its one worker), once it serves the model."""
+    import shutil
+    import urllib.request
+
+    binary = shutil.which("smg")
+    if binary is None:
+        raise SystemExit("--gateway needs smg (pip install smg)")
+    with _listening_socket() as sock:  # a free port, released for smg to bind
+        port = sock.getsockname()[1]
+    command = [
+        binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+        "--worker-urls", f"http://127.0.0.1:{worker_port}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if b'"tiny"' in r.read():
+                    return proc, port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    _stop(proc)
+    raise RuntimeError(f"smg did not serve the worker's model within {timeout_s:.0f} s")
 
 
 def _print_machine() -> None:
@@ -412,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     wk.add_argument("--new", type=int, default=64)
     wk.add_argument("--max-num-seqs", type=int, default=128)
     wk.add_argument("--repeats", type=int, default=3)
+    wk.add_argument("--gateway", action="store_true", help="also through smg in front")
     stack = sub.add_parser("_stack")  # internal: one framework's server (a subprocess)
     stack.add_argument("name", choices=sorted(STACKS))
     stack.add_argument("--events", type=int, default=32)
