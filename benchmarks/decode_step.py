@@ -51,23 +51,25 @@ def k3_slice():
     )
 
 
-def build_model(device):
+def build_model(device, config=None, dtype=torch.bfloat16):
+    """Random weights of `config` (default: the K3 slice) on `device` (also used by
+    benchmarks/spec_verify.py and spec_decode.py)."""
     with torch.device("meta"):
-        model = KimiForCausalLM(k3_slice())
-    model = fill_random_on_device(model.to_empty(device=device).to(torch.bfloat16))
+        model = KimiForCausalLM(config or k3_slice())
+    model = fill_random_on_device(model.to_empty(device=device).to(dtype))
     _keep_fp32(model)
     return model.eval()
 
 
-def build_engine(device, batches, history: int, page: int = 64):
-    """(model, engine, handles): the slice in an engine with decode graph sizes `batches`, and
-    max(batches) requests holding `history` tokens of random cache each (seed 0), whose next
-    decode step is token `history`."""
+def build_engine(device, batches, history: int, page: int = 64, model=None):
+    """(model, engine, handles): the slice (or `model`: smoke runs pass a tiny one on the CPU)
+    in an engine with decode graph sizes `batches`, and max(batches) requests holding `history`
+    tokens of random cache each (seed 0), whose next decode step is token `history`."""
     torch.manual_seed(0)
-    model = build_model(device)
+    model = build_model(device) if model is None else model
     max_batch = max(batches)
     config = EngineConfig(
-        device="cuda",
+        device=device.type,
         page_size=page,
         max_num_seqs=max_batch,
         max_model_len=history + 64,

@@ -24,7 +24,7 @@ from tokenspeed.sim.cluster.config import (
     RANK_BOOKKEEPING_BYTES,
     SESSION_BOOKKEEPING_BYTES,
 )
-from tokenspeed.sim.cost import LinearCostModel, TableCostModel
+from tokenspeed.sim.cost import LinearCostModel, SpeculativeCostModel, TableCostModel
 from tokenspeed.sim.plots import plot_hit_rate_over_time, plot_throughput_vs_interactivity
 from tokenspeed.sim.report import results_table, scenario_line
 from tokenspeed.workload import (
@@ -87,6 +87,19 @@ def build_parser(prog: str = "python -m tokenspeed.sim") -> argparse.ArgumentPar
     p.add_argument("--checkpoint-interval-pages", type=int, default=64)
     p.add_argument("--prefill-budget", type=int, default=16384, help="tokens per prefill forward")
     p.add_argument("--cost-table", type=Path, help="measured cost table (JSON, see docs/sim.md)")
+    p.add_argument(
+        "--acceptance-length",
+        type=float,
+        default=1.0,
+        help="speculative decoding: tokens each decode (verify) step emits per request on "
+        "average, 1..4 (default 1: no speculation)",
+    )
+    p.add_argument(
+        "--num-speculative-steps",
+        type=int,
+        help="speculative decoding: drafts per verify step, k (the step costs a decode step of "
+        "k + 1 tokens per request); default: the fewest that can emit --acceptance-length",
+    )
     p.add_argument("--out", type=Path, default=Path("sim-report"))
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -131,6 +144,20 @@ def config_from_args(args: argparse.Namespace, concurrency: int) -> ClusterConfi
         concurrency=concurrency,
         duration_s=args.duration or None,
     )
+
+
+def speculative_cost(args: argparse.Namespace, cost):
+    """`cost` itself without speculation (the default: identical runs), else wrapped in a
+    `SpeculativeCostModel` (ValueError naming the options when they cannot work)."""
+    a, k = args.acceptance_length, args.num_speculative_steps
+    if a == 1 and not k:
+        return cost
+    if k is None:
+        k = math.ceil(a) - 1 if math.isfinite(a) else 0
+    try:
+        return SpeculativeCostModel(base=cost, acceptance_length=a, num_steps=k)
+    except ValueError as exc:
+        raise ValueError(f"--acceptance-length / --num-speculative-steps: {exc}") from None
 
 
 def load_workload(args: argparse.Namespace):
@@ -380,6 +407,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tokenspeed.sim") 
         if args.out.exists() and not args.out.is_dir():
             raise ValueError(f"--out {args.out} exists and is not a directory")
         cost = TableCostModel.from_file(args.cost_table) if args.cost_table else LinearCostModel()
+        cost = speculative_cost(args, cost)
         workload = load_workload(args)
         for cfg in configs:
             check_load(cfg, workload)

@@ -12,6 +12,8 @@ A cost model answers four questions, all in seconds:
 
 `LinearCostModel` is the stated default (see docs/sim.md for its numbers and where they come
 from); `TableCostModel` replaces it with a table measured on a GPU (JSON, same four questions).
+`SpeculativeCostModel` wraps either for speculative decoding: every decode step is a verify step
+of k + 1 positions per row that emits A tokens per row on average (the acceptance length).
 """
 
 from __future__ import annotations
@@ -282,3 +284,111 @@ class TableCostModel:
 
     def load_time(self, nbytes: int) -> float:
         return nbytes / self.load_bytes_per_s
+
+
+def verify_step_time(
+    model: CostModel, rows: int, padded_rows: int, history: int, width: int
+) -> float:
+    """One speculative verify step: `rows` rows (graph size `padded_rows`) of `width` = k + 1
+    positions each (the last token and k drafts), attending to `history` cached tokens in total.
+
+    ASSUMPTION (not measured): it costs what the model's decode step of `rows * width` one-token
+    rows costs, each position reading its request's history (history * width in total; a
+    table's mean history per row is unchanged). That is an upper bound where the attention
+    kernel reads a row's history once for all its positions; benchmarks/spec_verify.py measures
+    the real ratio of a verify step to k + 1 decode steps (docs/perf/spec.md). width 1 is the
+    decode step itself."""
+    if width == 1:
+        return model.decode_step_time(rows, padded_rows, history)
+    return model.decode_step_time(rows * width, padded_rows * width, history * width)
+
+
+class VerifyEnds(Sequence[float]):
+    """Cumulative end offsets, per decode token, of a run of verify steps: token i (0-based) of
+    every row is emitted by verify step floor(i / A), so it ends when that step ends (tokens of
+    one step share its end). `verify_ends[v]`: the end of verify step v."""
+
+    __slots__ = ("acceptance", "steps", "verify_ends")
+
+    def __init__(self, verify_ends: Sequence[float], acceptance: float, steps: int) -> None:
+        self.verify_ends, self.acceptance, self.steps = verify_ends, acceptance, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def step_of(self, i: int) -> int:
+        """The verify step that emits token i."""
+        return int(i // self.acceptance)
+
+    def __getitem__(self, i: int) -> float:  # type: ignore[override]
+        if i < 0:
+            i += self.steps
+        if not 0 <= i < self.steps:
+            raise IndexError(f"token {i} of {self.steps}")
+        return self.verify_ends[self.step_of(i)]
+
+    def last_of_step(self, i: int) -> int:
+        """The last token emitted by the verify step that emits token i (a run cut while that
+        step is in flight ends with it)."""
+        return min(self.steps, math.ceil((self.step_of(i) + 1) * self.acceptance)) - 1
+
+    def verify_steps(self, tokens: int) -> int:
+        """Verify steps run to emit the first `tokens` tokens of every row."""
+        return self.step_of(tokens - 1) + 1 if tokens > 0 else 0
+
+
+def _acceptance(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not _is_real(value) or not 1 <= value <= 4:
+        raise ValueError(f"acceptance_length must be in 1..4 tokens per step, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeCostModel:
+    """`base` with speculative decoding: each decode step is a verify step of `num_steps` + 1
+    positions per row (`verify_step_time`) that advances every decode row by
+    `acceptance_length` tokens on average (tokens emitted per verify step: accepted drafts + 1;
+    a fractional A is a mean rate, token i being emitted by verify step floor(i / A)). Prefill,
+    transfers and loads cost what `base` says. A = 1 with num_steps 0 is plain decoding.
+
+    The scheduler still advances a run of decode steps token by token (it reserves pages for
+    them and checks each request's end); this model only decides when each token is out. A
+    mixed prefill + decode forward of the aggregated mode decodes one token, as without it."""
+
+    base: CostModel
+    acceptance_length: float = attrs.field(default=1.0, validator=_acceptance)
+    num_steps: int = attrs.field(default=0)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.num_steps, int) or not 0 <= self.num_steps <= 3:
+            raise ValueError(f"num_steps must be an integer in 0..3, got {self.num_steps!r}")
+        if self.acceptance_length > self.num_steps + 1:
+            raise ValueError(
+                f"acceptance_length {self.acceptance_length:g} exceeds num_steps + 1 "
+                f"({self.num_steps + 1}): a verify step emits at most its drafts and one more"
+            )
+
+    @property
+    def width(self) -> int:
+        return self.num_steps + 1
+
+    def prefill_time(self, spans: Sequence[tuple[int, int]]) -> float:
+        return self.base.prefill_time(spans)
+
+    def decode_step_time(self, rows: int, padded_rows: int, history: int) -> float:
+        """One verify step."""
+        return verify_step_time(self.base, rows, padded_rows, history, self.width)
+
+    def decode_run_ends(self, rows: int, padded_rows: int, history: int, steps: int) -> VerifyEnds:
+        a = self.acceptance_length
+        ends, total = [], 0.0
+        for v in range(int((steps - 1) // a) + 1 if steps else 0):
+            # Before verify step v every row has emitted ceil(v * A) tokens of this run.
+            total += self.decode_step_time(rows, padded_rows, history + rows * math.ceil(v * a))
+            ends.append(total)
+        return VerifyEnds(ends, a, steps)
+
+    def transfer_time(self, nbytes: int) -> float:
+        return self.base.transfer_time(nbytes)
+
+    def load_time(self, nbytes: int) -> float:
+        return self.base.load_time(nbytes)

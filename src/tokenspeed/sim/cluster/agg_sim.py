@@ -77,6 +77,8 @@ class AggregatedSimulator(EventLoop):
             return
         rank.busy = False
         plan = rank.plan
+        if plan.decode is not None:
+            self._count_decode(plan.decode.size, rank.ends, rank.steps)
         finished = rank.sched.complete(plan, decode_steps=rank.steps)
         if plan.prefill is not None:
             for chunk in plan.prefill.chunks:

@@ -72,6 +72,9 @@ class EventLoop:
         self._open_sessions = 0
         self.wall_s = 0.0
         self.cpu_s = 0.0
+        # Decode (or verify) steps run, summed over their rows: per request, how many steps its
+        # output took (a speculative cost model emits several tokens per step).
+        self.decode_row_steps = 0
         self.host_tiers = build_host_tiers(config)  # one entry per rank, prefill ranks first
         g = config.geometry
         self._bytes_per_token = g.mla_page_bytes / g.page_size
@@ -86,6 +89,9 @@ class EventLoop:
         flight. The run's completion event is superseded (its epoch is stale) by one at that
         step's end, which calls `done((rank, epoch))`."""
         j = bisect.bisect_left(rank.ends, self.now - rank.start)
+        last_of_step = getattr(rank.ends, "last_of_step", None)
+        if last_of_step is not None and j < rank.steps:
+            j = last_of_step(j)  # speculative: the verify step in flight emits all its tokens
         if j + 1 >= rank.steps:
             return
         rank.steps = j + 1
@@ -237,6 +243,11 @@ class EventLoop:
         return decode_run_ends(
             self.cost, batch.size, batch.padded_size, sum(batch.history_lens), batch.steps
         )
+
+    def _count_decode(self, rows: int, ends: Sequence[float], tokens: int) -> None:
+        """A run of `tokens` decode tokens over `rows` rows completed."""
+        verify_steps = getattr(ends, "verify_steps", None)
+        self.decode_row_steps += rows * (tokens if verify_steps is None else verify_steps(tokens))
 
     # ---- requests leaving the cluster ---------------------------------------------------------
     def _admit_request(self, req: Request) -> None:

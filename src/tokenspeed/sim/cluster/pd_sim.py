@@ -232,6 +232,7 @@ class PDSimulator(EventLoop):
         if epoch != rank.epoch:
             return  # superseded by a cut
         rank.busy = False
+        self._count_decode(rank.batch.size, rank.ends, rank.steps)
         done = rank.sched.complete(rank.batch, rank.steps)
         self._decode_moved(rank)
         for req in done:

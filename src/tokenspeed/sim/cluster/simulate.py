@@ -31,6 +31,7 @@ class SimResult:
     cache_stats: tuple[CacheStats, ...]  # per rank: prefill ranks first, then decode ranks
     l2_stats: tuple[L2Stats, ...]  # one per distinct host tier
     check_s: float = 0.0  # wall time of the final cache integrity checks
+    decode_row_steps: int = 0  # decode (verify) steps run, summed over their rows
 
     @property
     def abort_reasons(self) -> dict[str, int]:
@@ -93,4 +94,5 @@ def simulate(
         cache_stats=tuple(r.cache.stats() for r in sim.ranks),
         l2_stats=tuple(t.stats() for t in tiers.values()),
         check_s=check_s,
+        decode_row_steps=sim.decode_row_steps,
     )
