@@ -6,7 +6,9 @@ The top layer: it imports `runtime`, and nothing below imports it. One file per 
 - `served_model.py`: `ServedModel`, the model as the API sees it (name, tokenizer, limits,
   chat template);
 - `protocol.py`: request bodies -> prompts and `SamplingParams`, every check up front;
-- `role.py`: the seam to the engine (`AggregatedRole` today; prefill / decode roles later);
+- `role.py`: the seam to the engine (`AggregatedRole`; `make_role` picks by `--role`);
+- `pd_roles.py`, `pd_bootstrap.py`: the prefill and decode roles of a P/D split behind smg and
+  the bootstrap rendezvous between them;
 - `streams.py`: one call's engine requests (prompts x n), merged;
 - `deltas.py`: what a streamed choice sends next; `responses.py`: the response objects;
   `sse.py`: the event framing;
