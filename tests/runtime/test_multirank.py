@@ -154,6 +154,31 @@ def test_requests_go_to_the_least_loaded_rank_and_abort(llm2):
     assert all(r.outstanding_requests == 0 for r in engine.load_report().ranks)
 
 
+def kill_rank_1_mid_run(llm: LLM) -> None:
+    """SIGKILL rank 1 once the first tokens are out: generate raises the front end's
+    WorkerError naming it (within 30 s), every worker is gone and the engine stays failed."""
+    engine = llm.engine
+    pids = engine.worker_pids
+    step, killed = engine.step, []
+
+    def step_then_kill():
+        outs = step()
+        if outs and not killed:  # mid-run: the first tokens are out
+            os.kill(pids[1], signal.SIGKILL)
+            killed.append(time.monotonic())
+        return outs
+
+    engine.step = step_then_kill
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with pytest.raises(WorkerError, match="rank 1") as failure:
+        llm.generate(_as_prompts(prompt_ids(4, 6, 10, 40)), params, use_tqdm=False)
+    assert time.monotonic() - killed[0] < 30
+    assert failure.value.rank == 1 and "SIGKILL" in failure.value.cause
+    assert all(pid_gone(pid) for pid in pids), pids
+    with pytest.raises(WorkerError):  # it stays failed
+        engine.step()
+
+
 @deadline(90)
 @pytest.mark.parametrize("dwdp", [None, 2], ids=["dep", "dwdp"])
 def test_a_killed_worker_fails_generate_and_stops_every_worker(dwdp):
@@ -161,27 +186,8 @@ def test_a_killed_worker_fails_generate_and_stops_every_worker(dwdp):
     survivor would go on alone) both end with the front end's WorkerError and no worker left."""
     before = set(multiprocessing.active_children())  # another test's engine may be running
     with multirank(2, dwdp=dwdp, decode_steps=1) as llm:
-        engine = llm.engine
-        pids = engine.worker_pids
-        step, killed = engine.step, []
-
-        def step_then_kill():
-            outs = step()
-            if outs and not killed:  # mid-run: the first tokens are out
-                os.kill(pids[1], signal.SIGKILL)
-                killed.append(time.monotonic())
-            return outs
-
-        engine.step = step_then_kill
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        with pytest.raises(WorkerError, match="rank 1") as failure:
-            llm.generate(_as_prompts(prompt_ids(4, 6, 10, 40)), params, use_tqdm=False)
-        assert time.monotonic() - killed[0] < 30
-        assert failure.value.rank == 1 and "SIGKILL" in failure.value.cause
-        assert all(pid_gone(pid) for pid in pids), pids
-        with pytest.raises(WorkerError):  # it stays failed
-            engine.step()
-        assert not engine.abort(0)
+        kill_rank_1_mid_run(llm)
+        assert not llm.engine.abort(0)
     assert set(multiprocessing.active_children()) <= before
 
 

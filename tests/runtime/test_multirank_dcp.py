@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import signal
-import time
 
 import attrs
 import pytest
@@ -32,12 +30,12 @@ from tokenspeed.model.init import init_random_weights
 from tokenspeed.parallel.groups import Group
 from tokenspeed.runtime import Engine, EngineConfig, EngineConfigError
 from tokenspeed.runtime.lockstep import LockstepEngine, LockstepError
-from tokenspeed.runtime.multirank import MultiRankEngine, WorkerError
+from tokenspeed.runtime.multirank import MultiRankEngine
 from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
 
 from ..parallel.harness import run_ranks
-from ..processes import alarm, pid_gone, prompt_ids
-from .test_multirank import OPTIONS, _as_prompts, deadline, scenario
+from ..processes import alarm, prompt_ids
+from .test_multirank import OPTIONS, _as_prompts, deadline, kill_rank_1_mid_run, scenario
 
 # The single rank's 560_000 bytes hold 34 pages of 16 tokens (and preempt in the scenario).
 # A DCP pair's page is half the MLA bytes: this budget gives each member the same 34 pages.
@@ -146,26 +144,7 @@ def test_a_killed_member_fails_generate_and_stops_every_worker():
     the rank that died and no worker is left."""
     before = set(multiprocessing.active_children())  # another test's engine may be running
     with dcp_llm(2, decode_steps=1) as llm:
-        engine = llm.engine
-        pids = engine.worker_pids
-        step, killed = engine.step, []
-
-        def step_then_kill():
-            outs = step()
-            if outs and not killed:  # mid-run: the first tokens are out
-                os.kill(pids[1], signal.SIGKILL)
-                killed.append(time.monotonic())
-            return outs
-
-        engine.step = step_then_kill
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        with pytest.raises(WorkerError, match="rank 1") as failure:
-            llm.generate(_as_prompts(prompt_ids(4, 6, 10, 40)), params, use_tqdm=False)
-        assert time.monotonic() - killed[0] < 30
-        assert failure.value.rank == 1 and "SIGKILL" in failure.value.cause
-        assert all(pid_gone(pid) for pid in pids), pids
-        with pytest.raises(WorkerError):  # it stays failed
-            engine.step()
+        kill_rank_1_mid_run(llm)
     assert set(multiprocessing.active_children()) <= before
 
 

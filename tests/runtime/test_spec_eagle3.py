@@ -12,8 +12,7 @@ import torch
 from tokenspeed import LLM
 from tokenspeed.cache import CacheConfig
 from tokenspeed.model import ForwardBatch
-from tokenspeed.model.eagle3 import Eagle3Config, Eagle3Drafter, PagedDraftKv
-from tokenspeed.model.eagle3_writer import init_random_eagle3, save_eagle3
+from tokenspeed.model.eagle3 import Eagle3Drafter, PagedDraftKv
 from tokenspeed.runtime import EngineConfig, SamplingParams
 from tokenspeed.runtime.cache_sizing import cache_geometry, smallest_budget
 from tokenspeed.runtime.config import EngineConfigError
@@ -21,31 +20,11 @@ from tokenspeed.runtime.spec import SpeculativeConfig
 from tokenspeed.runtime.spec.eagle3 import Eagle3Drafts, drafter_page_bytes
 
 from .conftest import reference, tiny_model, tokens
+from .spec.helpers import drafter_config, write_drafter
 from .test_multirank import OPTIONS, scenario
 from .test_spec_engine import GREEDY, engine, run
 
 PAGE_BYTES = 2 * 16 * 2 * 16 * 4  # the drafter's keys and values of a 16-token page (fp32)
-
-
-def drafter_config(**changes) -> Eagle3Config:
-    base = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=512,
-        draft_vocab_size=256,
-        target_hidden_size=64,
-    )
-    return Eagle3Config(**{**base, **changes})
-
-
-def write_drafter(path, config: Eagle3Config, embed=None, seed: int = 3) -> str:
-    """A random drafter saved under `path` (without an embedding when it shares `embed`)."""
-    drafter = init_random_eagle3(Eagle3Drafter(config, embed), seed=seed)
-    save_eagle3(drafter, path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

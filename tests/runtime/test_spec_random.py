@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from tokenspeed.cache import CacheConfig
-from tokenspeed.model.eagle3 import Eagle3Config, Eagle3Drafter
-from tokenspeed.model.eagle3_writer import init_random_eagle3, save_eagle3
 from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
 from tokenspeed.runtime.cache_sizing import cache_geometry
 from tokenspeed.runtime.spec import SpeculativeConfig
 
 from .conftest import tiny_model, tokens
+from .spec.helpers import drafter_config, write_drafter
 
 NORMAL = ("length", "stop")
 PAGES = 18
@@ -137,19 +136,7 @@ def plain(model):
 
 
 def _drafter(model, root: str) -> str:
-    config = Eagle3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=512,
-        draft_vocab_size=256,
-        target_hidden_size=64,
-    )
-    drafter = init_random_eagle3(Eagle3Drafter(config, model.model.embed_tokens), seed=5)
-    save_eagle3(drafter, f"{root}/drafter")
-    return f"{root}/drafter"
+    return write_drafter(f"{root}/drafter", drafter_config(), model.model.embed_tokens, seed=5)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 
+import aiohttp
 import pytest
 from aiohttp import test_utils
 
@@ -74,6 +75,29 @@ async def sse_events(resp) -> list[dict | str]:
         payload = line[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+async def gateway_outputs(url: str, body: dict, prompts, messages) -> dict[str, list]:
+    """Each prompt as a completion (whole and streamed), then each conversation as a chat
+    completion (whole and streamed), through the gateway at `url`, `body` sent with each. The
+    answers ("whole", "chat") and the SSE events ("streamed", "chat_streamed"), in order."""
+    out = {"whole": [], "streamed": [], "chat": [], "chat_streamed": []}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        for p in prompts:
+            async with http.post(url + "/v1/completions", json={**body, "prompt": p}) as r:
+                assert r.status == 200, await r.text()
+                out["whole"].append(await r.json())
+            stream = {**body, "prompt": p, "stream": True}
+            async with http.post(url + "/v1/completions", json=stream) as r:
+                out["streamed"].append(await sse_events(r))
+        for conversation in messages:
+            chat = {**body, "messages": conversation}
+            async with http.post(url + "/v1/chat/completions", json=chat) as r:
+                assert r.status == 200, await r.text()
+                out["chat"].append(await r.json())
+            async with http.post(url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
+                out["chat_streamed"].append(await sse_events(r))
+    return out
 
 
 def joined(events: list, key: str = "text") -> dict[int, dict]:

@@ -201,6 +201,28 @@ def start_smg(
     """`smg launch` on free loopback ports, polling loads and health every second, in front of
     `worker_urls`; returned once it lists them all ready. A dead worker is out of routing after
     one failed health check."""
+    health = (
+        "--health-check-interval-secs",
+        "1",
+        "--health-check-timeout-secs",
+        "1",
+        "--health-failure-threshold",
+        "1",
+    )
+    routing = ("--worker-urls", *worker_urls, "--policy", policy)
+    return launch_smg(routing, worker_urls, *options, health=health, procs=procs)
+
+
+def launch_smg(
+    routing: Sequence[str],
+    worker_urls: Sequence[str],
+    *options: str,
+    health: Sequence[str] = (),
+    procs: Processes,
+) -> Gateway:
+    """`smg launch` on free loopback ports with `routing` (its worker and mode arguments),
+    polling loads every second; returned once it lists `worker_urls` all ready. `health`: its
+    health-check options; `options` go last."""
     port, metrics_port = free_port(), free_port()
     argv = [
         sys.executable,
@@ -211,10 +233,7 @@ def start_smg(
         "127.0.0.1",
         "--port",
         str(port),
-        "--worker-urls",
-        *worker_urls,
-        "--policy",
-        policy,
+        *routing,
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
@@ -222,12 +241,7 @@ def start_smg(
         "--disable-tokenizer-autoload",
         "--load-monitor-interval",
         "1",
-        "--health-check-interval-secs",
-        "1",
-        "--health-check-timeout-secs",
-        "1",
-        "--health-failure-threshold",
-        "1",
+        *health,
         "--log-level",
         "info",
         *options,

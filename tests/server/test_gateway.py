@@ -22,7 +22,7 @@ import pytest
 from tokenspeed import LLM, SamplingParams
 from tokenspeed.server.state import DecodeRate
 
-from .conftest import ENGINE, TEMPLATE, joined, run, running_server, sse_events
+from .conftest import ENGINE, TEMPLATE, gateway_outputs, joined, run, running_server, sse_events
 from .processes import (
     WORKER_OPTIONS,
     http_json,
@@ -132,33 +132,8 @@ def test_greedy_outputs_through_smg_equal_the_offline_api(gateway, reference):
     smg, _ = gateway
     completions, chats = reference
 
-    async def main():
-        out = {"whole": [], "streamed": [], "chat": [], "chat_streamed": []}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            body = {
-                "model": "tiny",
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "return_token_ids": True,
-            }
-            for p in PROMPTS:
-                async with http.post(smg.url + "/v1/completions", json={**body, "prompt": p}) as r:
-                    assert r.status == 200, await r.text()
-                    out["whole"].append(await r.json())
-                stream = {**body, "prompt": p, "stream": True}
-                async with http.post(smg.url + "/v1/completions", json=stream) as r:
-                    out["streamed"].append(await sse_events(r))
-            for messages in MESSAGES:
-                chat = {**body, "messages": messages}
-                async with http.post(smg.url + "/v1/chat/completions", json=chat) as r:
-                    assert r.status == 200, await r.text()
-                    out["chat"].append(await r.json())
-                chat["stream"] = True
-                async with http.post(smg.url + "/v1/chat/completions", json=chat) as r:
-                    out["chat_streamed"].append(await sse_events(r))
-        return out
-
-    out = run(main())
+    body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    out = run(gateway_outputs(smg.url, body, PROMPTS, MESSAGES))
     for want, whole, events in zip(completions, out["whole"], out["streamed"], strict=True):
         choice = whole["choices"][0]
         assert choice["token_ids"] == want.token_ids  # the extension passes through smg

@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import socket
-import sys
 
 import aiohttp
 import pytest
@@ -33,13 +32,13 @@ from tokenspeed.server.admission import Admission
 from tokenspeed.server.role import make_engine, make_role
 
 from . import processes
-from .conftest import ENGINE, TEMPLATE, joined, run, sse_events, wait_until
+from .conftest import ENGINE, TEMPLATE, gateway_outputs, joined, run, sse_events, wait_until
 from .processes import (
     WORKER_OPTIONS,
     Gateway,
     Worker,
-    free_port,
     http_json,
+    launch_smg,
     smg_missing,
     spawn_worker,
     stopping,
@@ -431,34 +430,15 @@ def start_pd(procs, *options: str) -> tuple[Gateway, Worker, Worker]:
     prefill.wait_listening()
     decode.wait_listening()
     bootstrap_port = int(prefill.wait_for_line(BOOTSTRAP_LINE, 10).group(1))
-    port, metrics_port = free_port(), free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "smg",
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    routing = (
         "--pd-disaggregation",
         "--prefill",
         prefill.url,
         str(bootstrap_port),
         "--decode",
         decode.url,
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        "--disable-tokenizer-autoload",
-        "--load-monitor-interval",
-        "1",
-        "--log-level",
-        "info",
-    ]
-    gateway = procs.add(Gateway(argv, port, metrics_port))
-    gateway.wait_ready([prefill.url, decode.url])
+    )
+    gateway = launch_smg(routing, [prefill.url, decode.url], procs=procs)
     return gateway, prefill, decode
 
 
@@ -507,28 +487,7 @@ def test_greedy_outputs_through_smg_equal_the_offline_api(pd_gateway, text_refer
     completions, chats = text_reference
     body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
 
-    async def main():
-        out = {"whole": [], "streamed": [], "chat": [], "chat_streamed": []}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            for p in TEXT_PROMPTS:
-                async with http.post(smg.url + "/v1/completions", json={**body, "prompt": p}) as r:
-                    assert r.status == 200, await r.text()
-                    out["whole"].append(await r.json())
-                stream = {**body, "prompt": p, "stream": True}
-                async with http.post(smg.url + "/v1/completions", json=stream) as r:
-                    out["streamed"].append(await sse_events(r))
-            for messages in MESSAGES:
-                chat = {**body, "messages": messages}
-                async with http.post(smg.url + "/v1/chat/completions", json=chat) as r:
-                    assert r.status == 200, await r.text()
-                    out["chat"].append(await r.json())
-                async with http.post(
-                    smg.url + "/v1/chat/completions", json={**chat, "stream": True}
-                ) as r:
-                    out["chat_streamed"].append(await sse_events(r))
-        return out
-
-    out = run(main())
+    out = run(gateway_outputs(smg.url, body, TEXT_PROMPTS, MESSAGES))
     for want, whole, events in zip(completions, out["whole"], out["streamed"], strict=True):
         choice = whole["choices"][0]
         assert choice["token_ids"] == want.token_ids

@@ -47,14 +47,13 @@ from aiohttp import web
 
 from tokenspeed.runtime.async_engine import AsyncEngine
 from tokenspeed.runtime.engine import RequestError
-from tokenspeed.runtime.load import LoadSnapshot
-from tokenspeed.runtime.metrics import EngineMetrics
 from tokenspeed.runtime.outputs import RequestOutput
 from tokenspeed.runtime.pd import Destination
 from tokenspeed.runtime.sampling_params import SamplingParams
 
 from .errors import ApiError, bad_request
 from .pd_bootstrap import SEND_BOUND_S, BootstrapError, BootstrapServer, Key, Rendezvous
+from .role import EngineRole
 from .state import state_of
 
 logger = logging.getLogger("tokenspeed.server")
@@ -212,13 +211,13 @@ async def _final(outs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 # ----------------------------------------------------------------------------- the roles
-class _PDRole:
+class _PDRole(EngineRole):
     name = "pd"
 
     def __init__(self, engine: AsyncEngine, *, timeout_s: float, io_timeout_s: float) -> None:
         if not timeout_s > 0 or not io_timeout_s > 0:
             raise ValueError("P/D timeouts must be positive")
-        self.engine = engine
+        super().__init__(engine)
         self.timeout_s = float(timeout_s)
         self.io_timeout_s = float(io_timeout_s)
         self._tasks: set[asyncio.Task] = set()
@@ -227,22 +226,22 @@ class _PDRole:
         """Add what this role needs to the app: the middleware reading the bootstrap fields."""
         app.middlewares.append(_middleware(self.name))
 
-    def load(self) -> LoadSnapshot:
-        return self.engine.load()
-
-    @property
-    def metrics(self) -> EngineMetrics:
-        return self.engine.engine.metrics
-
-    async def cache_stats(self):
-        return await self.engine.run_exclusive(lambda engine: engine.cache.stats())
-
-    async def check_integrity(self) -> None:
-        await self.engine.run_exclusive(lambda engine: engine.check_integrity())
-
     async def close(self) -> None:
-        await self.engine.close()
+        await super().close()
         await self._stop_tasks()
+
+    def generate(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        # The engine request is named by the bootstrap fields (`_where`), not `request_id`.
+        return self._generate(_where(), prompt_token_ids, params, prompt)
+
+    def _generate(self, where, ids, params, prompt) -> AsyncIterator[RequestOutput]:
+        raise NotImplementedError
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -300,15 +299,6 @@ class PrefillRole(_PDRole):
         if rid is not None:
             reason = "the decode worker gave up on it"
             await self.engine.run_exclusive(lambda engine: engine.abort(rid, reason))
-
-    def generate(
-        self,
-        request_id: Hashable,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        return self._generate(_where(), prompt_token_ids, params, prompt)
 
     async def _generate(self, where, ids, params, prompt) -> AsyncIterator[RequestOutput]:
         if isinstance(where, Exception):
@@ -424,15 +414,6 @@ class DecodeRole(_PDRole):
     def install(self, app: web.Application) -> None:
         super().install(app)
         app.on_cleanup.append(lambda app: self._stop_tasks())
-
-    def generate(
-        self,
-        request_id: Hashable,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        return self._generate(_where(), prompt_token_ids, params, prompt)
 
     async def _generate(self, where, ids, params, prompt) -> AsyncIterator[RequestOutput]:
         if isinstance(where, Exception):

@@ -60,22 +60,12 @@ class Role(Protocol):
     async def close(self) -> None: ...
 
 
-class AggregatedRole:
-    """Prefill and decode of every request on one `AsyncEngine`."""
-
-    name = "aggregated"
+class EngineRole:
+    """What every role does with its `AsyncEngine` alone: load, metrics, cache stats, the
+    integrity check and closing it. A role adds `generate` (and whatever else it needs)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-
-    def generate(
-        self,
-        request_id: Hashable,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(request_id, prompt_token_ids, params, prompt=prompt)
 
     def load(self) -> LoadSnapshot:
         return self.engine.load()
@@ -94,6 +84,21 @@ class AggregatedRole:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+class AggregatedRole(EngineRole):
+    """Prefill and decode of every request on one `AsyncEngine`."""
+
+    name = "aggregated"
+
+    def generate(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request_id, prompt_token_ids, params, prompt=prompt)
 
 
 def make_engine(

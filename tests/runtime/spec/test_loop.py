@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from tokenspeed.model import ForwardBatch, KimiForCausalLM, get_preset
-from tokenspeed.model.eagle3 import Eagle3Config, Eagle3Drafter, PagedDraftKv
+from tokenspeed.model.eagle3 import Eagle3Drafter, PagedDraftKv
 from tokenspeed.model.eagle3_writer import init_random_eagle3
 from tokenspeed.model.generate import greedy_generate
 from tokenspeed.model.init import init_random_weights
 from tokenspeed.runtime.spec import NgramIndex, greedy_accept
+
+from .helpers import drafter_config
 
 K = 3
 
@@ -103,17 +105,8 @@ def test_ngram_proposals_give_the_greedy_output(target):
 
 
 def test_eagle3_drafts_give_the_greedy_output(target):
-    config = Eagle3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=512,
-        draft_vocab_size=256,
-        target_hidden_size=64,
-        aux_layer_ids=(1, 3, 5),  # capture points 2, 4, 6: the ones `speculate` asks for
-    )
+    # aux_layer_ids: capture points 2, 4, 6, the ones `speculate` asks for.
+    config = drafter_config(aux_layer_ids=(1, 3, 5))
     drafter = init_random_eagle3(Eagle3Drafter(config, target.model.embed_tokens), seed=3)
     kv = PagedDraftKv.contiguous(config, 1, 128)
     pending = {}
