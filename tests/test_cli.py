@@ -67,6 +67,45 @@ def test_generate_gives_the_same_tokens_whatever_the_decode_steps(capsys):
     assert runs[0] == runs[1]
 
 
+NARROW_CACHE = ["--kv-cache-dtype", "fp8_e4m3", "--kda-checkpoint-dtype", "bfloat16"]
+
+
+@pytest.fixture
+def engine_configs(monkeypatch):
+    """The EngineConfig of every Engine the command builds."""
+    from tokenspeed.runtime.engine import Engine
+
+    seen = []
+    init = Engine.__init__
+
+    def recording(self, model, tokenizer, config, *args, **kwargs):
+        seen.append(config)
+        init(self, model, tokenizer, config, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "__init__", recording)
+    return seen
+
+
+def test_generate_runs_on_an_fp8_cache_with_bf16_checkpoints(engine_configs, capsys):
+    argv = ["generate", "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--device", "cpu"]
+    assert main(argv + NARROW_CACHE) == 0
+    assert "   4 prompt tokens -> 6 tokens" in capsys.readouterr().out
+    (config,) = engine_configs
+    assert (config.kv_cache_dtype, config.kda_checkpoint_dtype) == ("fp8_e4m3", "bfloat16")
+    engine_configs.clear()
+    assert main(argv) == 0  # the defaults
+    (config,) = engine_configs
+    assert (config.kv_cache_dtype, config.kda_checkpoint_dtype) == ("auto", "float32")
+
+
+def test_bench_agentx_runs_on_an_fp8_cache_with_bf16_checkpoints(engine_configs, capsys):
+    argv = ["bench", "agentx", "--sessions", "2", "--concurrency", "2", "--max-turns", "2"]
+    assert main([*argv, "--device", "cpu", *NARROW_CACHE]) == 0
+    assert "hit_rate" in capsys.readouterr().out
+    (config,) = engine_configs
+    assert (config.kv_cache_dtype, config.kda_checkpoint_dtype) == ("fp8_e4m3", "bfloat16")
+
+
 def test_bench_agentx_reports_throughput_and_hit_rate(capsys):
     assert (
         main(
@@ -180,6 +219,12 @@ def no_model_loads(monkeypatch):
         (["bench", "agentx", "--parallel", "world=4,ep=3"], "ep=3 does not divide world_size=4"),
         (["generate", "--parallel", "world=4,dcp=3"], "dcp=3 does not divide world_size=4"),
         (["generate", "--parallel", "dcp=2,dwdp=2"], "dcp=2 members run the same tokens"),
+        (["generate", "--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice"),
+        (["bench", "agentx", "--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid"),
+        (["serve", "--kv-cache-dtype", "e4m3"], "argument --kv-cache-dtype: invalid choice"),
+        (["generate", "--kda-checkpoint-dtype", "float16"], "--kda-checkpoint-dtype: invalid"),
+        (["bench", "agentx", "--kda-checkpoint-dtype", "fp8"], "--kda-checkpoint-dtype: invalid"),
+        (["serve", "--kda-checkpoint-dtype", "bf16"], "--kda-checkpoint-dtype: invalid choice"),
     ],
 )
 def test_bad_flags_are_usage_errors_naming_the_flag(no_model_loads, capsys, argv, message):

@@ -197,6 +197,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         max_model_len=_max_model_len(args),
         enable_cuda_graph=not args.eager,
         cpu_threads=args.threads,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kda_checkpoint_dtype=args.kda_checkpoint_dtype,
         **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
     )
 
@@ -345,6 +347,8 @@ def bench_agentx(args: argparse.Namespace) -> int:
         max_model_len=options["max_model_len"],
         enable_cuda_graph=options["enable_cuda_graph"],
         cpu_threads=options["cpu_threads"],
+        kv_cache_dtype=options["kv_cache_dtype"],
+        kda_checkpoint_dtype=options["kda_checkpoint_dtype"],
         page_size=args.page_size,
         seed=args.seed,
         decode_steps=args.decode_steps or 1,
@@ -451,6 +455,8 @@ def serve(args: argparse.Namespace) -> int:
         max_model_len=options["max_model_len"],
         enable_cuda_graph=options["enable_cuda_graph"],
         cpu_threads=options["cpu_threads"],
+        kv_cache_dtype=options["kv_cache_dtype"],
+        kda_checkpoint_dtype=options["kda_checkpoint_dtype"],
         decode_steps=args.decode_steps or 1,
         l2="none" if backend == "none" else "local",
         **({} if args.page_size is None else {"page_size": args.page_size}),
@@ -590,6 +596,20 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
         "max_position_embeddings if lower)",
     )
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="the MLA cache's rows (EngineConfig.kv_cache_dtype): auto (the model's dtype) or "
+        "fp8_e4m3 (e4m3 rows, one fp32 scale per row)",
+    )
+    p.add_argument(
+        "--kda-checkpoint-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="KDA checkpoints' dtype (EngineConfig.kda_checkpoint_dtype): float32 (exact) or "
+        "bfloat16 (half the bytes)",
+    )
     p.add_argument(
         "--decode-steps",
         type=_positive_int,

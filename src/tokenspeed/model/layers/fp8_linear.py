@@ -13,6 +13,9 @@ weight). Its forward:
   the 128 x 128 weight blocks, where the shapes allow (128 x 128 blocks, in and out multiples
   of 128, bf16 / fp16 activations) and the torch build takes blockwise scales; the dequantising
   path otherwise.
+`forward_quantized` takes activations already in FP8 (e4m3 + per-token or 1 x 128 group
+scales, e.g. from the KDA output tail) without quantising them again: `_scaled_mm` on CUDA where
+it applies, the dequantising reference otherwise.
 
 Nothing here imports Triton at import time: the module loads on CPU-only machines.
 """
@@ -141,6 +144,44 @@ class Fp8Linear(nn.Module):
                 return out
         return F.linear(x, self.dequantized_weight(x.dtype))
 
+    def forward_quantized(
+        self, x_fp8: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """y = x W^T for activations already in FP8 (not quantised again): x_fp8 [..., in]
+        float8_e4m3fn with fp32 x_scales [..., 1] (one scale per token, as the KDA output tail
+        emits them) or [..., ceil(in / 128)] (1 x 128 groups, as `_scaled_mm` takes them), the
+        activations being x_fp8 * scale over each group. Returns [..., out] in out_dtype.
+
+        On CUDA where `_scaled_mm` applies (as `forward`: 128 x 128 weight blocks, in and out
+        multiples of 128, bf16 / fp16 out) the FP8 operands go to the tensor cores as they are
+        (a per-token scale is the 1 x 128 group scale of every group of its row); otherwise the
+        dequantising reference: the activations and the weight dequantised in fp32, `F.linear`,
+        cast to out_dtype."""
+        if x_fp8.dtype != FP8_DTYPE or x_fp8.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x_fp8 must be float8_e4m3fn [..., {self.in_features}], got {x_fp8.dtype} "
+                f"{tuple(x_fp8.shape)}"
+            )
+        groups = math.ceil(self.in_features / 128)
+        lead = x_fp8.shape[:-1]
+        rows = x_fp8.reshape(-1, self.in_features)
+        scales = x_scales.reshape(rows.shape[0], -1).float()
+        if scales.shape[1] not in (1, groups):
+            raise ValueError(
+                f"x_scales must hold 1 or {groups} (1 x 128 groups) scales per token, got "
+                f"{tuple(x_scales.shape)}"
+            )
+        if rows.is_cuda and _scaled_mm_applies_quantized(self, rows, out_dtype):
+            out = _scaled_mm_quantized(self, rows, scales.expand(-1, groups), out_dtype)
+            if out is not None:
+                return out.reshape(*lead, self.out_features)
+        if scales.shape[1] == 1:
+            x = rows.float() * scales
+        else:
+            x = rows.float() * scales.repeat_interleave(128, dim=1)[:, : self.in_features]
+        y = F.linear(x, self.dequantized_weight(torch.float32))
+        return y.to(out_dtype).reshape(*lead, self.out_features)
+
 
 def to_fp8_linear(linear: nn.Module, block_size: tuple[int, int]) -> Fp8Linear:
     """An (empty) `Fp8Linear` of `linear`'s shape, on its device (meta before a load)."""
@@ -233,3 +274,36 @@ def _scaled_mm_forward(linear: Fp8Linear, x: torch.Tensor) -> torch.Tensor | Non
         )
         return None
     return y.reshape(*x.shape[:-1], linear.out_features)
+
+
+def _scaled_mm_applies_quantized(linear: Fp8Linear, rows: torch.Tensor, out_dtype) -> bool:
+    return (
+        _scaled_mm_broken is None
+        and linear.block_size == _SCALED_MM_BLOCK
+        and linear.in_features % 128 == 0
+        and linear.out_features % 128 == 0
+        and out_dtype in (torch.bfloat16, torch.float16)
+        and rows.numel() > 0
+    )
+
+
+def _scaled_mm_quantized(
+    linear: Fp8Linear, q: torch.Tensor, group_scales: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """GPU: `_scaled_mm` over pre-quantised activations q [M, K] e4m3 with group scales
+    [M, K/128]; None when this torch build refuses it (the path is then off, as in forward)."""
+    global _scaled_mm_broken
+    scale_a = group_scales.t().contiguous().t()  # [M, K/128], M-major
+    scale_b = linear.weight_scale_inv.t()  # [K/128, N/128] for B = weight.t() [K, N]
+    try:
+        return torch._scaled_mm(
+            q.contiguous(), linear.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+        )
+    except (RuntimeError, NotImplementedError) as err:
+        _scaled_mm_broken = str(err)
+        logger.warning(
+            "FP8 linear: torch._scaled_mm with block scales failed (%s); using the "
+            "dequantising path from now on",
+            err,
+        )
+        return None

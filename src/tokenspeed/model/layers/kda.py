@@ -12,6 +12,7 @@ from ..ops.conv import causal_conv, causal_conv_update
 from ..ops.kda import kda_chunked, kda_gate, kda_recurrent
 from ..ops.norm import l2_norm
 from ..state import KdaState, PagedKda
+from .fp8_linear import Fp8Linear
 from .norm import GatedRMSNorm
 
 # Requests with at most this many new tokens (decode, verify) take the recurrent form; longer
@@ -174,6 +175,14 @@ class KdaAttention(nn.Module):
         """o [T, H, V] -> gated per-head RMSNorm -> o_proj -> [T, D]."""
         c = self.config
         gate = self.g_proj(x) if c.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
+        if isinstance(self.o_proj, Fp8Linear):
+            # An FP8 o_proj takes the Triton tail's e4m3 rows and per-token scales as they are
+            # (no second quantisation); the reference tail otherwise.
+            fused = dispatch.kda_output_tail_fp8(
+                o, gate.view(o.shape), self.o_norm.weight, self.o_norm.eps
+            )
+            if fused is not None:
+                return self.o_proj.forward_quantized(*fused, out_dtype=x.dtype)
         y = dispatch.kda_output_tail(o, gate.view(o.shape), self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(y)
 

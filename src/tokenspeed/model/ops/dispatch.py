@@ -87,6 +87,19 @@ def kda_output_tail(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, e
     return gated_rms_norm(o, gate, weight, eps).flatten(1)
 
 
+def kda_output_tail_fp8(
+    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Triton tail's FP8 form, for an FP8 o_proj (`Fp8Linear.forward_quantized`): (q
+    [T, H * V] float8_e4m3fn, scales [T, 1] fp32, one per token) where the Triton tail runs
+    (CUDA, or the interpreter); None elsewhere (the caller keeps the reference tail)."""
+    if not triton_kernels(o):
+        return None
+    from .kda.tail import kda_output_tail as kernel
+
+    return kernel(o, gate, weight, eps, fp8=True)
+
+
 def half_kernels(x: torch.Tensor) -> bool:
     """Triton fast paths that use tensor-core dots: half-precision tensors on CUDA only (fp32
     would run them in TF32; fp32 models keep the exact references)."""
