@@ -5,10 +5,9 @@ from there).
 
 What a point measures, at batch B and width w = k + 1, history H tokens per request:
 - verify: one forward over B rows of w tokens at positions H..H+w-1 with the logits of every
-  position and the KDA per-token step buffers the rollback reads (what `ModelRunner.verify`
-  runs), captured in a CUDA graph over static buffers. The engine runs verify eagerly today
-  (docs/spec.md, "Not yet"); this is the number a verify graph would give. If the capture
-  fails, the point is timed eagerly and marked so.
+  position and the KDA per-token step buffers the rollback reads, through the engine's own
+  `VerifyGraphs` (what a speculating engine's `ModelRunner.verify` replays), host-side input
+  preparation included as for decode.
 - decode: w one-token decode steps through the engine's own `DecodeGraphs`.
 - ratio = verify / (w x decode): below 1, one verify step costs less than the plain steps it
   can replace; a mean acceptance length A pays off when A > w x ratio.
@@ -33,64 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_step import build_engine, build_model
-from tokenspeed.model import ForwardBatch, get_preset
-
-
-class VerifyStep:
-    """One verify forward of B rows x `width` tokens after `history` cached tokens each, over
-    static buffers (the same inputs every run: a benchmark), captured in a CUDA graph when
-    `capture`; else run eagerly. `error`: why a capture failed (then it runs eagerly)."""
-
-    def __init__(self, runner, handles, history: int, width: int, capture: bool):
-        self.runner = runner
-        device = runner.device
-        rows = len(handles)
-        vocab = runner.model.config.vocab_size
-        gen = torch.Generator().manual_seed(width)
-        self.ids = torch.randint(0, vocab, (rows * width,), generator=gen).to(device)
-        self.batch = ForwardBatch.build([width] * rows, [history] * rows, device=device)
-        slots = runner.pools.live_slot_tensor(handles, device=device)
-        table = runner.pools.page_table_tensor(handles, device=device)
-        steps = {}
-        for layer in runner.kda_layers:
-            conv, rec = runner.pools.kda_layer(runner.kda_ordinal[layer])
-            steps[layer] = (
-                conv.new_zeros(rows, width, *conv.shape[1:]),
-                rec.new_zeros(rows, width, *rec.shape[1:], dtype=torch.float32),
-            )
-        self.state = runner.paged_state(slots, table, steps)
-        self.every = torch.arange(rows * width, device=device)
-        self.graph = None
-        self.error = None
-        if capture:
-            try:
-                self._capture()
-            except Exception as exc:
-                self.graph, self.error = None, f"{type(exc).__name__}: {exc}"[:120]
-
-    def _forward(self) -> torch.Tensor:
-        out = self.runner.model(
-            self.ids, self.batch, self.state, logits_indices=self.every, check=False
-        )
-        return out.logits
-
-    def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._forward()
-        torch.cuda.synchronize()
-        self.graph = graph
-
-    def run(self) -> torch.Tensor:
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.logits
+from tokenspeed.model import get_preset
+from tokenspeed.runtime.verify_graphs import VerifyGraphs
 
 
 def timer(device):
@@ -160,12 +103,16 @@ def main(argv=None) -> int:
             hs = handles[:batch]
             one = time_ms(lambda: decode(tokens, prefix, hs))  # noqa: B023
             for width in args.widths:
-                step = VerifyStep(runner, hs, history, width, capture=not smoke)
+                graphs = VerifyGraphs(
+                    runner, [batch], width, engine.config.max_pages_per_request, capture=not smoke
+                )
+                windows = [[t] * width for t in tokens]
                 out = []
-                verify = time_ms(lambda: out.append(step.run()))  # noqa: B023
-                assert out[-1].shape == (batch * width, model.config.vocab_size)
-                how = "graph" if step.graph is not None else f"eager ({step.error or 'smoke'})"
+                verify = time_ms(lambda: out.append(graphs.run(windows, prefix, hs)))  # noqa: B023
+                assert out[-1][0].shape == (batch * width, model.config.vocab_size)
+                how = "graph" if graphs.captured else "eager (smoke)"
                 rows.append((batch, width, verify, one, verify / (width * one), how))
+                graphs = out = None  # free the step buffers before the next width
     lines = [
         f"# speculative verify step vs k + 1 decode steps, {shape}, history {history} tokens, "
         f"{name}",

@@ -119,8 +119,12 @@ class Engine:
         if self.device.type == "cuda":
             # Eager mode runs the same padded steps without capturing them, so that the two
             # modes compute identical numbers.
+            spec = config.speculative
             graphs = DecodeGraphConfig(
-                sizes, config.max_pages_per_request, capture=config.enable_cuda_graph
+                sizes,
+                config.max_pages_per_request,
+                capture=config.enable_cuda_graph,
+                verify_width=0 if spec is None else spec.num_steps + 1,
             )
         aux = capture_points(drafter, self.model)
         self.runner = ModelRunner(self.model, DevicePools(self.cache), self.device, graphs, aux)

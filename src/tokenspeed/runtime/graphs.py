@@ -3,7 +3,8 @@
 Graphs are captured largest first into one memory pool over static input buffers: token ids,
 positions, context lengths, live KDA slots and the page table. A replay fills the buffers and
 launches the graph; rows past the real batch are padding that point at the cache's sink page
-and sink slot, so whatever they compute lands where nobody reads.
+and sink slot, so whatever they compute lands where nobody reads. `capture_graphs` and
+`split_plans` serve `verify_graphs.VerifyGraphs` (speculative verify steps) as well.
 """
 
 from __future__ import annotations
@@ -28,6 +29,76 @@ class DecodeGraphConfig:
     sizes: tuple[int, ...] = attrs.field(converter=tuple)
     max_pages: int
     capture: bool = True
+    # A speculating engine's verify steps feed this many tokens per row (k + 1; 0: it does not
+    # speculate): they get `VerifyGraphs` of the same sizes.
+    verify_width: int = attrs.field(default=0, validator=attrs.validators.in_(range(0, 5)))
+
+
+def split_plans(runner, sizes: Sequence[int], queries: int) -> tuple[int, dict[int, object]]:
+    """(the planner's parallelism, static split-plan buffers of the MLA decode kernel per
+    graph size) for steps of `queries` tokens per row; the buffers are refilled by the planner
+    before every replay ((0, {}) when the model has no MLA layers, or off CUDA: graphs run
+    eagerly on a CPU only in tests, where the kernels plan for themselves)."""
+    config = runner.model.config
+    if not config.mla_layers or runner.device.type != "cuda":
+        return 0, {}
+    from tokenspeed.model.ops.mla.decode import decode_parallelism
+    from tokenspeed.model.ops.mla.split_plan import SplitPlanBuffers, min_split_capacity
+
+    device = runner.device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    parallelism = decode_parallelism(sms, config.mla.num_heads, queries)
+    return parallelism, {
+        size: SplitPlanBuffers.allocate(size, min_split_capacity(size, parallelism), device=device)
+        for size in sizes
+    }
+
+
+def fill_split_plan(plan, context_lens: Sequence[int], size: int, parallelism: int, page: int):
+    """Refill `plan` (one size's buffers from `split_plans`) for a batch whose real rows hold
+    `context_lens` tokens after the step; padding rows (up to `size`) attend to one row."""
+    from tokenspeed.model.ops.mla.split_plan import plan_decode_splits
+
+    plan_decode_splits(
+        list(context_lens) + [1] * (size - len(context_lens)),
+        parallelism=parallelism,
+        max_batch=size,
+        max_splits=plan.max_splits,
+        granularity=page,
+        out=plan,
+    )
+
+
+def capture_graphs(forward, sizes: Sequence[int]) -> tuple[dict, dict]:
+    """Capture `forward(size)` for every size into one memory pool: (graphs, outputs) keyed by
+    size, the outputs being the static tensors each replay rewrites."""
+    # Warm up on a side stream (lazy initialisation must not happen during capture), then
+    # capture largest first so smaller graphs reuse the pool's blocks.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for size in sizes:
+            forward(size)
+    torch.cuda.current_stream().wait_stream(side)
+    # No garbage collection during capture: collecting another engine runs its finalizers
+    # (a copy stream's synchronize), which a capturing stream forbids: the capture fails.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    graphs, outputs = {}, {}
+    try:
+        pool = None
+        for size in sorted(sizes, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[size] = forward(size)
+            pool = graph.pool()
+            graphs[size] = graph
+    finally:
+        if was_enabled:
+            gc.enable()
+    torch.cuda.synchronize()
+    return graphs, outputs
 
 
 class DecodeGraphs:
@@ -52,28 +123,10 @@ class DecodeGraphs:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.plans = self._split_plans(device)
+        self.parallelism, self.plans = split_plans(runner, self.sizes, 1)
         self.captured = capture
         if capture:
-            self._capture()
-
-    def _split_plans(self, device) -> dict[int, object]:
-        """Static split-plan buffers of the MLA decode kernel, one per graph size, refilled by
-        the planner before every replay (empty when the model has no MLA layers)."""
-        config = self.runner.model.config
-        if not config.mla_layers:
-            return {}
-        from tokenspeed.model.ops.mla.decode import decode_parallelism
-        from tokenspeed.model.ops.mla.split_plan import SplitPlanBuffers, min_split_capacity
-
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.parallelism = decode_parallelism(sms, config.mla.num_heads, 1)
-        return {
-            size: SplitPlanBuffers.allocate(
-                size, min_split_capacity(size, self.parallelism), device=device
-            )
-            for size in self.sizes
-        }
+            self.graphs, self.logits = capture_graphs(self._forward, self.sizes)
 
     def _forward(self, size: int) -> torch.Tensor:
         batch = ForwardBatch(
@@ -87,33 +140,6 @@ class DecodeGraphs:
         )
         state = self.runner.paged_state(self.slots[:size], self.page_table[:size])
         return self.runner.model(self.ids[:size], batch, state, check=False).logits
-
-    def _capture(self) -> None:
-        # Warm up on a side stream (lazy initialisation must not happen during capture), then
-        # capture largest first so smaller graphs reuse the pool's blocks.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for size in self.sizes:
-                self._forward(size)
-        torch.cuda.current_stream().wait_stream(side)
-        # No garbage collection during capture: collecting another engine runs its finalizers
-        # (a copy stream's synchronize), which a capturing stream forbids: the capture fails.
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            pool = None
-            for size in reversed(self.sizes):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[size] = self._forward(size)
-                pool = graph.pool()
-                self.graphs[size] = graph
-        finally:
-            if was_enabled:
-                gc.enable()
-        torch.cuda.synchronize()
 
     def fits(self, batch_size: int, prefix_lens: Sequence[int]) -> bool:
         page = self.pools.page_size
@@ -148,17 +174,8 @@ class DecodeGraphs:
         )
         plan = self.plans.get(size)
         if plan is not None:
-            from tokenspeed.model.ops.mla.split_plan import plan_decode_splits
-
-            lens = [p + 1 for p in prefix_lens] + [1] * (size - n)
-            plan_decode_splits(
-                lens,
-                parallelism=self.parallelism,
-                max_batch=size,
-                max_splits=plan.max_splits,
-                granularity=self.pools.page_size,
-                out=plan,
-            )
+            lens = [p + 1 for p in prefix_lens]
+            fill_split_plan(plan, lens, size, self.parallelism, self.pools.page_size)
         if not self.captured:
             return self._forward(size)[:n].clone()
         self.graphs[size].replay()

@@ -15,6 +15,7 @@ from tokenspeed.cache import CacheManager, RequestCache
 from tokenspeed.model import ForwardBatch, KimiForCausalLM, PagedKda, PagedMla, PagedState
 
 from .graphs import DecodeGraphConfig, DecodeGraphs
+from .verify_graphs import VerifyGraphs
 
 
 class DevicePools:
@@ -52,20 +53,23 @@ class VerifyStep:
     """A speculative verify forward's results: `logits` [sum(seq_lens), vocab], every row of
     every request (request i's rows are `rows(i)`), and each KDA layer's per-token states, which
     `ModelRunner.rollback` reads to move the live slots back to the last kept token; `aux`: the
-    auxiliary hidden states of every row when the runner captures them (else None)."""
+    auxiliary hidden states of every row when the runner captures them (else None).
 
-    def __init__(self, logits, seq_lens, slots, steps, aux=None) -> None:
+    stride: rows fed `stride` tokens each, of which request i's first seq_lens[i] are its own
+    (a `VerifyGraphs` step, whose windows are padded to one width); None: packed back to back."""
+
+    def __init__(self, logits, seq_lens, slots, steps, aux=None, stride: int | None = None):
         self.logits = logits
         self.aux = aux
         self.seq_lens = list(seq_lens)
         self.slots = slots
         self.steps = steps  # kda layer -> (step_conv [B, T, C, W-1], step_states [B, T, ...])
         self._starts = [0]
-        for n in self.seq_lens:
-            self._starts.append(self._starts[-1] + n)
+        for i, n in enumerate(self.seq_lens):
+            self._starts.append((i + 1) * stride if stride else self._starts[-1] + n)
 
     def rows(self, i: int) -> slice:
-        return slice(self._starts[i], self._starts[i + 1])
+        return slice(self._starts[i], self._starts[i] + self.seq_lens[i])
 
 
 class ModelRunner:
@@ -101,6 +105,19 @@ class ModelRunner:
             None
             if graphs is None
             else DecodeGraphs(self, graphs.sizes, graphs.max_pages, capture=graphs.capture)
+        )
+        # A speculating engine's verify steps, padded to k + 1 tokens per row (graphs.py).
+        self.verify_graphs = (
+            None
+            if graphs is None or not graphs.verify_width
+            else VerifyGraphs(
+                self,
+                graphs.sizes,
+                graphs.verify_width,
+                graphs.max_pages,
+                capture=graphs.capture,
+                aux_layers=self.aux_layers,
+            )
         )
 
     # ------------------------------------------------------------------ step inputs
@@ -188,12 +205,19 @@ class ModelRunner:
         prefix_lens: Sequence[int],
         handles: Sequence[RequestCache],
     ) -> VerifyStep:
-        """A speculative verify forward (eager): request i computes `tokens[i]` (its last token
-        and its drafts, 1..4 tokens) after `prefix_lens[i]` cached tokens, with the logits of
-        every row and each KDA layer's state after each token kept for `rollback`. The MLA rows
-        of all its tokens are written (by position: a rejected row is overwritten later)."""
+        """A speculative verify forward: request i computes `tokens[i]` (its last token and
+        its drafts, 1..4 tokens) after `prefix_lens[i]` cached tokens, with the logits of every
+        row and each KDA layer's state after each token kept for `rollback`. The MLA rows of
+        all its tokens are written (by position: a rejected row is overwritten later).
+        Through `VerifyGraphs` when the runner has them and the batch fits (windows padded to
+        one width); else eagerly, windows packed as they are."""
         self.forwards_started += 1
         seq_lens = [len(t) for t in tokens]
+        graphs = self.verify_graphs
+        if graphs is not None and graphs.fits(len(tokens), prefix_lens):
+            logits, aux, steps, slots = graphs.run(tokens, prefix_lens, handles)
+            self.forwards_done += 1
+            return VerifyStep(logits, seq_lens, slots, steps, aux, stride=graphs.width)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
         batch = ForwardBatch.build(seq_lens, prefix_lens, device=self.device)
         slots = self.pools.live_slot_tensor(handles, device=self.device)

@@ -237,6 +237,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 _SCALED_MM_BLOCK = (128, 128)
+_SCALED_MM_ROWS = 16  # activation rows padded to a multiple of this (see _scaled_mm_quantized)
 _scaled_mm_broken: str | None = None
 
 
@@ -254,26 +255,12 @@ def _scaled_mm_applies(linear: Fp8Linear, x: torch.Tensor) -> bool:
 
 def _scaled_mm_forward(linear: Fp8Linear, x: torch.Tensor) -> torch.Tensor | None:
     """GPU: y = x W^T through FP8 tensor cores; None when this torch build refuses it."""
-    global _scaled_mm_broken
     from ..ops.moe.fp8 import quantize_fp8_rows  # Triton: GPU only
 
     rows = x.reshape(-1, linear.in_features)
     q, s = quantize_fp8_rows(rows.contiguous())
-    scale_a = s.t().contiguous().t()  # [M, K/128], M-major as cuBLAS' 1x128 scaling wants
-    scale_b = linear.weight_scale_inv.t()  # [K/128, N/128] for B = weight.t() [K, N]
-    try:
-        y = torch._scaled_mm(
-            q, linear.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype
-        )
-    except (RuntimeError, NotImplementedError) as err:
-        _scaled_mm_broken = str(err)
-        logger.warning(
-            "FP8 linear: torch._scaled_mm with block scales failed (%s); using the "
-            "dequantising path from now on",
-            err,
-        )
-        return None
-    return y.reshape(*x.shape[:-1], linear.out_features)
+    y = _scaled_mm_quantized(linear, q, s, x.dtype)
+    return None if y is None else y.reshape(*x.shape[:-1], linear.out_features)
 
 
 def _scaled_mm_applies_quantized(linear: Fp8Linear, rows: torch.Tensor, out_dtype) -> bool:
@@ -293,12 +280,24 @@ def _scaled_mm_quantized(
     """GPU: `_scaled_mm` over pre-quantised activations q [M, K] e4m3 with group scales
     [M, K/128]; None when this torch build refuses it (the path is then off, as in forward)."""
     global _scaled_mm_broken
+    m = q.shape[0]
+    pad = -m % _SCALED_MM_ROWS
+    q = q.contiguous()
+    if pad:
+        # The M-major scales' leading dimension is M: cuBLAS wants it 16-byte aligned (and
+        # refuses M = 1 with CUBLAS_STATUS_NOT_SUPPORTED), so short batches are padded with
+        # zero rows of scale 1, cut off below.
+        # As bytes (0 is e4m3's zero): cat has no float8 kernels on every build.
+        zeros = torch.zeros(pad, q.shape[1], dtype=torch.uint8, device=q.device)
+        q = torch.cat([q.view(torch.uint8), zeros]).view(q.dtype)
+        group_scales = torch.cat([group_scales, group_scales.new_ones(pad, group_scales.shape[1])])
     scale_a = group_scales.t().contiguous().t()  # [M, K/128], M-major
     scale_b = linear.weight_scale_inv.t()  # [K/128, N/128] for B = weight.t() [K, N]
     try:
-        return torch._scaled_mm(
-            q.contiguous(), linear.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+        y = torch._scaled_mm(
+            q, linear.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
         )
+        return y[:m] if pad else y
     except (RuntimeError, NotImplementedError) as err:
         _scaled_mm_broken = str(err)
         logger.warning(
