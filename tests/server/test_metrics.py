@@ -37,3 +37,18 @@ def test_histograms_count_each_sample_once():
     assert after["tokenspeed_time_to_first_token_seconds_count"] == 5
     assert after['tokenspeed_cache_pages{state="free"}'] == 10
     assert "tokenspeed_l2_puts_total" not in after  # no cache stats given
+
+
+def test_folding_drops_the_samples_from_the_engine():
+    """A long-running server keeps its engine's sample lists short: each fold (every few
+    seconds, and every scrape) moves the samples into the histograms."""
+    metrics, engine = ServerMetrics(), EngineMetrics()
+    engine.ttfts += [0.1] * 1000
+    engine.itls += [0.01] * 5000
+    metrics.fold(engine)
+    assert engine.ttfts == [] and engine.itls == []
+    engine.itls.append(0.02)
+    got = values(metrics.render(engine, IDLE, None))
+    assert got["tokenspeed_time_to_first_token_seconds_count"] == 1000
+    assert got["tokenspeed_inter_token_latency_seconds_count"] == 5001
+    assert engine.itls == []

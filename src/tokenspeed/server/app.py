@@ -16,6 +16,8 @@ token.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 
@@ -49,10 +51,31 @@ def build_app(state: ServerState) -> web.Application:
     # then reads none of /server_info's labels (max_running_requests among them).
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.cleanup_ctx.append(_fold_metrics)
     install = getattr(state.role, "install", None)  # P/D roles: their middleware and startup
     if install is not None:
         install(app)
     return app
+
+
+FOLD_SECONDS = 5.0  # how often the engine's latency samples move into the histograms
+
+
+async def _fold_metrics(app: web.Application):
+    """Fold the engine's latency samples into /metrics' histograms every few seconds, scraped
+    or not, so that the engine's sample lists stay short in a long-running server."""
+    state = app[STATE]
+
+    async def fold() -> None:
+        while True:
+            await asyncio.sleep(FOLD_SECONDS)
+            state.metrics.fold(state.role.metrics)
+
+    task = asyncio.create_task(fold())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:

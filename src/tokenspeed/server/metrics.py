@@ -1,8 +1,10 @@
 """GET /metrics: the engine's serving metrics in Prometheus' text format (version 0.0.4).
 
 Histograms of time to first token and inter-token latency are folded from the engine's own
-samples (`EngineMetrics.ttfts` / `itls`), each sample once: a scrape adds the samples recorded
-since the previous one (an engine whose metrics were reset starts afresh). Gauges come from the
+samples (`EngineMetrics.ttfts` / `itls`), each sample once: `ServerMetrics.fold` moves the
+samples recorded since the previous fold into the histograms and drops them from the engine's
+lists, so that a long-running server's lists stay short (the app folds every few seconds and at
+every scrape; an engine whose metrics were reset starts afresh). Gauges come from the
 load snapshot (running and queued requests, outstanding tokens, device pages) and the engine's
 prefix hit rate; counters from the engine (tokens, steps) and from the cache's statistics (hits
 and traffic of the host tier, L2), and from the server itself (responses by status).
@@ -95,19 +97,13 @@ class Histogram:
         return lines
 
 
-class _NewSamples:
-    """The samples a growing list gained since the last call (a new list: all of them)."""
-
-    def __init__(self) -> None:
-        self._list: list[float] | None = None
-        self._seen = 0
-
-    def take(self, values: list[float]) -> list[float]:
-        if values is not self._list:
-            self._list, self._seen = values, 0
-        new = values[self._seen :]
-        self._seen += len(new)
-        return new
+def _drain(samples: list[float]) -> list[float]:
+    """The samples in the list now, removed from it (the engine's thread may append meanwhile:
+    those stay for the next fold)."""
+    n = len(samples)
+    taken = samples[:n]
+    del samples[:n]
+    return taken
 
 
 class ServerMetrics:
@@ -121,14 +117,16 @@ class ServerMetrics:
         self.itl = Histogram(
             "inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS
         )
-        self._ttfts = _NewSamples()
-        self._itls = _NewSamples()
         self.responses: Counter[int] = Counter()
+
+    def fold(self, engine: EngineMetrics) -> None:
+        """Move the engine's new latency samples into the histograms."""
+        self.ttft.observe_many(_drain(engine.ttfts))
+        self.itl.observe_many(_drain(engine.itls))
 
     def render(self, engine: EngineMetrics, load: LoadSnapshot, cache) -> str:
         """cache: the cache's `CacheStats` (None: omitted)."""
-        self.ttft.observe_many(self._ttfts.take(engine.ttfts))
-        self.itl.observe_many(self._itls.take(engine.itls))
+        self.fold(engine)
         lines = [*self.ttft.render(), *self.itl.render()]
         gauge = _writer(lines, "gauge")
         counter = _writer(lines, "counter")
