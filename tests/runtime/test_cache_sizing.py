@@ -36,12 +36,16 @@ def _config(budget, **options):
     )
 
 
-@pytest.mark.parametrize("checkpoint_slots", [None, 2])
+@pytest.mark.parametrize(
+    "checkpoint_slots, checkpoint_dtype",
+    [(None, "float32"), (2, "float32"), (None, "bfloat16"), (2, "bfloat16")],
+)
 def test_the_smallest_budget_serves_requests_of_max_model_len_and_one_byte_less_is_refused(
-    tiny, checkpoint_slots
+    tiny, checkpoint_slots, checkpoint_dtype
 ):
-    config = _config(None, checkpoint_slots=checkpoint_slots)
-    need = smallest_budget(cache_geometry(tiny, 16), config)
+    # bf16 checkpoints take half the bytes of a live slot: priced as such, not as live slots.
+    config = _config(None, checkpoint_slots=checkpoint_slots, kda_checkpoint_dtype=checkpoint_dtype)
+    need = smallest_budget(cache_geometry(tiny, 16, **config.cache_dtypes), config)
     with pytest.raises(EngineConfigError, match=f"at least {need} bytes"):
         Engine(tiny, None, config.evolve(cache_budget_bytes=need - 1))
     engine = Engine(tiny, None, config.evolve(cache_budget_bytes=need))

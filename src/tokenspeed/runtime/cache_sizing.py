@@ -149,7 +149,10 @@ def _beside_drafter(
     except BudgetTooSmallError:
         return cache_config  # too small even without the drafter: refused as such
     page = geometry.mla_page_bytes
-    slots = (sizes.num_live_slots + sizes.num_checkpoint_slots) * geometry.kda_state_bytes
+    slots = (
+        sizes.num_live_slots * geometry.kda_state_bytes
+        + sizes.num_checkpoint_slots * geometry.kda_checkpoint_bytes
+    )
     pages = (cache_config.device_budget_bytes - slots) // (page + extra)
     need = config.max_pages_per_request
     if pages - 1 < need:  # the sink page and the request's
@@ -173,7 +176,7 @@ def _checkpoint_slots(rest: int, geometry: CacheGeometry) -> int:
     """The checkpoint slots `CacheConfig.pool_sizes` carves from `rest` bytes past the live
     slots when the engine leaves their number to it (its default checkpoint_fraction)."""
     fraction = attrs.fields(CacheConfig).checkpoint_fraction.default
-    return int(rest * fraction) // geometry.kda_state_bytes
+    return int(rest * fraction) // geometry.kda_checkpoint_bytes
 
 
 def smallest_budget(geometry: CacheGeometry, config: EngineConfig) -> int:
@@ -182,23 +185,24 @@ def smallest_budget(geometry: CacheGeometry, config: EngineConfig) -> int:
     plus a sink slot, a sink page, and the checkpoint slots: `config.checkpoint_slots`, or those
     `CacheConfig.pool_sizes` carves from such a budget)."""
     state, page = geometry.kda_state_bytes, geometry.mla_page_bytes
+    ckpt = geometry.kda_checkpoint_bytes  # below state with kda_checkpoint_dtype="bfloat16"
     live = (config.max_num_seqs + 1) * state
     pages = (config.max_pages_per_request + 1) * page  # and the sink page
     if config.checkpoint_slots is not None:
-        return live + pages + config.checkpoint_slots * state
+        return live + pages + config.checkpoint_slots * ckpt
     # With c checkpoint slots the bytes past the live slots must reach pages + c * state; c
     # grows with those bytes, so try c = 0, 1, ... (the ranges of bytes giving each c follow
     # one another: the first c that works gives the smallest budget).
     fraction = attrs.fields(CacheConfig).checkpoint_fraction.default
     slots = 0
     while True:
-        rest = pages + slots * state
+        rest = pages + slots * ckpt
         carved = _checkpoint_slots(rest, geometry)
         if carved == slots:
             return live + rest
         if carved < slots:
             # The fewest bytes from which the cache carves `slots` slots (more than `rest`).
-            low = math.ceil(slots * state / fraction)
+            low = math.ceil(slots * ckpt / fraction)
             while _checkpoint_slots(low - 1, geometry) >= slots:
                 low -= 1
             while _checkpoint_slots(low, geometry) < slots:
