@@ -10,9 +10,9 @@ weight). Its forward:
   dequantised weight computes);
 - on CUDA (GPU code, marked below): activations quantised per token in 1 x 128 groups (as
   DeepSeek-V3 does, Triton `ops.moe.fp8.quantize_fp8_rows`), then `torch._scaled_mm` with
-  the 128 x 128 weight blocks, where the shapes allow (128 x 128 blocks, in and out multiples
-  of 128, bf16 / fp16 activations) and the torch build takes blockwise scales; the dequantising
-  path otherwise.
+  the 128 x 128 weight blocks, where the shapes allow (128 x 128 blocks, in a multiple of 512
+  and out of 128, bf16 / fp16 activations: `_cublas_shape`) and the torch build takes
+  blockwise scales; the dequantising path otherwise.
 `forward_quantized` takes activations already in FP8 (e4m3 + per-token or 1 x 128 group
 scales, e.g. from the KDA output tail) without quantising them again: `_scaled_mm` on CUDA where
 it applies, the dequantising reference otherwise.
@@ -241,12 +241,23 @@ _SCALED_MM_ROWS = 16  # activation rows padded to a multiple of this (see _scale
 _scaled_mm_broken: str | None = None
 
 
+def _cublas_shape(linear: Fp8Linear) -> bool:
+    """Weights `_scaled_mm` computes correctly: 128 x 128 blocks, out a multiple of 128 and in
+    a multiple of 512. The weight scales reach cuBLAS as [K/128, N/128] with a leading
+    dimension of K/128 floats: on an H100 (torch 2.11, CUDA 13) K = 384 (3 scales, 12 bytes)
+    gave results off by ~1e9 without any error, K = 1024 the right ones. The in_features of
+    Kimi's projections (7168, 4096, 1536, 512) are multiples of 512."""
+    return (
+        linear.block_size == _SCALED_MM_BLOCK
+        and linear.in_features % 512 == 0
+        and linear.out_features % 128 == 0
+    )
+
+
 def _scaled_mm_applies(linear: Fp8Linear, x: torch.Tensor) -> bool:
     return (
         _scaled_mm_broken is None
-        and linear.block_size == _SCALED_MM_BLOCK
-        and linear.in_features % 128 == 0
-        and linear.out_features % 128 == 0
+        and _cublas_shape(linear)
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.shape[-1] == linear.in_features
         and x.numel() > 0
@@ -266,9 +277,7 @@ def _scaled_mm_forward(linear: Fp8Linear, x: torch.Tensor) -> torch.Tensor | Non
 def _scaled_mm_applies_quantized(linear: Fp8Linear, rows: torch.Tensor, out_dtype) -> bool:
     return (
         _scaled_mm_broken is None
-        and linear.block_size == _SCALED_MM_BLOCK
-        and linear.in_features % 128 == 0
-        and linear.out_features % 128 == 0
+        and _cublas_shape(linear)
         and out_dtype in (torch.bfloat16, torch.float16)
         and rows.numel() > 0
     )

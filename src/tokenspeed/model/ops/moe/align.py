@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, next_power_of_2
+
 
 class PairLayout(NamedTuple):
     """Where each pair's rows live. Static shapes: capacity_rows = max_blocks * block_m.
@@ -115,7 +117,7 @@ def count_pairs(
     ranks = torch.empty(flat.shape[0], dtype=torch.int32, device=ids.device)
     bp = 1024
     if flat.shape[0]:
-        _count_kernel[(triton.cdiv(flat.shape[0], bp),)](
+        _count_kernel[(cdiv(flat.shape[0], bp),)](
             flat, counts, ranks, flat.shape[0], first_expert, num_local, BP=bp, num_warps=4
         )
     return counts, ranks
@@ -123,7 +125,7 @@ def count_pairs(
 
 def capacity_blocks(max_pairs: int, num_local: int, block_m: int) -> int:
     """Blocks that always hold max_pairs local pairs whatever their spread over experts."""
-    return triton.cdiv(max_pairs + num_local * (block_m - 1), block_m)
+    return cdiv(max_pairs + num_local * (block_m - 1), block_m)
 
 
 def align_pairs(
@@ -150,13 +152,13 @@ def align_pairs(
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     expert_start = torch.empty(num_local, dtype=torch.int32, device=device)
     num_blocks = torch.empty(1, dtype=torch.int32, device=device)
-    e2 = triton.next_power_of_2(num_local)
+    e2 = next_power_of_2(num_local)
     # Each program holds [BP, E2] compare-and-select tiles: at most 4096 elements (32 a thread),
     # beyond which they spill to local memory. On the H200 at 56 local experts, 16384 tokens x
     # top-16: 267 us with BP 512, 30 us with BP 64 (docs/perf/moe.md).
     bp = max(16, min(1024, 4096 // e2))
     bb = bp
-    grid = (max(triton.cdiv(pairs, bp), triton.cdiv(max_blocks, bb), 1),)
+    grid = (max(cdiv(pairs, bp), cdiv(max_blocks, bb), 1),)
     _align_kernel[grid](
         flat,
         ranks,

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import integer, tuning_or_default, warp_count
+from ._launch import cdiv, next_power_of_2
 
 
 @attrs.frozen(kw_only=True)
@@ -25,7 +26,7 @@ class CombineTuning:
 
     def resolve(self, width: int) -> tuple[int, int]:
         """(block_l, num_warps) of a combine over rows of `width` columns."""
-        bl = self.block_l or triton.next_power_of_2(width)
+        bl = self.block_l or next_power_of_2(width)
         if self.num_warps is not None:
             return bl, self.num_warps
         return bl, 8 if bl >= 4096 else 4 if bl >= 1024 else max(1, bl // 256)
@@ -94,7 +95,7 @@ def combine(
     bl, num_warps = tuning.resolve(width)
     if norm_weight is not None and bl < width:
         raise ValueError(f"the fused norm needs whole rows: block_l {bl} < width {width}")
-    _combine_kernel[(tokens, triton.cdiv(width, bl))](
+    _combine_kernel[(tokens, cdiv(width, bl))](
         y,
         pair_row.contiguous(),
         weights.contiguous(),

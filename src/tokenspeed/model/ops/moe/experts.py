@@ -21,15 +21,17 @@ codes of h, which a reference quantisation no longer tracks.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import attrs
 import torch
-import triton
 import triton.language as tl
 
 from ..interpret import interpreting
 from ..tuning import boolean, instance_of, integer, tuning_or_default, warp_count
 from . import grouped_gemm as gg
-from ._launch import num_sms
+from ._launch import cdiv, next_power_of_2, num_sms
 from .align import align_pairs, capacity_blocks, count_pairs
 from .combine import CombineTuning, combine
 from .fp8 import FP8_DTYPE, quantize_fp8_rows
@@ -215,11 +217,32 @@ _TABLE = {
 }
 
 
-def _table_entry(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
-    for bound, config in _TABLE[fmt]:
+def _table_index(fmt: str, rows_per_expert: float) -> int:
+    for index, (bound, _) in enumerate(_TABLE[fmt]):
         if bound is None or rows_per_expert <= bound:
-            return config
+            return index
     raise AssertionError("unreachable")
+
+
+def _table_entry(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
+    return _TABLE[fmt][_table_index(fmt, rows_per_expert)][1]
+
+
+# What `fused_experts` launches with, by (config, format, table entry): `resolve` depends on the
+# rows per expert only through the table entry, and resolving (attrs.evolve, every field's
+# validator) and fitting the tiles cost host time on each eager call otherwise.
+_DEFAULT_CONFIG = MoeKernelConfig()  # a call with no config (built once: validators again)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_entry(config: MoeKernelConfig, fmt: str, entry: int) -> MoeKernelConfig:
+    bound = _TABLE[fmt][entry][0]  # rows per expert that select this entry (bounds ascend)
+    return config.resolve(fmt, math.inf if bound is None else bound)
+
+
+def _resolved(config: MoeKernelConfig, fmt: str, rows_per_expert: float) -> MoeKernelConfig:
+    """`config.resolve(fmt, rows_per_expert)`, computed once per (config, format, entry)."""
+    return _resolve_entry(config, fmt, _table_index(fmt, rows_per_expert))
 
 
 def default_config(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
@@ -228,23 +251,34 @@ def default_config(fmt: str, rows_per_expert: float) -> MoeKernelConfig:
     return MoeKernelConfig().resolve(fmt, rows_per_expert)
 
 
+@functools.lru_cache(maxsize=256)
 def _fit(tile: GemmTile, n: int, k: int, fmt: str, fixed_n: int | None) -> GemmTile:
     """Shrink a tile to small problems (tests) within each format's constraints."""
-    bn = fixed_n or min(tile.block_n, max(16, triton.next_power_of_2(n)))
+    bn = fixed_n or min(tile.block_n, max(16, next_power_of_2(n)))
     if fmt == "fp8":
         bk = FP8_GROUP  # one activation scale and one weight scale per K step
     elif fmt == "mxfp4":
-        bk = max(MX_GROUP, min(tile.block_k, triton.next_power_of_2(k)))
+        bk = max(MX_GROUP, min(tile.block_k, next_power_of_2(k)))
     else:
-        bk = min(tile.block_k, max(16, triton.next_power_of_2(k)))
+        bk = min(tile.block_k, max(16, next_power_of_2(k)))
     return attrs.evolve(tile, block_n=bn, block_k=bk)
+
+
+@functools.cache
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A GPU's compute capability, looked up once per device."""
+    return _device_capability(device.index if device.index is not None else 0)
 
 
 def _gluon_down(x: torch.Tensor, experts: ExpertWeights, cfg: MoeKernelConfig, compute) -> bool:
     """Whether this call's FP8 down GEMM runs the Gluon kernel (sm_90 only)."""
     if not (cfg.gluon and gluon_fp8 is not None and experts.format == "fp8"):
         return False
-    if not x.is_cuda or interpreting() or torch.cuda.get_device_capability(x.device)[0] != 9:
+    if not x.is_cuda or interpreting() or _capability(x.device)[0] != 9:
         return False
     return (
         compute == torch.bfloat16
@@ -285,6 +319,8 @@ def fused_experts(
     fast_math (`MoeKernelConfig`; None: the measured defaults, by format and pairs_hint).
     Returns out_dtype (default x's, bf16 for FP8 x).
     """
+    if config is None:
+        config = _DEFAULT_CONFIG
     config = tuning_or_default(config, MoeKernelConfig, "config")
     if activation not in ("silu", "situ"):
         raise ValueError(f"activation must be 'silu' or 'situ', got {activation!r}")
@@ -307,7 +343,7 @@ def fused_experts(
     max_pairs = tokens * top_k if max_pairs is None else max_pairs
     if counts is None or ranks is None:
         counts, ranks = count_pairs(ids, experts.first_expert, num_local)
-    cfg = config.resolve(fmt, (pairs_hint or max_pairs) / num_local)
+    cfg = _resolved(config, fmt, (pairs_hint or max_pairs) / num_local)
     layout = align_pairs(ids, ranks, counts, experts.first_expert, cfg.block_m, max_pairs)
     rows = layout.capacity_rows
     device = x.device
@@ -323,14 +359,15 @@ def fused_experts(
         hs = h  # unused
     y = torch.empty(rows, width, dtype=compute, device=device)
     wfmt = _FORMATS[fmt]
-    exact = x.is_cuda and not interpreting() and not cfg.fast_math
+    interpret = interpreting()
+    exact = x.is_cuda and not interpret and not cfg.fast_math
     programs = num_sms(x) * cfg.waves
     max_blocks = capacity_blocks(max_pairs, num_local, cfg.block_m)
     s1, s2, s3 = experts.s1, experts.s2, experts.s3
-    dummy = torch.empty(1, dtype=torch.float32, device=device)
+    dummy = torch.empty(1, dtype=torch.float32, device=device)  # pointers never read
 
     up = _fit(cfg.gate_up, inter, width, fmt, FP8_GROUP if fmt == "fp8" else None)
-    grid = (max(1, min(programs, max_blocks * triton.cdiv(inter, up.block_n))),)
+    grid = (max(1, min(programs, max_blocks * cdiv(inter, up.block_n))),)
     gg._gate_up_kernel[grid](
         x,
         xs if xs is not None else dummy,
@@ -364,7 +401,7 @@ def fused_experts(
         OUT_FP8=fmt == "fp8",
         ROUND=_TL_DTYPES[compute],
         EXACT=exact,
-        INTERPRET=interpreting(),
+        INTERPRET=interpret,
         BM=cfg.block_m,
         BN=up.block_n,
         BK=up.block_k,
@@ -377,7 +414,7 @@ def fused_experts(
         )
         return combine(y, layout.pair_row, weights, compute, norm_weight, norm_eps, cfg.combine)
     down = _fit(cfg.down, width, inter, fmt, None)
-    grid = (max(1, min(programs, max_blocks * triton.cdiv(width, down.block_n))),)
+    grid = (max(1, min(programs, max_blocks * cdiv(width, down.block_n))),)
     gg._down_kernel[grid](
         h,
         hs,

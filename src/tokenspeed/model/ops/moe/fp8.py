@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..interpret import interpreting
+from ._launch import cdiv, next_power_of_2
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -90,12 +91,12 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, K] with contiguous rows, got {tuple(x.shape)}")
     tokens, k = x.shape
-    groups = triton.cdiv(k, GROUP)
+    groups = cdiv(k, GROUP)
     q = torch.empty(tokens, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(tokens, groups, dtype=torch.float32, device=x.device)
-    bg = min(_GROUPS_PER_PROGRAM, triton.next_power_of_2(tokens * groups))
+    bg = min(_GROUPS_PER_PROGRAM, next_power_of_2(tokens * groups))
     if tokens and k:
-        _quantize_rows_kernel[(triton.cdiv(tokens * groups, bg),)](
+        _quantize_rows_kernel[(cdiv(tokens * groups, bg),)](
             x,
             q,
             s,

@@ -28,7 +28,7 @@ from triton.language.extra import libdevice
 
 from ..interpret import interpreting
 from ..tuning import integer, tuning_or_default, warp_count
-from ._launch import num_sms
+from ._launch import cdiv, next_power_of_2, num_sms
 
 _KEY_MIN = tl.constexpr(-(2**63))  # below every real key: padding lanes and taken experts
 
@@ -259,13 +259,13 @@ class RouterTuning:
         bk = self.block_k or (128 if low else 64)
         splits = self.splits
         if splits is None:
-            tiles = triton.cdiv(tokens, bt) * triton.cdiv(experts, be)
+            tiles = cdiv(tokens, bt) * cdiv(experts, be)
             splits = 1
             # Split K until the grid covers the GPU twice, keeping >= 4 K-steps per split.
             while tiles * splits < 2 * sms and dim // (2 * splits) >= 4 * bk:
                 splits *= 2
-        k_per_split = triton.cdiv(triton.cdiv(dim, splits), bk) * bk
-        splits = triton.cdiv(dim, k_per_split)
+        k_per_split = cdiv(cdiv(dim, splits), bk) * bk
+        splits = cdiv(dim, k_per_split)
         stages = self.num_stages or (4 if low else 3)
         return bt, be, bk, splits, k_per_split, self.num_warps, stages
 
@@ -298,7 +298,7 @@ def router_logits(
         tokens, experts, dim, low, num_sms(x)
     )
     out = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(tokens, bt), triton.cdiv(experts, be), splits)
+    grid = (cdiv(tokens, bt), cdiv(experts, be), splits)
     _logits_kernel[grid](
         x,
         weight,
@@ -370,11 +370,11 @@ def route_fused(
     ranks = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
     counts = torch.zeros(num_local, dtype=torch.int32, device=device)
     per_group = experts // num_groups
-    g2, eg2 = triton.next_power_of_2(num_groups), triton.next_power_of_2(per_group)
+    g2, eg2 = next_power_of_2(num_groups), next_power_of_2(per_group)
     bt = max(1, min(16, 2048 // (g2 * eg2)))
     exact = device.type == "cuda" and not interpreting()
     bias_arg = bias.float().contiguous() if bias is not None else weights
-    _topk_kernel[(triton.cdiv(tokens, bt),)](
+    _topk_kernel[(cdiv(tokens, bt),)](
         logits,
         bias_arg,
         weights,
@@ -393,7 +393,7 @@ def route_fused(
         EG2=eg2,
         TOPK_GROUPS=topk_groups,
         K=top_k,
-        K2=triton.next_power_of_2(top_k),
+        K2=next_power_of_2(top_k),
         HAS_BIAS=bias is not None,
         RENORM=renormalize,
         EXACT=exact,

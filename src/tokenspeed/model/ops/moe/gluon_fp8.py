@@ -26,7 +26,6 @@ of 128. These are the layout's, not knobs; the one knob, the ring's depth, is `s
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -36,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._launch import cdiv
 
 BM, BN, BK = 64, 256, 128
 
@@ -256,7 +257,7 @@ def down_fp8(
             f"Gluon FP8 down GEMM: needs BLOCK_M {BM}, L % {BN} == 0, I % {BK} == 0 and a "
             f"contiguous W2; got BLOCK_M {layout.block_m}, W2 {tuple(w2.shape)}"
         )
-    grid = (max(1, min(programs, layout.block_expert.shape[0] * triton.cdiv(width, BN))),)
+    grid = (max(1, min(programs, layout.block_expert.shape[0] * cdiv(width, BN))),)
     _down_kernel_fp8_gluon[grid](
         _desc(h, [BM, BK]),
         _desc(w2.reshape(num_e * width, inter), [BN, BK]),
