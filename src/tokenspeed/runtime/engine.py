@@ -151,6 +151,26 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._records:
             raise RequestError(f"request id {request_id!r} is already in use")
+        record = self._new_record(request_id, prompt_token_ids, params, prompt, session)
+        # Nothing is kept of a request that cannot be queued.
+        self.sampler.register(request_id, params, record.prompt_ids)
+        try:
+            self.scheduler.add(record.sched)
+        except BaseException:
+            self.sampler.forget(request_id)
+            raise
+        self._records[request_id] = record
+
+    def _new_record(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prompt: str | None,
+        session: Hashable | None,
+    ) -> RequestRecord:
+        """A request's record and its scheduler request, its prompt checked (RequestError);
+        nothing registered anywhere yet."""
         limit = self.config.max_model_len
         ids = check_prompt(
             request_id,
@@ -164,8 +184,7 @@ class Engine:
         chain.append_tokens(ids)
         max_new = min(params.max_tokens, limit - len(ids))
         sched = Request(request_id, len(ids), max_new, keys=chain.keys, session=session)
-        now = time.monotonic()
-        record = RequestRecord(
+        return RequestRecord(
             rid=request_id,
             prompt=prompt,
             prompt_ids=ids,
@@ -173,16 +192,8 @@ class Engine:
             sched=sched,
             chain=chain,
             stop=StopChecker(params, self.tokenizer, self._eos),
-            metrics=RequestMetrics(arrival_time=now),
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
         )
-        # Nothing is kept of a request that cannot be queued.
-        self.sampler.register(request_id, params, ids)
-        try:
-            self.scheduler.add(sched)
-        except BaseException:
-            self.sampler.forget(request_id)
-            raise
-        self._records[request_id] = record
 
     def abort(self, request_id: Hashable, reason: str = "aborted by the caller") -> bool:
         """Stop a request and free its cache. Returns False for an unknown or finished one."""

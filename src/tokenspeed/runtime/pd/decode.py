@@ -35,21 +35,18 @@ from collections.abc import Hashable, Sequence
 import attrs
 import torch
 
-from tokenspeed.cache import HostCache, KeyChain
-from tokenspeed.cache.handoff import device_regions
+from tokenspeed.cache import HostCache
 from tokenspeed.model import KimiForCausalLM
 from tokenspeed.sched import Request, RequestState
 from tokenspeed.sched.cache_port import AdmissionError
 
 from ..config import EngineConfig
-from ..engine import Engine
-from ..outputs import RequestMetrics
-from ..request_record import RequestError, RequestRecord, check_prompt
+from ..request_record import RequestError, RequestRecord
 from ..sampling_params import SamplingParams
-from ..stop import StopChecker
 from ..tokenizer import Tokenizer
 from .messages import Destination, FirstToken, HandoffError, wire_id
-from .transport import Transport, make_transport
+from .side import HandoffSide
+from .transport import Transport
 
 logger = logging.getLogger("tokenspeed.runtime.pd")
 
@@ -60,7 +57,7 @@ class _Waiting:
     free_at: float  # Unix time: no write can land after this
 
 
-class DecodeEngine(Engine):
+class DecodeEngine(HandoffSide):
     """An `Engine` that admits requests prefilled elsewhere (`admit`).
 
     transport: receives the bytes and the notifications (`make_transport()` by default);
@@ -86,14 +83,10 @@ class DecodeEngine(Engine):
         grace_s: float | None = None,
         reuse_prefix: bool = True,
     ) -> None:
-        super().__init__(model, tokenizer, config, l2)
-        self._owns_transport = transport is None
-        if transport is None:
-            transport = make_transport(host=transport_host, device=self.device)
-        self.transport = transport
-        self.transport.register(device_regions(self.cache.storage))
+        super().__init__(
+            model, tokenizer, config, l2, transport=transport, transport_host=transport_host
+        )
         self.transport.set_acceptor(self._accepts)
-        self.layout = self.cache.handoff_layout()
         self.deadline_s = float(deadline_s)
         self.grace_s = self.transport.timeout_s + 5.0 if grace_s is None else float(grace_s)
         self.reuse_prefix = reuse_prefix
@@ -122,24 +115,14 @@ class DecodeEngine(Engine):
             raise RequestError(str(exc)) from None
         if rid in self._records or rid in self._fenced or self.port.holds(rid):
             raise RequestError(f"request id {rid!r} is already in use")
-        limit = self.config.max_model_len
-        ids = check_prompt(
-            rid,
-            prompt_token_ids,
-            params,
-            vocab_size=self.model.config.vocab_size,
-            max_model_len=limit,
-            has_tokenizer=self.tokenizer is not None,
-        )
-        max_new = min(params.max_tokens, limit - len(ids))
-        if max_new < 2:
+        record = self._new_record(rid, prompt_token_ids, params, prompt, session)
+        req, ids = record.sched, record.prompt_ids
+        if req.max_new_tokens < 2:
             raise RequestError(
                 f"request {rid!r} ends with its first token (max_tokens {params.max_tokens}, "
-                f"{len(ids)} prompt tokens of {limit}): the prefill side finishes it"
+                f"{len(ids)} prompt tokens of {self.config.max_model_len}): the prefill side "
+                "finishes it"
             )
-        chain = KeyChain(self.config.page_size)
-        chain.append_tokens(ids)
-        req = Request(rid, len(ids), max_new, keys=chain.keys, session=session)
         try:
             hit = self.port.acquire(req, len(ids) - 1 if self.reuse_prefix else 0)
         except AdmissionError as exc:
@@ -159,16 +142,7 @@ class DecodeEngine(Engine):
         req.move(RequestState.PREFILLING)
         req.move(RequestState.TRANSFERRING)
         self.sampler.register(rid, params, ids)
-        self._records[rid] = RequestRecord(
-            rid=rid,
-            prompt=prompt,
-            prompt_ids=ids,
-            params=params,
-            sched=req,
-            chain=chain,
-            stop=StopChecker(params, self.tokenizer, self._eos),
-            metrics=RequestMetrics(arrival_time=time.monotonic()),
-        )
+        self._records[rid] = record
         deadline = time.time() + self.deadline_s
         self._waiting[rid] = _Waiting(req, deadline + self.grace_s)
         return Destination(
@@ -327,8 +301,3 @@ class DecodeEngine(Engine):
             return super().abort(request_id, reason)
         self._end_waiting(request_id, reason, writer_gone=writer_gone)
         return True
-
-    def close(self) -> None:
-        if self._owns_transport:
-            self.transport.close()
-        super().close()

@@ -27,19 +27,18 @@ import time
 from collections.abc import Hashable
 
 from tokenspeed.cache import HostCache
-from tokenspeed.cache.handoff import device_regions
 from tokenspeed.model import KimiForCausalLM
 
 from ..config import EngineConfig
-from ..engine import Engine
 from ..tokenizer import Tokenizer
 from .messages import Destination, FirstToken, Handoff, HandoffError, wire_id
-from .transport import Transport, make_transport
+from .side import HandoffSide
+from .transport import Transport
 
 logger = logging.getLogger("tokenspeed.runtime.pd")
 
 
-class PrefillEngine(Engine):
+class PrefillEngine(HandoffSide):
     """An `Engine` whose completed prefills are held for a transfer instead of decoded.
 
     transport: moves the bytes (`make_transport()` by default: Mooncake when installed, else
@@ -57,16 +56,12 @@ class PrefillEngine(Engine):
         transport: Transport | None = None,
         transport_host: str = "127.0.0.1",
     ) -> None:
-        super().__init__(model, tokenizer, config, l2)
+        super().__init__(
+            model, tokenizer, config, l2, transport=transport, transport_host=transport_host
+        )
         # The prefill scheduler's P/D mode: a completed prefill stays pinned (TRANSFERRING)
         # until `release`, and never joins this rank's decode rows.
         self.scheduler.prefill.disaggregated = True
-        self._owns_transport = transport is None
-        if transport is None:
-            transport = make_transport(host=transport_host, device=self.device)
-        self.transport = transport
-        self.transport.register(device_regions(self.cache.storage))
-        self.layout = self.cache.handoff_layout()
         self._sender = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tokenspeed-pd-send"
         )
@@ -226,6 +221,4 @@ class PrefillEngine(Engine):
         if pending:
             logger.warning("closing with %d P/D sends still running", len(pending))
         self._sender.shutdown(wait=not pending)
-        if self._owns_transport:
-            self.transport.close()
         super().close()
