@@ -26,6 +26,8 @@ import logging
 import time
 from collections.abc import Hashable
 
+import attrs
+
 from tokenspeed.cache import HostCache
 from tokenspeed.model import KimiForCausalLM
 
@@ -36,6 +38,27 @@ from .side import HandoffSide
 from .transport import Transport
 
 logger = logging.getLogger("tokenspeed.runtime.pd")
+
+
+@attrs.define
+class TransferStats:
+    """The writes of a prefill engine's sends that landed: how many, their bytes and the
+    seconds the transport took for them (write calls only, one at a time on the send thread;
+    the notification after each is not counted). bandwidth = bytes / seconds."""
+
+    writes: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        self.writes += 1
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Bytes per second over every write (None before the first)."""
+        return self.bytes / self.seconds if self.seconds > 0 else None
 
 
 class PrefillEngine(HandoffSide):
@@ -71,6 +94,7 @@ class PrefillEngine(HandoffSide):
         # pages another request has taken since.
         self._spent: dict[tuple, float] = {}
         self._abort_after_send: dict[Hashable, str] = {}
+        self.transfer_stats = TransferStats()
 
     # ------------------------------------------------------------------ the held requests
     def held(self) -> list[Hashable]:
@@ -145,7 +169,9 @@ class PrefillEngine(HandoffSide):
         try:
             if time.time() >= destination.deadline:  # queued behind another send meanwhile
                 raise HandoffError(f"the destination of request {rid!r} expired before its write")
+            start = time.perf_counter()
             self.transport.write(peer, rid, ranges)
+            self.transfer_stats.record(sum(r.nbytes for r in ranges), time.perf_counter() - start)
         except BaseException as exc:
             try:
                 self.transport.notify(peer, {"type": "failed", "rid": rid, "error": str(exc)})
