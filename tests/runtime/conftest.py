@@ -28,9 +28,14 @@ def reference(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def steady():
+    """`steady_model()`, shared by a session's tests. (A model of its own: an engine on a GPU
+    moves `tiny` there, and its CUDA stream cannot be copied.)"""
+    return steady_model()
+
+
+def steady_model() -> KimiForCausalLM:
     """`tiny` whose routers always pick the same experts: the score correction bias of expert e
-    is 2e, larger than any spread of the sigmoid scores, so no two experts ever tie. (A model of
-    its own: an engine on a GPU moves `tiny` there, and its CUDA stream cannot be copied.)"""
+    is 2e, larger than any spread of the sigmoid scores, so no two experts ever tie."""
     model = tiny_model()
     gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     assert gates
@@ -39,3 +44,19 @@ def steady():
             bias = gate.e_score_correction_bias
             bias.copy_(2.0 * torch.arange(len(bias), dtype=bias.dtype))
     return model
+
+
+@pytest.fixture(scope="session")
+def multirank_single() -> dict:
+    """test_multirank's scenario on the single-rank engine: the reference of test_multirank and
+    test_multirank_dcp (one run for both), with that engine's page count (less the null page)
+    and MLA page bytes."""
+    from tokenspeed import LLM
+
+    from .test_multirank import OPTIONS, scenario
+
+    with LLM("tiny", **OPTIONS) as llm:
+        got = scenario(llm)
+        got["pages"] = llm.engine.cache.sizes.num_pages - 1
+        got["mla_page_bytes"] = llm.engine.cache.geometry.mla_page_bytes
+    return got

@@ -38,8 +38,8 @@ from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
 from tokenspeed.runtime.cache_sizing import cache_geometry
 from tokenspeed.runtime.llm import _keep_fp32
 
-from .conftest import tiny_model, tokens
-from .test_engine import run
+from .conftest import steady_model, tokens
+from .test_engine import run, small_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -82,33 +82,16 @@ AGREEMENT_TOKENS = 8
 
 
 def steady(dtype: torch.dtype) -> KimiForCausalLM:
-    """`tiny` whose routers always pick the same experts, on CUDA in `dtype`."""
-    model = tiny_model()
-    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    assert gates
-    with torch.no_grad():
-        for gate in gates:
-            bias = gate.e_score_correction_bias
-            bias.copy_(2.0 * torch.arange(len(bias), dtype=bias.dtype))
-    model = model.to("cuda", dtype)
+    """`steady_model()` on CUDA in `dtype`."""
+    model = steady_model().to("cuda", dtype)
     _keep_fp32(model)
     return model
 
 
 def engine(model, **options) -> Engine:
-    """An FP8-cache engine on CUDA (graphs on), small pages and prefill chunks; `options`
+    """An FP8-cache engine on CUDA (graphs on): test_engine's small engine; `options`
     override any `EngineConfig` field."""
-    base = dict(
-        device="cuda",
-        page_size=16,
-        max_num_seqs=4,
-        max_model_len=400,
-        prefill_token_budget=48,
-        checkpoint_interval_pages=2,
-        **FP8,
-    )
-    base.update(options)
-    return Engine(model, None, EngineConfig(**base))
+    return small_engine(model, **{"device": "cuda", **FP8, **options})
 
 
 def alone(model, prompt, params, **options):
