@@ -3,7 +3,10 @@
 # and the benchmarks, logs under $OUT (default ./out). Usage: bash scripts/gpu-suite.sh STAGE...
 # with stages:
 #   tests-kda tests-mla tests-moe tests-runtime tests-engine-gpu tests-cache tests-all
+#   tests-spec tests-fp8
 #   bench-kda bench-mla bench-moe bench-attnres decode-step offline parity
+#   bench-spec decode-step-fp8 moe-host
+#   pd-transfer (two GPUs)
 # STAGE_TIMEOUT=SECONDS bounds each stage: the stage's own process is killed at the limit (a
 # `timeout` around this whole script would kill only the shell and leave the stage's python
 # running on the GPU beside whatever runs next).
@@ -42,6 +45,9 @@ for stage in "$@"; do
             tests/model/test_kernel_paths_gpu.py ;;
         tests-cache) run tests-cache python3 -m pytest -q tests/cache -k "gpu or storage or load" ;;
         tests-all) run tests-all python3 -m pytest -q -m "gpu" tests ;;
+        tests-spec) run tests-spec python3 -m pytest -q -m gpu tests/runtime/test_spec_gpu.py ;;
+        tests-fp8) run tests-fp8 python3 -m pytest -q -ra -m gpu tests/runtime/test_fp8_gpu.py \
+            tests/model/layers/test_fp8_linear_gpu.py ;;
         bench-kda)
             run bench-kda-decode python3 benchmarks/kda_decode.py --out "$out/kda_decode.md"
             run bench-kda-prefill python3 benchmarks/kda_prefill.py --out "$out/kda_prefill.md"
@@ -53,6 +59,13 @@ for stage in "$@"; do
         offline) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
             run offline python3 benchmarks/offline.py --out "$out/offline.md" ;;
         parity) run parity python3 benchmarks/kimi_linear_parity.py --out "$out/parity.md" ;;
+        bench-spec)
+            run bench-spec-verify python3 benchmarks/spec_verify.py --out "$out/spec_verify.md"
+            run bench-spec-decode python3 benchmarks/spec_decode.py --out "$out/spec_decode.md" ;;
+        decode-step-fp8) run decode-step-fp8 python3 benchmarks/decode_step.py --compare-fp8 \
+            --out "$out/decode_step_fp8.md" ;;
+        moe-host) run moe-host python3 benchmarks/moe_host.py --breakdown ;;
+        pd-transfer) run pd-transfer python3 benchmarks/pd_transfer.py --out "$out/pd_transfer.md" ;;
         *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
