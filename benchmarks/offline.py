@@ -14,8 +14,26 @@ two decode steps. Ours runs once per `--decode-steps` value (`EngineConfig.decod
 steps run back to back between host round trips; default 8, as `LLM` uses), each on a fresh
 engine; the last is compared with transformers and the runs' greedy outputs with each other.
 
+Each run of ours is followed by its roofline and where its time goes (benchmarks/roofline.py
+prices the schedule the engine's plans ran at the device's measured copy bandwidth and matmul
+rate; benchmarks/step_accounting.py times every engine step, host and GPU, per phase, and
+renders the section; its docstring says what is counted, estimated and measured). With
+--profile, a further run of the same workload on other prompts under torch.profiler gives the
+GPU's busy time per phase.
+
     python benchmarks/offline.py [--prompts 64] [--prompt-len 2048] [--new 256]
-        [--decode-steps 1,8] [--out FILE]
+        [--decode-steps 1,8] [--layers N] [--skip-baseline] [--profile] [--out FILE]
+    TRITON_INTERPRET=1 python benchmarks/offline.py --smoke   # CPU: code paths only
+
+--layers N: the first N layers (at least 5); transformers' model, ours and the roofline all have
+them (27 layers are 98 GB of bf16 weights; on an 80 GB GPU --layers 14, 50 GB).
+--skip-baseline: no transformers generation (ours still runs over transformers' weights).
+--smoke: the tiny preset on the CPU (fp32, random weights), 4 prompts of 32 tokens, 8 new tokens
+each, prefill budget 64 tokens, no warm-up, no baseline: its numbers say nothing about a GPU.
+
+benchmarks/spec_decode.py shares this script's setup: `kimi_linear_config`, `preset_model`,
+`smoke_model`, `make_prompts`, `bench_engine_config`, `device_sync` and the timing loop
+`run_requests`.
 """
 
 from __future__ import annotations
@@ -24,8 +42,131 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import roofline as rf
+import step_accounting as sa
+from tokenspeed.model import KimiForCausalLM, from_hf_config, get_preset
+from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
+
+PRESET = "kimi-linear-48b-a3b"
+GPU_PREFILL_BUDGET = 16384
+SMOKE = {"prompts": 4, "prompt_len": 32, "new": 8, "prefill_budget": 64}
+
+
+# ------------------------------------------------------------- shared with spec_decode.py
+
+
+def kimi_linear_config(layers: int | None = None):
+    """The Kimi-Linear-48B-A3B preset, its first `layers` layers only when given."""
+    config = get_preset(PRESET)
+    if layers:
+        config = config.evolve(
+            layer_kinds=config.layer_kinds[:layers], mlp_kinds=config.mlp_kinds[:layers]
+        )
+    return config
+
+
+def preset_model(device, config, dtype=torch.bfloat16):
+    """Random weights of `config` drawn on `device` (benchmarks/decode_step.py's builder)."""
+    from decode_step import build_model
+
+    return build_model(device, config, dtype=dtype)
+
+
+def smoke_model():
+    """--smoke: the tiny preset on the CPU in fp32 (one intra-op thread)."""
+    torch.set_num_threads(1)
+    return preset_model(torch.device("cpu"), get_preset("tiny"), dtype=torch.float32)
+
+
+def make_prompts(
+    n: int, prompt_len: int, vocab: int, sets: int = 2, seed: int = 0
+) -> list[torch.Tensor]:
+    """`sets` independent [n, prompt_len] sets of random token ids (CPU int64): the timed
+    prompts, then others for warm-ups (no prefix in common with the timed ones). Ids from 3 (past
+    the tiny preset's pad, bos and eos) to below vocab - 300 (Kimi's special tokens sit at the
+    end of its vocabulary; a vocabulary of 1024 or fewer is used to its end)."""
+    gen = torch.Generator().manual_seed(seed)
+    high = vocab - 300 if vocab > 1024 else vocab
+    return [torch.randint(3, high, (n, prompt_len), generator=gen) for _ in range(sets)]
+
+
+def bench_engine_config(
+    device: torch.device,
+    num_prompts: int,
+    prompt_len: int,
+    new_tokens: int,
+    *,
+    prefill_token_budget: int,
+    **options,
+) -> EngineConfig:
+    """The engine both benchmarks run: every prompt admitted at once (one sequence and one KDA
+    checkpoint slot per prompt), no host tier; pages of 16 tokens on the CPU, 64 on a GPU."""
+    return EngineConfig(
+        device=device.type,
+        page_size=16 if device.type == "cpu" else 64,
+        max_num_seqs=num_prompts,
+        max_model_len=prompt_len + new_tokens + 64,
+        prefill_token_budget=prefill_token_budget,
+        l2="none",
+        checkpoint_slots=num_prompts,
+        **options,
+    )
+
+
+def device_sync(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def run_requests(engine, prompts, new_tokens: int, sync, step=None) -> dict:
+    """Add every prompt (request i: prompts[i]; greedy, `new_tokens` each, EOS ignored) and step
+    the engine until all finish, timed from before the first add to the end (synchronized).
+    step: what runs one engine step (default `engine.step`; step_accounting's `StepProbe.step`
+    times it).
+    Returns outputs {i: token ids}, seconds, tokens, decode_seconds (from the moment every
+    request has its first token: all are admitted at once, so prefill is over by then),
+    decode_tok_s (output tokens after each request's first / decode_seconds) and tok_s."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    step = step or engine.step
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(i, prompt, params)
+    started: set[int] = set()
+    outputs: dict[int, list[int]] = {}
+    decode_start = None
+    while engine.has_unfinished():
+        for out in step():
+            started.add(out.request_id)
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        if decode_start is None and len(started) == len(prompts):
+            sync()
+            decode_start = time.perf_counter()
+    sync()
+    end = time.perf_counter()
+    tokens = sum(len(v) for v in outputs.values())
+    decode_start = end if decode_start is None else decode_start
+    decode_seconds = end - decode_start
+    return {
+        "outputs": outputs,
+        "seconds": end - start,
+        "tokens": tokens,
+        "decode_seconds": decode_seconds,
+        "decode_tok_s": (tokens - len(prompts)) / decode_seconds if decode_seconds > 0 else 0.0,
+        "tok_s": tokens / (end - start),
+    }
+
+
+# ---------------------------------------------------------------------------- the models
 
 
 def hf_model(num_layers: int | None):
@@ -94,75 +235,81 @@ class _Progress:
         pass
 
 
-def build_engine(
-    hf,
-    num_prompts: int,
-    prompt_len: int,
-    new_tokens: int,
-    checkpoint_slots: int | None = None,
-    decode_steps: int = 1,
-):
-    """Our model over transformers' parameter tensors (views, no copies) and the engine the
-    benchmark runs it in: (engine, model). checkpoint_slots: default one per prompt."""
-    from tokenspeed.model import KimiForCausalLM, from_hf_config
-    from tokenspeed.runtime import Engine, EngineConfig
-
+def our_model(hf):
+    """Our model over transformers' parameter tensors (views, no copies)."""
     with torch.device("meta"):
         ours = KimiForCausalLM(from_hf_config(hf.config.to_dict()))
     ours.load_state_dict(our_state_dict(hf), strict=True, assign=True)
-    ours.eval()
+    return ours.eval()
+
+
+@dataclass
+class OurRun:
+    seconds: float
+    outputs: dict
+    summary: dict
+    steps: list[sa.StepRecord]
+    cache: rf.CacheBytes
+    profiled: dict | None = None
+    profile_error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Generated tokens, all requests together."""
+        return sum(len(v) for v in self.outputs.values())
+
+
+def run_ours(
+    model, prompts, warm, new_tokens: int, decode_steps: int = 1, *, smoke=False, profile=None
+):
+    """Our engine over `model`: a warm-up on `warm` (skipped by --smoke), then the timed run of
+    `prompts` through a `StepProbe`, then (profile: other prompts) the profiled run."""
+    n, prompt_len = prompts.shape
+    device = next(model.parameters()).device
+    budget = SMOKE["prefill_budget"] if smoke else GPU_PREFILL_BUDGET
     engine = Engine(
-        ours,
+        model,
         None,
-        EngineConfig(
-            device="cuda",
-            max_num_seqs=num_prompts,
-            max_model_len=prompt_len + new_tokens + 64,
-            prefill_token_budget=16384,
-            l2="none",
-            checkpoint_slots=checkpoint_slots or num_prompts,
+        bench_engine_config(
+            device,
+            n,
+            prompt_len,
+            new_tokens,
+            prefill_token_budget=budget,
             decode_steps=decode_steps,
         ),
     )
-    return engine, ours
-
-
-def run_ours(hf, prompts, new_tokens: int, decode_steps: int = 1):
-    """Our engine over transformers' parameter tensors: (seconds, outputs, metrics summary, our
-    model)."""
-    from tokenspeed.runtime import SamplingParams
-
-    n, prompt_len = prompts.shape
-    engine, ours = build_engine(hf, n, prompt_len, new_tokens, decode_steps=decode_steps)
-
-    def generate(batch, params):
-        for i, p in enumerate(batch.tolist()):
-            engine.add_request(i, p, params)
-        outs = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    outs[out.request_id] = out.token_ids
-        return outs
-
+    sync = device_sync(engine.device)
     # Warm-up: the same workload on other prompts (no prefix hits: checked below), so every
     # kernel variant the timed run's chunk and batch shapes select is compiled and tuned, as a
     # server does before it takes traffic. The decode graphs were captured by the constructor.
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    generate((prompts + 7) % prompts.max(), params)
-    print(f"tokenspeed warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
+    if not smoke:
+        t0 = time.perf_counter()
+        run_requests(engine, warm, new_tokens, sync)
+        print(f"tokenspeed warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
     engine.reset_metrics()  # the metrics printed are the timed run's
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = generate(prompts, params)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    probe = sa.StepProbe(engine)
+    probe.start()
+    got = run_requests(engine, prompts, new_tokens, sync, step=probe.step)
+    steps = probe.finish()
     summary = engine.metrics.summary()
+    geometry = engine.cache.storage.geometry
+    cache = rf.CacheBytes(
+        geometry.mla_row_bytes, geometry.kda_conv_bytes, geometry.kda_recurrent_bytes
+    )
+    profiled, error = None, None
+    if profile is not None:
+        try:
+            profiled = sa.profile_run(
+                probe, lambda step: run_requests(engine, profile, new_tokens, sync, step=step)
+            )
+        except Exception as exc:  # the timed run's results stand without it
+            error = repr(exc)
+            print(f"profiled run failed: {error}", flush=True)
     engine.close()
     if summary["prefix_hit_rate"] != 0.0:
         raise RuntimeError(f"the timed run hit the warm-up's cache: {summary}")
-    return seconds, outs, summary, ours
+    return OurRun(got["seconds"], got["outputs"], summary, steps, cache, profiled, error)
 
 
 def logits_check(hf, ours, prompts) -> str:
@@ -219,63 +366,11 @@ def hf_generate(hf, prompts, new_tokens: int):
             print(f"transformers ran out of memory; batches of {batch}", flush=True)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--new", type=int, default=256)
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="fewer layers (smoke runs); at least 5, since transformers' default layout puts "
-        "its first full-attention (MLA) layer 5th and the engine serves hybrid models",
-    )
-    parser.add_argument(
-        "--decode-steps",
-        default="8",
-        help="comma-separated EngineConfig.decode_steps to run ours with (the last one is "
-        "compared with transformers; the others are printed beside it)",
-    )
-    parser.add_argument("--out")
-    args = parser.parse_args(argv)
-    if args.layers is not None and args.layers < 5:
-        parser.error(f"--layers {args.layers} leaves no MLA layer (at least 5)")
-    decode_steps = [int(x) for x in args.decode_steps.split(",")]
-    if not torch.cuda.is_available():
-        print("offline needs a CUDA device", file=sys.stderr)
-        return 2
-
-    torch.manual_seed(0)
-    t_build = time.perf_counter()
-    hf, experts_impl = hf_model(args.layers)
-    print(f"built transformers' model in {time.perf_counter() - t_build:.1f} s", flush=True)
-    vocab = hf.config.vocab_size
-    prompts = torch.randint(0, vocab - 300, (args.prompts, args.prompt_len), device="cuda")
-
-    # tokenspeed first (its cache is freed before transformers allocates its own), so that a
-    # run cut short while transformers generates still reports ours.
-    runs = {}  # decode_steps -> (seconds, outputs, metrics summary)
-    for steps in decode_steps:
-        ours_s, outs, summary, ours = run_ours(hf, prompts, args.new, steps)
-        runs[steps] = (ours_s, outs, summary)
-        ours_tokens = sum(len(v) for v in outs.values())
-        print(
-            f"tokenspeed (decode_steps={steps}): {ours_tokens} tokens in {ours_s:.1f} s = "
-            f"{ours_tokens / ours_s:.1f} tok/s",
-            flush=True,
-        )
-        print(f"tokenspeed metrics: {summary}", flush=True)
-        if steps != decode_steps[-1]:
-            del ours
-        gc.collect()
-        torch.cuda.empty_cache()
-    num_layers = ours.config.num_layers
-    same = all(r[1] == outs for r in runs.values())
-
+def hf_warmup(hf, warm) -> None:
+    """transformers' kernels compiled and tuned on other prompts: the full-batch prefill shape
+    and two decode steps, else (out of memory) a batch of two."""
     t0 = time.perf_counter()
-    warm = (prompts + 7) % prompts.max()
-    for rows in (warm, warm[:2]):  # warm-up: the full-batch prefill shape, else a small one
+    for rows in (warm, warm[:2]):
         try:
             with torch.no_grad():
                 hf.generate(
@@ -290,59 +385,184 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
     print(f"transformers warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
-    check = logits_check(hf, ours, prompts)
-    print(check, flush=True)
-    del ours
-    gc.collect()
-    torch.cuda.empty_cache()
-    hf_s, hf_out, hf_batch = hf_generate(hf, prompts, args.new)
-    hf_tokens = (hf_out.shape[1] - args.prompt_len) * args.prompts
-    # Greedy continuations of random-weight models part at the first near-tie that bf16
-    # rounding flips; the first token and the length of the common prefix are what compare.
-    theirs = hf_out[:, args.prompt_len :].tolist()
-    first = sum(outs[i][:1] == theirs[i][:1] for i in range(args.prompts))
+
+
+def compare_greedy(ours: dict[int, list[int]], theirs: list[list[int]], new_tokens: int) -> str:
+    """Greedy continuations of random-weight models part at the first near-tie that bf16
+    rounding flips; the first token and the length of the common prefix are what compare."""
+    n = len(theirs)
+    first = sum(ours[i][:1] == theirs[i][:1] for i in range(n))
     common = []
-    for i in range(args.prompts):
-        n = 0
-        while n < min(len(outs[i]), len(theirs[i])) and outs[i][n] == theirs[i][n]:
-            n += 1
-        common.append(n)
+    for i in range(n):
+        k = 0
+        while k < min(len(ours[i]), len(theirs[i])) and ours[i][k] == theirs[i][k]:
+            k += 1
+        common.append(k)
+    return (
+        f"greedy outputs (bf16 on both sides): first token equal for {first} of {n} "
+        f"prompts; common prefix {sum(common) / len(common):.1f} tokens on average, "
+        f"{sum(k == new_tokens for k in common)} of {n} identical throughout"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=None, help="default 64 (--smoke: 4)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 2048 (--smoke: 32)")
+    parser.add_argument("--new", type=int, default=None, help="default 256 (--smoke: 8)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="fewer layers (a model that fits an 80 GB GPU; the roofline is the reduced "
+        "model's); at least 5, since transformers' default layout puts its first full-attention "
+        "(MLA) layer 5th and the engine serves hybrid models",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        default="8",
+        help="comma-separated EngineConfig.decode_steps to run ours with (the last one is "
+        "compared with transformers; the others are printed beside it)",
+    )
+    parser.add_argument(
+        "--skip-baseline", action="store_true", help="no transformers generation (ours only)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed run of the last --decode-steps value, run the workload again on "
+        "other prompts under torch.profiler: the GPU's busy time per phase (--smoke: the code "
+        "path only)",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny preset, no warm-up or baseline"
+    )
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    if args.layers is not None and args.layers < 5:
+        parser.error(f"--layers {args.layers} leaves no MLA layer (at least 5)")
+    if smoke and args.layers is not None:
+        parser.error("--smoke runs the tiny preset whole: no --layers")
+    decode_steps = [int(x) for x in args.decode_steps.split(",")]
+    n = args.prompts or (SMOKE["prompts"] if smoke else 64)
+    prompt_len = args.prompt_len or (SMOKE["prompt_len"] if smoke else 2048)
+    new = args.new or (SMOKE["new"] if smoke else 256)
+    if not smoke and not torch.cuda.is_available():
+        print("offline needs a CUDA device (or --smoke under TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    baseline = not (smoke or args.skip_baseline)
+
+    device = torch.device("cpu" if smoke else "cuda")
+    rates = sa.measure_rates(device, smoke)
+    torch.manual_seed(0)  # after the rates' random matrices: transformers' weights as before
+    if smoke:
+        hf, experts_impl = None, None
+        model = smoke_model()
+        vocab = model.config.vocab_size
+        device_name = "CPU interpreter (smoke)"
+        shape = "tiny preset (smoke), fp32"
+    else:
+        t_build = time.perf_counter()
+        hf, experts_impl = hf_model(args.layers)
+        print(f"built transformers' model in {time.perf_counter() - t_build:.1f} s", flush=True)
+        vocab = hf.config.vocab_size
+        device_name = torch.cuda.get_device_name()
+        shape = "Kimi-Linear-48B-A3B shapes ({layers} layers, bf16, random weights)"
+    timed, warm, other = make_prompts(n, prompt_len, vocab, sets=3)
+    prompts, warm = timed.to(device), warm.to(device)
+
+    # tokenspeed first (its cache is freed before transformers allocates its own), so that a
+    # run cut short while transformers generates still reports ours.
+    runs: dict[int, OurRun] = {}
+    ours = None
+    for steps in decode_steps:
+        ours = model if smoke else our_model(hf)
+        profile = other if args.profile and steps == decode_steps[-1] else None
+        run = run_ours(ours, prompts, warm, new, steps, smoke=smoke, profile=profile)
+        runs[steps] = run
+        print(
+            f"tokenspeed (decode_steps={steps}): {run.tokens} tokens in {run.seconds:.1f} s = "
+            f"{run.tokens / run.seconds:.1f} tok/s",
+            flush=True,
+        )
+        print(f"tokenspeed metrics: {run.summary}", flush=True)
+        if baseline:  # printed now: a run cut short while transformers generates keeps it
+            weight_bytes = next(ours.parameters()).element_size()
+            report = sa.roofline_report(_label(steps), ours.config, run, rates, weight_bytes)
+            print("\n".join(report), flush=True)
+        if steps != decode_steps[-1] and not smoke:
+            del ours
+        gc.collect()
+        if not smoke:
+            torch.cuda.empty_cache()
+    config = ours.config
+    weight_bytes = next(ours.parameters()).element_size()
+    last = runs[decode_steps[-1]]
+
+    hf_s = None
+    if baseline:
+        hf_warmup(hf, warm)
+        check = logits_check(hf, ours, prompts)
+        print(check, flush=True)
+        del ours
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf_s, hf_out, hf_batch = hf_generate(hf, prompts, new)
+        hf_tokens = (hf_out.shape[1] - prompt_len) * n
+        greedy = compare_greedy(last.outputs, hf_out[:, prompt_len:].tolist(), new)
+    else:
+        del ours
+
     lines = [
-        f"# offline generation, Kimi-Linear-48B-A3B shapes ({num_layers} layers, bf16, "
-        f"random weights), {args.prompts} prompts x {args.prompt_len} tokens, {args.new} new "
-        f"tokens each, {torch.cuda.get_device_name()}",
+        f"# offline generation, {shape.format(layers=config.num_layers)}, {n} prompts x "
+        f"{prompt_len} tokens, {new} new tokens each, {device_name}",
         "",
         "| engine | seconds | generated tokens | tokens/s |",
         "|---|---:|---:|---:|",
-        f"| transformers generate (experts: {experts_impl}, batches of {hf_batch}) | "
-        f"{hf_s:.1f} | {hf_tokens} | "
-        f"{hf_tokens / hf_s:.1f} |",
-        *(
-            f"| tokenspeed Engine, decode_steps={k} | {v[0]:.1f} | "
-            f"{sum(len(o) for o in v[1].values())} | "
-            f"{sum(len(o) for o in v[1].values()) / v[0]:.1f} |"
-            for k, v in runs.items()
-        ),
-        "",
-        f"ratio tokenspeed (decode_steps={decode_steps[-1]}) / transformers: "
-        f"{(ours_tokens / ours_s) / (hf_tokens / hf_s):.2f}x",
-        *(
-            [f"greedy outputs of every decode_steps run identical: {'yes' if same else 'NO'}"]
-            if len(runs) > 1
-            else []
-        ),
-        "",
-        f"greedy outputs (bf16 on both sides): first token equal for {first} of {args.prompts} "
-        f"prompts; common prefix {sum(common) / len(common):.1f} tokens on average, "
-        f"{sum(n == args.new for n in common)} of {args.prompts} identical throughout",
-        check,
-        "",
-        f"tokenspeed metrics: {summary}",
     ]
+    if baseline:
+        lines.append(
+            f"| transformers generate (experts: {experts_impl}, batches of {hf_batch}) | "
+            f"{hf_s:.1f} | {hf_tokens} | {hf_tokens / hf_s:.1f} |"
+        )
+    lines += [
+        f"| {_label(k)} | {v.seconds:.1f} | {v.tokens} | {v.tokens / v.seconds:.1f} |"
+        for k, v in runs.items()
+    ]
+    lines.append("")
+    if baseline:
+        lines.append(
+            f"ratio tokenspeed (decode_steps={decode_steps[-1]}) / transformers: "
+            f"{(last.tokens / last.seconds) / (hf_tokens / hf_s):.2f}x"
+        )
+    else:
+        lines.append(
+            "transformers baseline: "
+            + ("not run (--smoke)" if smoke else "skipped (--skip-baseline)")
+        )
+    if len(runs) > 1:
+        same = all(r.outputs == last.outputs for r in runs.values())
+        lines.append(
+            f"greedy outputs of every decode_steps run identical: {'yes' if same else 'NO'}"
+        )
+    if baseline:
+        lines += ["", greedy, check]
+    for k, run in runs.items():
+        lines += ["", *sa.roofline_report(_label(k), config, run, rates, weight_bytes, hf_s)]
+    lines += ["", f"tokenspeed metrics: {last.summary}"]
+    return _emit(lines, args.out)
+
+
+def _label(decode_steps: int) -> str:
+    return f"tokenspeed Engine, decode_steps={decode_steps}"
+
+
+def _emit(lines: list[str], out: str | None) -> int:
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
     return 0
 

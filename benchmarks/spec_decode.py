@@ -30,48 +30,24 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_step import build_model
-from tokenspeed.model import get_preset
-from tokenspeed.runtime import Engine, EngineConfig, SamplingParams
+# The setup is offline.py's: model, prompts, engine configuration and timing loop.
+from offline import (
+    bench_engine_config,
+    device_sync,
+    kimi_linear_config,
+    make_prompts,
+    preset_model,
+    run_requests,
+    smoke_model,
+)
+from tokenspeed.runtime import Engine
 from tokenspeed.runtime.spec import SpeculativeConfig
-
-
-def generate(engine, prompts: list[list[int]], new_tokens: int, sync) -> dict:
-    """Run the prompts to the end; seconds end to end and of the decode phase, tokens."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    sync()
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(i, prompt, params)
-    started: set[int] = set()
-    decode_start = None
-    tokens = 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        for out in outs:
-            started.add(out.request_id)
-            if out.finished:
-                tokens += len(out.token_ids)
-        if decode_start is None and len(started) == len(prompts):
-            sync()
-            decode_start = time.perf_counter()
-    sync()
-    end = time.perf_counter()
-    decode_tokens = tokens - len(prompts)
-    return {
-        "seconds": end - start,
-        "tokens": tokens,
-        "decode_seconds": end - decode_start,
-        "decode_tok_s": decode_tokens / (end - decode_start) if end > decode_start else 0.0,
-        "tok_s": tokens / (end - start),
-    }
 
 
 def main(argv=None) -> int:
@@ -95,30 +71,15 @@ def main(argv=None) -> int:
     prompt_len = args.prompt_len or (24 if smoke else 2048)
     new = args.new or (8 if smoke else 256)
     if smoke:
-        torch.set_num_threads(1)
         device = torch.device("cpu")
-        config = get_preset("tiny")
-        model = build_model(device, config, dtype=torch.float32)
+        model = smoke_model()
         name = "CPU interpreter (smoke)"
-
-        def sync():
-            pass
-
     else:
         device = torch.device("cuda")
-        config = get_preset("kimi-linear-48b-a3b")
-        if args.layers:
-            config = config.evolve(
-                layer_kinds=config.layer_kinds[: args.layers],
-                mlp_kinds=config.mlp_kinds[: args.layers],
-            )
-        model = build_model(device, config)
+        model = preset_model(device, kimi_linear_config(args.layers))
         name = torch.cuda.get_device_name()
-        sync = torch.cuda.synchronize
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    prompts = torch.randint(3, vocab, (n, prompt_len), generator=gen).tolist()
-    warm = torch.randint(3, vocab, (n, prompt_len), generator=gen).tolist()
+    sync = device_sync(device)
+    prompts, warm = make_prompts(n, prompt_len, model.config.vocab_size)
     settings = [("plain", None)] + [
         (
             f"ngram k={args.num_steps}, forced {f} (length {f + 1})",
@@ -131,21 +92,19 @@ def main(argv=None) -> int:
         engine = Engine(
             model,
             None,
-            EngineConfig(
-                device=device.type,
-                page_size=16 if smoke else 64,
-                max_num_seqs=n,
-                max_model_len=prompt_len + new + 64,
+            bench_engine_config(
+                device,
+                n,
+                prompt_len,
+                new,
                 prefill_token_budget=max(prompt_len, 256 if smoke else 16384),
-                l2="none",
-                checkpoint_slots=n,
                 speculative=spec,
             ),
         )
         if not smoke:  # compile and tune every shape first (other prompts: no prefix hits)
-            generate(engine, warm, new, sync)
+            run_requests(engine, warm, new, sync)
             engine.reset_metrics()
-        got = generate(engine, prompts, new, sync)
+        got = run_requests(engine, prompts, new, sync)
         m = engine.metrics
         got["length"] = m.mean_acceptance_length if spec is not None else 1.0
         rows.append((label, got))

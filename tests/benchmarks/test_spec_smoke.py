@@ -11,11 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def smoke(script: str) -> str:
+def smoke(script: str, *args: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke"],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
