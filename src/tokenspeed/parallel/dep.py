@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.layers.moe import Experts, MoE, Mxfp4Experts
+from ..model.ops import dispatch
 from .comm import CommLog, all_to_all_rows, exchange_counts
 from .dims import ParallelError
 from .fp8_payload import FP8, dequantize_rows, quantize_rows
@@ -177,19 +178,40 @@ class DepMoE(MoE):
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         """x: [N, W]; weights [N, K] fp32; ids [N, K] local expert ids, -1 for slots held
-        elsewhere -> [N, W] fp32, sum over each row's local experts (the torch reference
-        `routed_experts` on the local slice, skipping the -1 slots). Counts the load."""
+        elsewhere -> [N, W] fp32, sum over each row's local experts. Counts the load. On a GPU
+        in half precision: the one-device grouped expert kernels over the received rows (a -1
+        slot is not local to them, so they skip it as an MoE skips another rank's experts);
+        elsewhere the torch reference `routed_experts` on the local slice."""
+        # The load without a host sync: slot -1 counts into a bin that is dropped.
+        bins = torch.zeros(self.dep_local_experts + 1, dtype=torch.int64, device=ids.device)
+        bins.index_add_(0, ids.reshape(-1) + 1, torch.ones_like(ids.reshape(-1)))
+        if self.dep_load is None or self.dep_load.device != bins.device:
+            self.dep_load = torch.zeros_like(bins[1:])
+        self.dep_load += bins[1:]
+        if dispatch.fused_moe(x) and x.shape[0]:
+            return self._local_experts_fused(x, weights, ids)
+        return self._local_experts_reference(x, weights, ids)
+
+    def _local_experts_fused(self, x, weights, ids) -> torch.Tensor:
+        act = self.experts.act
+        y = dispatch.fused_experts(
+            x.contiguous(),
+            weights.float(),
+            ids.to(torch.int32),
+            self.experts.kernel_weights(),
+            activation=act.kind,
+            beta=act.situ_beta,
+            linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
+        )
+        return y.float()
+
+    def _local_experts_reference(self, x, weights, ids) -> torch.Tensor:
         experts = self.experts
         if isinstance(experts, Mxfp4Experts):
             w1, w2, w3 = experts.decoded(x.dtype)
         else:
             w1, w2, w3 = experts.w1, experts.w2, experts.w3
-        valid = ids >= 0
-        local = ids[valid]
-        counts = torch.bincount(local, minlength=self.dep_local_experts)
-        if self.dep_load is None or self.dep_load.device != counts.device:
-            self.dep_load = torch.zeros_like(counts)
-        self.dep_load += counts
+        local = ids[ids >= 0]
         out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
         for expert in local.unique().tolist():
             row, slot = (ids == expert).nonzero(as_tuple=True)

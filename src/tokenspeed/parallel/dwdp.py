@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.layers.moe import Experts, MoE
+from ..model.ops import dispatch
 from .comm import CommLog
 from .dims import ParallelError
 from .groups import Group, ParallelGroups, backend_for, new_groups
@@ -397,11 +398,37 @@ class DwdpExperts(Experts):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fetcher, k = self.dwdp_fetcher, self.dwdp_position
         remote = fetcher.weights(k)
-        out = routed_experts_split(
-            x, weights, ids, (self.w1, self.w2, self.w3), remote, self.dwdp_block, self.glu
-        )
+        if dispatch.fused_moe(x) and x.shape[0]:
+            out = self._forward_fused(x, weights, ids, remote)
+        else:
+            out = routed_experts_split(
+                x, weights, ids, (self.w1, self.w2, self.w3), remote, self.dwdp_block, self.glu
+            )
         fetcher.done(k)
         return out
+
+    def _forward_fused(self, x, weights, ids, remote: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The grouped expert kernels over the two parts of the stack: the block held here,
+        then the staging buffer (the others, in order), each skipping the other's slots (-1)."""
+        from ..model.ops.moe.experts import ExpertWeights
+
+        start, stop = self.dwdp_block
+        inside = (ids >= start) & (ids < stop)
+        local_ids = torch.where(inside, ids - start, -1).to(torch.int32)
+        remote_ids = torch.where(ids < start, ids, ids - (stop - start))
+        remote_ids = torch.where(inside, -1, remote_ids).to(torch.int32)
+        act = self.act
+        options = dict(
+            activation=act.kind,
+            beta=act.situ_beta,
+            linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
+        )
+        x, w = x.contiguous(), weights.float()
+        here = ExpertWeights(format="dense", w1=self.w1, w2=self.w2, w3=self.w3)
+        staged = ExpertWeights(format="dense", w1=remote["w1"], w2=remote["w2"], w3=remote["w3"])
+        a = dispatch.fused_experts(x, w, local_ids, here, **options)
+        b = dispatch.fused_experts(x, w, remote_ids, staged, **options)
+        return (a.float() + b.float()).to(x.dtype)
 
     def kernel_tensors(self):
         raise NotImplementedError(
@@ -504,7 +531,12 @@ def apply_dwdp(
     before = tensor_bytes(model)
     if group.size == 1:
         return DwdpReport("dwdp", before, before, staging_bytes=0)
-    layers = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        # The one-device fused MoE reads every expert from one stack: DWDP experts hold one
+        # block and stage the others, so the routed step goes through `DwdpExperts.forward`.
+        moe.fused_routed = False
+    layers = [m.experts for m in moes]
     if transport == "shared_memory":
         _check_shared_memory(layers)
     size, index = group.size, group.index
