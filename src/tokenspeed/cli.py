@@ -4,6 +4,7 @@ tokenspeed generate                     # the tiny preset (random weights), a fe
 tokenspeed generate --model PATH        # a Hugging Face layout Kimi Linear / K3 checkpoint
 tokenspeed bench agentx                 # an AgentX-style replay through the real engine
 tokenspeed generate --parallel ep=2     # the same over 2 worker processes (DEP; also bench)
+tokenspeed bench agentx --parallel tep=2  # TEP: 2 ranks, each running every request
 tokenspeed serve tiny --port 8000       # an OpenAI-compatible HTTP worker (see docs/guide.md)
 tokenspeed sim ...                      # the cluster simulator (see `tokenspeed sim --help`)
 """
@@ -136,19 +137,21 @@ def _model(text: str) -> str:
     return text
 
 
-_PARALLEL_KEYS = ("world", "tp", "ep", "dcp", "dwdp")
+_PARALLEL_KEYS = ("world", "tp", "ep", "dcp", "tep", "dwdp")
 _PARALLEL_FORM = (
-    "expected comma-separated KEY=N, KEY one of world, tp, ep, dcp, dwdp (e.g. ep=4, "
-    "world=4,tp=2, world=4,dcp=2 or dwdp=2)"
+    "expected comma-separated KEY=N, KEY one of world, tp, ep, dcp, tep, dwdp (e.g. ep=4, "
+    "world=4,tp=2, world=4,dcp=2, tep=4 or dwdp=2)"
 )
 
 
 def _parallel(text: str):
     """--parallel: the ranks of a multi-rank engine, as comma-separated KEY=N: world (worker
     processes), tp (TP subgroup size, default 1), ep (expert-parallel size, default world),
-    dcp (DCP group size: its ranks split every request's MLA cache, default 1), dwdp (DWDP
-    prefill ranks instead of DEP). world defaults to ep, else dwdp, else the larger of tp and
-    dcp. A `ParallelConfig`; a layout whose numbers disagree is refused naming them."""
+    dcp (DCP group size: its ranks split every request's MLA cache, default 1), tep (TEP over
+    every rank instead of DEP: heads and expert columns split, every rank runs every request),
+    dwdp (DWDP prefill ranks instead of DEP). world defaults to ep, else dwdp, else tep, else
+    the larger of tp and dcp. A `ParallelConfig`; a layout whose numbers disagree is refused
+    naming them."""
     from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
 
     values: dict[str, int] = {}
@@ -163,13 +166,14 @@ def _parallel(text: str):
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{key}: {exc}") from None
     smallest = max(values.get("tp", 1), values.get("dcp", 1))
-    world = values.get("world", values.get("ep", values.get("dwdp", smallest)))
+    world = values.get("world", values.get("ep", values.get("dwdp", values.get("tep", smallest))))
     try:
         return ParallelConfig(
             world_size=world,
             tp=values.get("tp", 1),
             ep=values.get("ep"),
             dcp=values.get("dcp", 1),
+            tep=values.get("tep", 1),
             dwdp=values.get("dwdp"),
         )
     except ParallelError as exc:
@@ -273,6 +277,8 @@ def _generate(args: argparse.Namespace, llm) -> int:
 
 
 def _layout(parallel) -> str:
+    if parallel.tep > 1:
+        return f"{parallel.world_size} ranks: TEP {parallel.tep} (every rank runs every request)"
     dcp = f", DCP {parallel.dcp}" if parallel.dcp > 1 else ""
     return (
         f"{parallel.world_size} ranks: attention DP {parallel.attention_dp}, "
@@ -630,10 +636,11 @@ def _common(p: argparse.ArgumentParser, max_model_len: int) -> None:
         default=None,
         metavar="KEY=N[,KEY=N]",
         help="run over worker processes, one rank each (attention data parallel, experts split "
-        "over them): world=N (ranks; default ep, else tp or dcp), ep=N (expert-parallel size; "
-        "default world), tp=N (TP subgroup size; default 1), dcp=N (DCP groups of N ranks "
-        "splitting every request's MLA cache; default 1), e.g. ep=4, world=4,tp=2 or "
-        "world=4,dcp=2",
+        "over them): world=N (ranks; default ep, else tep, else tp or dcp), ep=N "
+        "(expert-parallel size; default world), tp=N (TP subgroup size; default 1), dcp=N (DCP "
+        "groups of N ranks splitting every request's MLA cache; default 1), tep=N (instead of "
+        "DEP: plain tensor parallelism of attention and experts over all N ranks, every rank "
+        "running every request), e.g. ep=4, world=4,tp=2, world=4,dcp=2 or tep=4",
     )
     p.add_argument(
         "--no-progress",

@@ -6,6 +6,7 @@ random model's greedy output does not collapse onto one token.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -65,3 +66,53 @@ def fill_random_on_device(model: KimiForCausalLM, std: float = 0.02, seed: int =
     for b in model.buffers():
         b.zero_()
     return model
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The seed of tensor `name`'s own generator (`random_tensor`): the same on every process
+    (unlike hash(), salted per process for strings)."""
+    raw = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 1
+
+
+@torch.no_grad()
+def random_tensor(
+    name: str,
+    module: nn.Module,
+    shape: tuple[int, ...],
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Tensor `name` (a qualified parameter or buffer name of a `KimiForCausalLM`; `module`:
+    the module holding it, `shape`: its single-device shape) drawn from the distribution
+    `init_random_weights` gives it, from a generator of its own seeded by (seed, name): the
+    same values whatever else is drawn, so a rank that keeps a slice of a tensor (a parallel
+    transform's shard) can draw the whole tensor on its device and keep that slice, and every
+    rank draws the same replicated tensors. fp32 on `device`. (Not the values of
+    `init_random_weights`, which draws every tensor from one sequence.) Raises ValueError for
+    a tensor no rule covers."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device) * std + mean
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, device=device) * (high - low) + low
+
+    leaf = name.rsplit(".", 1)[-1]
+    if isinstance(module, nn.Embedding) and leaf == "weight":
+        return normal(1.0)
+    if isinstance(module, KdaAttention) and leaf == "A_log":
+        return uniform(0.0, math.log(16.0))
+    if isinstance(module, KdaAttention) and leaf == "dt_bias":
+        dt = uniform(math.log(1e-3), math.log(1e-1)).exp()
+        return dt + torch.log(-torch.expm1(-dt))
+    if isinstance(module, Router) and leaf == "e_score_correction_bias":
+        return normal(0.05)
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return normal(0.1, mean=1.0)
+    if len(shape) in (2, 3):  # linear [out, in], stacked experts [E, out, in], conv taps
+        return normal(1.0 / math.sqrt(shape[-1]))
+    raise ValueError(f"random_tensor: no rule draws {name} ({type(module).__name__}, {shape})")

@@ -14,6 +14,7 @@ from .dwdp import apply_dwdp
 from .groups import ParallelGroups, backend_for
 from .loading import load_rank_checkpoint
 from .plan import Registry, Strategy, default_registry, parallelize
+from .random_init import init_rank_random_weights
 from .report import TransformReport
 from .shards import mark_shard
 from .tp import apply_tp
@@ -35,6 +36,7 @@ __all__ = [
     "backend_for",
     "default_registry",
     "gather_load",
+    "init_rank_random_weights",
     "load_imbalance",
     "load_rank_checkpoint",
     "mark_shard",

@@ -108,3 +108,9 @@ class ParallelDims:
                     f"tep={self.tep} does not divide the expert intermediate size "
                     f"({moe.expert_intermediate_size})"
                 )
+        dense = "dense" in config.mlp_kinds
+        if dense and config.dense_intermediate_size % self.tep:
+            raise ParallelError(
+                f"tep={self.tep} does not divide the dense MLP's intermediate size "
+                f"({config.dense_intermediate_size})"
+            )

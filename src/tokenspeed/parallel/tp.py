@@ -171,7 +171,10 @@ class TepMoE(MoE):
         return y if shared is None else y + both[:, width:]
 
 
-def _local_config(config: ModelConfig, size: int) -> ModelConfig:
+def local_config(config: ModelConfig, size: int) -> ModelConfig:
+    """`config` as a member of a `tep` group of `size` ranks sees it: its heads and
+    intermediate widths (what `apply_tp` sets on the model; the front end sizes a rank's cache
+    from it before any rank is built)."""
     changes = {}
     if config.kda_layers:
         changes["kda"] = attrs.evolve(config.kda, num_heads=config.kda.num_heads // size)
@@ -263,7 +266,7 @@ def apply_tp(
                 setattr(parent, name, TepMoE(child, group, log))
     if isinstance(full, ModelConfig):
         mark_source_config(model, full)  # the checkpoint's: per-rank loading checks against it
-        local = _local_config(full, group.size)
+        local = local_config(full, group.size)
         for module in model.modules():
             if getattr(module, "config", None) is full:
                 module.config = local

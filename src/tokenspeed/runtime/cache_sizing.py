@@ -8,6 +8,11 @@ layer: the rows of that page's positions this member owns, which is exactly the 
 DCP attention reads (local row k at row k % R of page page_table[k // R], R = page_size / C).
 So a page costs 1/C of the MLA bytes, and one budget holds C times the tokens.
 
+On a rank of a TEP group of T ranks (`tokenspeed.parallel.apply_tp`) the model's config
+describes the rank's layers (T times fewer KDA and MLA heads), from which the geometry is read:
+a KDA slot holds the rank's heads' conv and recurrent state (1/T of each layer's), while an MLA
+row (the latent and its rope part) belongs to a token, not a head, and stays whole.
+
 An EAGLE3 drafter keeps its KV rows in a pool of the same pages (`runtime/spec/eagle3.py`), so
 with one a page costs its MLA bytes plus the drafter's (`draft_page_bytes`): the budget is split
 as before, the pages getting fewer, and the cache is handed the budget less the drafter's pool.

@@ -69,10 +69,20 @@ def load_model(
     return net, load_tokenizer(path, net.config.eos_token_ids)
 
 
+# Decay rates and the router (its weight and correction bias) stay fp32 whatever the model
+# dtype, as the loader keeps them.
+FP32_SUFFIXES = ("A_log", "dt_bias", "mlp.gate.weight", "e_score_correction_bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether the tensor of this qualified name stays fp32 in a model of any dtype."""
+    return name.endswith(FP32_SUFFIXES)
+
+
 def _keep_fp32(model: KimiForCausalLM) -> None:
     """Decay rates and the router stay fp32 whatever the model dtype (as the loader does)."""
     for name, param in model.named_parameters():
-        if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")):
+        if keeps_fp32(name):
             param.data = param.data.float()
     for module in model.modules():
         bias = getattr(module, "e_score_correction_bias", None)

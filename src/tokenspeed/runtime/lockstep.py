@@ -11,13 +11,14 @@ though each has its own requests, scheduler and cache. Each step they agree on t
         if not lock.engine.has_unfinished() and not lock.group_busy:
             break                               # every rank leaves at the same step
 
-Decode context parallelism (`dcp`: a group of the control ranks whose members run the same
-requests, the MLA rows split between them) rides on the same all-reduce: each member also sends
-a digest of its plan and of its previous step's outputs, so members that would run different
-steps (or sampled different tokens) stop with a LockstepError before their forwards pair the
-wrong collectives; and the group's first member (its leader) sends how many commands it has
-received, the count every member applies before its next step (`commands_agreed`), so that a
-request reaches every member's scheduler at the same step.
+Replica groups (`replicas`: groups of the control ranks whose members run the same requests:
+decode context parallelism, the MLA rows split between the members, or TEP, heads and expert
+columns split, one group spanning the world) ride on the same all-reduce: each member also
+sends a digest of its plan and of its previous step's outputs, so members that would run
+different steps (or sampled different tokens) stop with a LockstepError before their forwards
+pair the wrong collectives; and the group's first member (its leader) sends how many commands
+it has received, the count every member applies before its next step (`commands_agreed`), so
+that a request reaches every member's scheduler at the same step.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ class LockstepEngine:
       added later on one rank need every rank to enter `step()` again (the front end tells
       them all).
     - `engine`: the wrapped engine; add_request and abort go to it directly, between steps.
-    - `dcp`: this rank's DCP group (None or one rank: no DCP), a run of whole groups tiling
-      `control`. Its members must be given the same commands in the same order; `step(commands=)`
-      takes the count the leader has received (ignored on the others) and `commands_agreed` is,
-      after the step, the leader's count, which every member applies before its next step. The
-      all-reduce then also carries each group's [leader's count, max digest, -min digest]: a
-      member whose plan or previous outputs differ from its peers' raises LockstepError (on
-      every member of the group at once, before any forward).
+    - `replicas`: this rank's replica group (None or one rank: none), its ranks running the
+      same requests (a DCP group; the TEP group), a run of whole groups tiling `control`;
+      `kind` names it in errors ("DCP", "TEP"). Its members must be given the same commands in
+      the same order; `step(commands=)` takes the count the leader has received (ignored on the
+      others) and `commands_agreed` is, after the step, the leader's count, which every member
+      applies before its next step. The all-reduce then also carries each group's [leader's
+      count, max digest, -min digest]: a member whose plan or previous outputs differ from its
+      peers' raises LockstepError (on every member of the group at once, before any forward).
 
     Failures. A plan's forwards are counted by the runner as they begin and end:
     - `run_plan` raises `StepError` between forwards (sampling, host bookkeeping): the rank's
@@ -83,19 +85,27 @@ class LockstepEngine:
       issued fewer, so that the peers finish the step.
     """
 
-    def __init__(self, engine: Engine, control: Group, dcp: Group | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        control: Group,
+        replicas: Group | None = None,
+        kind: str = "DCP",
+    ) -> None:
         self.engine = engine
         self.control = control
-        self.dcp = dcp if dcp is not None and dcp.size > 1 else None
-        self.commands_agreed = 0  # DCP: the leader's command count at the last step
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        self.kind = kind
+        self.commands_agreed = 0  # replicas: the leader's command count at the last step
         self._outputs_digest = _digest(())
-        if self.dcp is not None:
-            if set(self.dcp.ranks) - set(control.ranks) or control.size % self.dcp.size:
+        group = self.replicas
+        if group is not None:
+            if set(group.ranks) - set(control.ranks) or control.size % group.size:
                 raise ValueError(
-                    f"the DCP group {self.dcp.ranks} does not tile the control group "
+                    f"the {kind} group {group.ranks} does not tile the control group "
                     f"{control.ranks}"
                 )
-            self._slot = control.ranks.index(self.dcp.ranks[0]) // self.dcp.size
+            self._slot = control.ranks.index(group.ranks[0]) // group.size
         self._busy = False
         self.steps = 0  # step() calls
         self.forwards = 0  # forwards this rank ran for its own plans
@@ -107,8 +117,9 @@ class LockstepEngine:
         return self._busy
 
     def step(self, commands: int = 0) -> list[RequestOutput]:
-        """One step of the group (collective on `control`); this rank's outputs. commands: with
-        DCP, how many commands this rank (the leader's count is agreed) has received so far."""
+        """One step of the group (collective on `control`); this rank's outputs. commands: in a
+        replica group, how many commands this rank (the leader's count is agreed) has received
+        so far."""
         engine = self.engine
         plan = engine.plan_step()
         n = engine.forwards_in(plan)
@@ -144,7 +155,7 @@ class LockstepEngine:
             self.idle_forwards += 1
         if error is not None:
             raise error
-        if self.dcp is not None:
+        if self.replicas is not None:
             self._outputs_digest = _digest(_output_summary(outputs))
         if issued != n:
             raise LockstepError(
@@ -154,11 +165,11 @@ class LockstepEngine:
         return outputs
 
     def _agree(self, forwards: int, unfinished: bool, plan=None, commands: int = 0) -> int:
-        """The group's maximum of `forwards`; sets `group_busy` (any rank unfinished) and, with
-        DCP, `commands_agreed` (after checking the members agree)."""
+        """The group's maximum of `forwards`; sets `group_busy` (any rank unfinished) and, in a
+        replica group, `commands_agreed` (after checking the members agree)."""
         values = [forwards, int(unfinished)]
-        if self.dcp is not None:
-            values += self._dcp_values(plan, commands)
+        if self.replicas is not None:
+            values += self._replica_values(plan, commands)
         agreed = torch.tensor(values, dtype=torch.int64)
         if self.control.size > 1:
             try:
@@ -171,26 +182,28 @@ class LockstepEngine:
                 ) from exc
         total, busy, *rest = agreed.tolist()
         self._busy = bool(busy)
-        if self.dcp is not None:
-            self._check_dcp(rest)
+        if self.replicas is not None:
+            self._check_replicas(rest)
         return total
 
-    def _dcp_values(self, plan, commands: int) -> list[int]:
-        """This rank's entries of the DCP part of the all-reduce: NONE for every other group's
-        three slots (MAX ignores them), [the leader's count, digest, -digest] for its own."""
-        values = [NONE] * (3 * (self.control.size // self.dcp.size))
+    def _replica_values(self, plan, commands: int) -> list[int]:
+        """This rank's entries of the replica part of the all-reduce: NONE for every other
+        group's three slots (MAX ignores them), [the leader's count, digest, -digest] for its
+        own."""
+        values = [NONE] * (3 * (self.control.size // self.replicas.size))
         digest = _digest((_plan_summary(plan), self._outputs_digest))
-        count = commands if self.dcp.index == 0 else NONE
+        count = commands if self.replicas.index == 0 else NONE
         values[3 * self._slot : 3 * self._slot + 3] = [count, digest, -digest]
         return values
 
-    def _check_dcp(self, values: list[int]) -> None:
+    def _check_replicas(self, values: list[int]) -> None:
         count, most, least = values[3 * self._slot : 3 * self._slot + 3]
         if most != -least:
             raise LockstepError(
-                f"rank {self.control.rank}: the members of DCP group {self.dcp.ranks} disagree "
-                "on this step's plan or on the tokens of their last step (they must run the "
-                "same requests and sample the same tokens); the group is broken"
+                f"rank {self.control.rank}: the members of {self.kind} group "
+                f"{self.replicas.ranks} disagree on this step's plan or on the tokens of their "
+                "last step (they must run the same requests and sample the same tokens); the "
+                "group is broken"
             )
         self.commands_agreed = count
 

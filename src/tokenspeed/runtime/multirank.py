@@ -1,6 +1,6 @@
 """`MultiRankEngine`: one engine over several worker processes (attention-DP ranks, experts
-split over them: DEP in lockstep, or DWDP prefill ranks stepping independently), driven from
-the user's process.
+split over them: DEP in lockstep, or DWDP prefill ranks stepping independently; or TEP, every
+rank running every request), driven from the user's process.
 
     engine = MultiRankEngine("tiny", ParallelConfig(world_size=2), EngineConfig(device="cpu"))
     engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=32))
@@ -17,11 +17,13 @@ outstanding work (tokens still to compute of its unfinished requests, by the rou
 tokenspeed.sched.router) unless the caller names the rank (`add_request(..., rank=r)`). DEP
 ranks step together (`LockstepEngine`); DWDP ranks (`ParallelConfig.dwdp`) each step alone.
 
-Decode context parallelism (`ParallelConfig.dcp`): the unit of placement is a DCP group of
-`dcp` consecutive ranks. A request placed on a group is sent to every member (they apply it at
-the same step, agreed in the lockstep all-reduce), each member keeping its share of the
-request's MLA rows; the group's first rank (its leader) alone reports outputs, rejections and
-cache counters, and the load report has one entry per group (`rank`: its leader).
+Replica groups: the unit of placement is a group of consecutive ranks that run the same
+requests: a DCP group of `dcp` ranks (`ParallelConfig.dcp`: decode context parallelism, each
+member keeping its share of the request's MLA rows), or the TEP group of every rank
+(`ParallelConfig.tep`: each rank its heads and its slice of every expert). A request placed on
+a group is sent to every member (they apply it at the same step, agreed in the lockstep
+all-reduce); the group's first rank (its leader) alone reports outputs, rejections and cache
+counters, and the load report has one entry per group (`rank`: its leader).
 
 Host tier: with `ParallelConfig.l2="mooncake"` every rank reads and writes one Mooncake store,
 so a turn placed on another rank than its conversation's earlier turns still loads their
@@ -187,7 +189,8 @@ def check_rank_cache(
 ) -> None:
     """Refuse, before any worker starts, a cache every rank would refuse (a budget that cannot
     hold one request, more than the device holds); ranks sharing the host's memory (the CPU)
-    need world_size caches of it. dcp: ranks splitting the MLA rows (pages of fewer bytes)."""
+    need world_size caches of it. model_config: a rank's (`ParallelConfig.rank_model_config`:
+    a TEP rank's heads); dcp: ranks splitting the MLA rows (pages of fewer bytes)."""
     head = types.SimpleNamespace(weight=torch.empty(0, dtype=model_dtype(model, dtype, device)))
     stub = types.SimpleNamespace(config=model_config, lm_head=head)
     cache_config, _ = plan_cache(stub, config, device, dcp=dcp)
@@ -200,6 +203,21 @@ def check_rank_cache(
         except EngineConfigError as exc:
             where = f"{world_size} ranks on this host, {budget} bytes of cache each"
             raise type(exc)(f"{where}: {exc}") from None
+
+
+def _check_tep_experts(model: str, parallel: ParallelConfig) -> None:
+    """Refuse TEP over a checkpoint whose routed experts are MXFP4: `apply_tp` slices dense
+    experts only (it would fail in every worker after the model was built)."""
+    if model in PRESETS:
+        return
+    from tokenspeed.model.loader import expert_format_of
+
+    if expert_format_of(load_config_json(model)) == "mxfp4":
+        raise ParallelError(
+            f"ParallelConfig.tep={parallel.tep} slices every expert's intermediate columns, but "
+            f"{model} stores its routed experts in MXFP4 (apply_tp shards dense experts only): "
+            "use DEP (ep) for this checkpoint"
+        )
 
 
 def _stop_processes(procs, commands, results, grace_s: float, services=()) -> None:
@@ -277,6 +295,8 @@ class MultiRankEngine:
                 "turns it off: give one"
             )
         parallel.check_environment()
+        if parallel.tep > 1:
+            _check_tep_experts(model, parallel)
         device = resolve_device(config.device)
         if device.type == "cuda" and parallel.independent and parallel.dims().dwdp > 1:
             raise ParallelError(
@@ -290,20 +310,23 @@ class MultiRankEngine:
                 f"this machine has {torch.cuda.device_count()}"
             )
         self.config = fit_config(config, types.SimpleNamespace(config=model_config))
+        # A rank's cache is sized from its own model: a TEP rank's KDA slots hold its heads.
+        rank_config = parallel.rank_model_config(model_config)
         check_rank_cache(
-            model, model_config, self.config, dtype, device, parallel.world_size, parallel.dcp
+            model, rank_config, self.config, dtype, device, parallel.world_size, parallel.dcp
         )
         self.parallel = parallel
         self.model_config = model_config
         self.tokenizer = front_tokenizer(model, model_config)
-        # Requests are placed on attention-DP units: ranks, or DCP groups (by their leader).
-        self._dcp = parallel.dcp
+        # Requests are placed on attention-DP units: ranks, or replica groups (DCP, TEP) by
+        # their leader.
+        self._group = parallel.replicas
         self._router = Router(
             RouterConfig(num_prefill_ranks=parallel.attention_dp, policy=RoutingPolicy(routing))
         )
         self._placed: dict[Hashable, _Placed] = {}
         world = parallel.world_size
-        self._loads = [RankLoad(rank, None) for rank in range(0, world, self._dcp)]
+        self._loads = [RankLoad(rank, None) for rank in range(0, world, self._group)]
         self._pending: list[RequestOutput] = []
         # Per rank, how it holds the routed experts ("dep", "dwdp", "replicated"), once ready.
         self.rank_experts: list[str | None] = [None] * world
@@ -354,8 +377,8 @@ class MultiRankEngine:
                 # The parent's copies of the child's ends: closing them lets EOF through.
                 cmd_recv.close()
                 res_send.close()
-                if rank % self._dcp == 0:
-                    self._loads[rank // self._dcp].pid = proc.pid
+                if rank % self._group == 0:
+                    self._loads[rank // self._group].pid = proc.pid
             self._wait_ready(parallel.start_timeout_s)
         except BaseException:
             self._finalizer()
@@ -374,8 +397,11 @@ class MultiRankEngine:
 
     @property
     def mode(self) -> str:
-        """The mode: "dep" (ranks in lockstep) or "dwdp" (independent prefill ranks)."""
-        return "dwdp" if self.parallel.independent else "dep"
+        """The mode: "dep" (ranks in lockstep, attention data parallel), "tep" (in lockstep,
+        every rank running every request) or "dwdp" (independent prefill ranks)."""
+        if self.parallel.independent:
+            return "dwdp"
+        return "tep" if self.parallel.tep > 1 else "dep"
 
     def _start_l2(self, parallel: ParallelConfig) -> str | None:
         """The shared tier's master address: the given one, or a master and a segment owner
@@ -439,9 +465,9 @@ class MultiRankEngine:
         rank: int | None = None,
     ) -> int:
         """Queue a request on `rank`, or (None) on the rank with the least outstanding work;
-        returns that rank. With DCP, on the group of `rank` (or the least loaded group), every
-        member of it; returns the group's leader. Raises RequestError (nothing queued) when it
-        cannot be served."""
+        returns that rank. With replica groups (DCP, TEP), on the group of `rank` (or the least
+        loaded group), every member of it; returns the group's leader. Raises RequestError
+        (nothing queued) when it cannot be served."""
         self._check()
         world = self.parallel.world_size
         if rank is not None and (
@@ -464,12 +490,12 @@ class MultiRankEngine:
         )
         if rank is None:
             loads = [load.outstanding_tokens for load in self._loads]
-            rank = self._router.pick_prefill(loads, session) * self._dcp
-        rank -= rank % self._dcp  # its DCP group's leader
+            rank = self._router.pick_prefill(loads, session) * self._group
+        rank -= rank % self._group  # its replica group's leader
         placed = _Placed(rank, len(ids), min(params.max_tokens, limit - len(ids)))
         self._send(rank, ("add", request_id, ids, params, prompt, session))
         self._placed[request_id] = placed
-        load = self._loads[rank // self._dcp]
+        load = self._loads[rank // self._group]
         load.requests += 1
         load.tokens += placed.outstanding
         load.outstanding_requests += 1
@@ -495,8 +521,9 @@ class MultiRankEngine:
         return len(self._placed)
 
     def _send(self, rank: int, command) -> None:
-        """Send `command` to `rank`, or to every member of its DCP group (`rank`: the leader)."""
-        for member in self.parallel.dcp_ranks(rank):
+        """Send `command` to `rank`, or to every member of its replica group (`rank`: the
+        leader)."""
+        for member in self.parallel.replica_ranks(rank):
             try:
                 self._commands[member].send(command)
             except (OSError, ValueError):
@@ -563,7 +590,7 @@ class MultiRankEngine:
             placed = self._placed.get(out.request_id)
             if placed is None:
                 continue  # rejected, or finished already
-            load = self._loads[rank // self._dcp]
+            load = self._loads[rank // self._group]
             before = placed.outstanding
             placed.generated = len(out.outputs[0].token_ids)
             load.outstanding_tokens -= before - placed.outstanding
@@ -574,7 +601,7 @@ class MultiRankEngine:
                 outputs.append(out)
 
     def _counted(self, rank: int, counts: dict[str, int]) -> None:
-        load = self._loads[rank // self._dcp]
+        load = self._loads[rank // self._group]
         load.cache_prompt_tokens = counts["prompt_tokens"]
         load.cache_hit_tokens = counts["hit_tokens"]
         load.l2_hit_tokens = counts["l2_hit_tokens"]
@@ -583,7 +610,7 @@ class MultiRankEngine:
     def _forget(self, rid) -> None:
         placed = self._placed.pop(rid, None)
         if placed is not None:
-            load = self._loads[placed.rank // self._dcp]
+            load = self._loads[placed.rank // self._group]
             load.outstanding_requests -= 1
             load.outstanding_tokens -= placed.outstanding
 
@@ -621,8 +648,8 @@ class MultiRankEngine:
 
     # ------------------------------------------------------------------ metrics
     def load_report(self) -> LoadReport:
-        """Per-rank load placed by the front end, and its imbalance (max / mean); with DCP,
-        per group (counted once, `rank` its leader)."""
+        """Per-rank load placed by the front end, and its imbalance (max / mean); with replica
+        groups (DCP, TEP), per group (counted once, `rank` its leader)."""
         return LoadReport(tuple(attrs.evolve(load) for load in self._loads))
 
     def metrics(self) -> dict:

@@ -2,12 +2,15 @@
 model: DEP (attention data parallel on every rank, experts over `ep` ranks, projections over `tp`
 subgroups, ranks stepping in lockstep), optionally with decode context parallelism (`dcp`
 consecutive ranks running the same requests, each holding 1/dcp of every request's MLA rows),
-or DWDP prefill ranks (every rank runs its own batches independently, routed expert weights
-stored split over `dwdp` ranks and fetched as needed); and which host tier (L2) the ranks use:
-each its own, or one Mooncake store they share. See docs/parallel.md and docs/guide.md.
+or TEP (plain tensor parallelism of attention and experts over every rank: every rank runs
+every request), or DWDP prefill ranks (every rank runs its own batches independently, routed
+expert weights stored split over `dwdp` ranks and fetched as needed); and which host tier (L2)
+the ranks use: each its own, or one Mooncake store they share. See docs/parallel.md and
+docs/guide.md.
 
     LLM("tiny", parallel=ParallelConfig(world_size=4, tp=2))   # 4 workers, DEP 4, TP pairs
     LLM("tiny", parallel=ParallelConfig(world_size=4, dcp=2))  # 2 DCP pairs, DEP 4
+    LLM("tiny", parallel=ParallelConfig(world_size=4, tep=4))  # TEP over the 4 workers
     LLM("tiny", parallel=ParallelConfig(world_size=2, dwdp=2, l2="mooncake"))  # DWDP, shared L2
 
 Validated when built (`ParallelError` naming the numbers), and against the model's heads and
@@ -91,6 +94,15 @@ class ParallelConfig:
         over world_size / dcp groups; combines with ep and tp (DEP), not with dwdp, and not
         with a shared l2="mooncake" (members' hits must agree, and a shared store evicts each
         member's objects on its own). 1: none.
+    tep: plain tensor parallelism (TEP, `tokenspeed.parallel.apply_tp`) over every rank: each
+        rank holds 1/tep of the attention heads and of every expert's intermediate columns
+        (two all-reduces per layer), and every rank runs every request (one replica group
+        spanning the world, placed and kept in step as a DCP group is). tep must equal
+        world_size (attention data parallel over TEP groups is not offered: DEP is the
+        data-parallel layout); it does not combine with tp, ep > 1, dcp or dwdp, nor with a
+        shared l2="mooncake" (a rank's KDA checkpoints hold its heads only). A rank's cache
+        holds its heads' KDA state (1/tep of each layer's conv and recurrent state) and whole
+        MLA latent rows (per token, shared by every head). 1: none.
     dwdp: DWDP prefill ranks instead of DEP (None: DEP): the routed experts are stored split over
         groups of `dwdp` consecutive ranks and each rank fetches the others' blocks as it runs;
         every rank runs its own batches with no per-layer synchronisation (no lockstep, no empty
@@ -114,6 +126,7 @@ class ParallelConfig:
     tp: int = attrs.field(default=1, validator=_count)
     ep: int | None = attrs.field(default=None, validator=_optional_count)
     dcp: int = attrs.field(default=1, validator=_count)
+    tep: int = attrs.field(default=1, validator=_count)
     timeout_s: float = attrs.field(default=60.0, validator=_seconds)
     start_timeout_s: float = attrs.field(default=120.0, validator=_seconds)
     stop_grace_s: float = attrs.field(default=5.0, validator=_seconds)
@@ -125,6 +138,8 @@ class ParallelConfig:
     l2_namespace: str = "tokenspeed"
 
     def __attrs_post_init__(self) -> None:
+        if self.tep > 1:
+            self._check_tep()
         if self.dwdp is not None:
             if self.ep is not None and self.ep > 1:
                 raise ParallelError(
@@ -158,11 +173,55 @@ class ParallelConfig:
                 "(each member its own tier, which holds its share of the rows)"
             )
 
+    def _check_tep(self) -> None:
+        tep = self.tep
+        if tep != self.world_size:
+            raise ParallelError(
+                f"ParallelConfig.tep={tep} must equal world_size={self.world_size}: TEP runs "
+                "every request on every rank of one group spanning the world (attention data "
+                "parallel over several TEP groups is not offered; DEP, ep / tp / dcp, is the "
+                "data-parallel layout)"
+            )
+        others = [f"{k}={v}" for k, v in (("tp", self.tp), ("dcp", self.dcp)) if v > 1]
+        if self.ep is not None and self.ep > 1:
+            others.append(f"ep={self.ep}")
+        if others:
+            raise ParallelError(
+                f"ParallelConfig.tep={tep} shards attention by heads and every expert by "
+                f"intermediate columns over all {self.world_size} ranks; it does not combine "
+                f"with {', '.join(others)} (those split data-parallel attention's work: DEP)"
+            )
+        if self.dwdp is not None:
+            raise ParallelError(
+                f"ParallelConfig.tep={tep} ranks run the same tokens in lockstep, and "
+                f"dwdp={self.dwdp} ranks run independently, whole experts stored split: give one"
+            )
+        if self.l2_backend == "mooncake":
+            raise ParallelError(
+                f"ParallelConfig.tep={tep}: a rank's KDA checkpoints hold only its 1/{tep} of "
+                "the heads, and its ranks must see the same prefix hits, but a shared Mooncake "
+                "tier would name every rank's share alike and evict each on its own: use "
+                "l2='local' (each rank its own tier, holding its share)"
+            )
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of a replica group: consecutive ranks that run the same requests (a DCP group,
+        or the TEP group spanning the world); 1 when every rank runs its own."""
+        return max(self.dcp, self.tep)
+
     @property
     def attention_dp(self) -> int:
         """Groups that run attention on their own requests (each with its own cache): every
-        rank, or every DCP group of `dcp` ranks."""
-        return self.world_size // self.dcp
+        rank, every DCP group of `dcp` ranks, or the one TEP group."""
+        return self.world_size // self.replicas
+
+    def replica_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of `rank`'s replica group (DCP or TEP: consecutive, the first its leader,
+        whose outputs the front end takes); (rank,) when every rank runs its own requests."""
+        size = self.replicas
+        start = rank // size * size
+        return tuple(range(start, start + size))
 
     def dcp_ranks(self, rank: int) -> tuple[int, ...]:
         """The ranks of `rank`'s DCP group (consecutive; the first is its leader, whose outputs
@@ -177,7 +236,7 @@ class ParallelConfig:
 
     @property
     def expert_parallel(self) -> int:
-        if self.dwdp is not None:
+        if self.dwdp is not None or self.tep > 1:
             return 1 if self.ep is None else self.ep
         return self.world_size if self.ep is None else self.ep
 
@@ -201,6 +260,7 @@ class ParallelConfig:
                 tp=self.tp,
                 ep=self.expert_parallel,
                 dcp=self.dcp,
+                tep=self.tep,
                 dwdp=self.dwdp or 1,
             )
         except ParallelError as exc:
@@ -228,14 +288,25 @@ class ParallelConfig:
                 ) from None
 
     def check_model(self, config: ModelConfig) -> None:
-        """Refuse degrees the model cannot be split by (its heads, hidden size, experts; DCP
-        splits the MLA cache, so the model needs MLA layers)."""
+        """Refuse degrees the model cannot be split by (its heads, hidden size, experts, with
+        TEP the expert and dense MLP intermediate widths; DCP splits the MLA cache, so the
+        model needs MLA layers)."""
         self.dims().check_model(config)
         if self.dcp > 1 and not config.mla_layers:
             raise ParallelError(
                 f"ParallelConfig.dcp={self.dcp} splits the MLA latent cache, but model "
                 f"{config.name} has no MLA layers"
             )
+
+    def rank_model_config(self, config: ModelConfig) -> ModelConfig:
+        """The configuration a rank's model has once split (what its cache is sized from):
+        with TEP its local heads and intermediate widths (`tokenspeed.parallel.tp`), else
+        `config` (DEP and DCP keep every head; DCP's MLA share is the cache's `mla_share`)."""
+        if self.tep == 1:
+            return config
+        from tokenspeed.parallel.tp import local_config
+
+        return local_config(config, self.tep)
 
     def check_engine(self, config) -> None:
         """Refuse an `EngineConfig` the layout cannot run: with DCP, pages whose tokens do not

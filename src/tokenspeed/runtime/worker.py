@@ -1,7 +1,9 @@
 """One rank of a multi-rank engine: its model share, its engine and its step loop.
 
 Spawned by `MultiRankEngine` (runtime/multirank.py), a worker joins the process group, builds
-its groups and its share of the model (a preset: seeded random weights, then `parallelize`; a
+its groups and its share of the model (a preset: seeded random weights, then `parallelize`, or
+for a preset whose fp32 weights exceed PER_RANK_INIT_BYTES, Kimi-Linear-48B shapes, a meta
+model, `parallelize`, then `init_rank_random_weights`, drawing only its share on its device; a
 checkpoint directory: a meta model, `parallelize`, then `load_rank_checkpoint`, so it reads
 only its share), an `Engine` (its host tier: its own, or the shared Mooncake store at the
 master address the front end passes) and then loops: drain the front end's commands (add /
@@ -11,9 +13,11 @@ closes (the front end is gone).
 
 Two modes, by `ParallelConfig.dwdp`:
 - DEP (dwdp None): a `LockstepEngine` over a gloo control group spanning the world; every rank
-  steps with its peers (the experts' all-to-alls couple their forwards). With
+  steps with its peers (the experts' all-to-alls couple their forwards). Replica groups: with
   `ParallelConfig.dcp`, the members of a DCP group run the same requests (each holding its
-  share of their MLA rows): the front end sends every command to every member, and each member
+  share of their MLA rows); with `ParallelConfig.tep`, every rank runs every request (its
+  model split by `apply_tp`: its heads, its slice of every expert; one TEP group spanning the
+  world). The front end sends every command to every member of the group, and each member
   applies them at the step its group's leader (first member) agreed in the lockstep all-reduce,
   so their schedulers see the same requests at the same steps; only the leader answers
   (outputs, rejections, cache counters).
@@ -32,7 +36,8 @@ prompt, in prompt order):
         -m tokenspeed.runtime.worker --model tiny --ep 2 \\
         --prompt-ids '[[5, 6, 7], [8, 9]]' --max-tokens 16
 
-(--dcp N: DCP groups of N ranks, a prompt placed on a group.)
+(--dcp N: DCP groups of N ranks, a prompt placed on a group; --tep N, N the world size: TEP,
+every prompt on every rank.)
 
 --prompt-ids takes a JSON list of token-id lists, or a path to a file holding one; --prompt
 (repeatable) a text prompt. This mode serves one batch and exits.
@@ -73,6 +78,11 @@ from .sampling_params import SamplingParams
 # The longest a rank with nothing to do (nor any of its peers) waits for a command before its
 # next idle step; the wait doubles from 1 ms up to this while the group stays idle.
 IDLE_WAIT_S = 0.05
+# A preset whose random weights take more than this in fp32 (drawn whole on the host, then
+# split, they would need that much host memory in every worker: 192 GB at Kimi-Linear-48B
+# shapes) is drawn per rank instead (`init_rank_random_weights`: each rank its share, on its
+# device, from per-tensor generators; other numbers than the single-process preset's).
+PER_RANK_INIT_BYTES = 4 << 30
 
 
 @attrs.frozen(kw_only=True)
@@ -90,7 +100,8 @@ class WorkerSpec:
 @attrs.define
 class Rank:
     """One built rank: its engine, the lockstep wrapper (DEP; None: DWDP, independent) and the
-    groups (`dcp`: the rank's DCP group, None without DCP)."""
+    groups (`replicas`: the rank's replica group, its DCP group or the TEP group, None when the
+    rank runs its own requests)."""
 
     rank: int
     world_size: int
@@ -100,28 +111,30 @@ class Rank:
     engine: Engine
     lockstep: object | None  # a LockstepEngine
     shared_l2: object | None = None  # the client of the shared Mooncake tier, if any
-    dcp: Group | None = None
+    replicas: Group | None = None
 
     @property
     def answers(self) -> bool:
-        """Whether this rank reports to the front end (a DCP group's members hold the same
+        """Whether this rank reports to the front end (a replica group's members hold the same
         requests: its leader alone answers)."""
-        return self.dcp is None or self.dcp.index == 0
+        return self.replicas is None or self.replicas.index == 0
 
     @property
     def experts(self) -> str:
-        """How this rank holds the routed experts: "dep" (split, all-to-all), "dwdp" (split,
-        fetched one-sided from the peers' shared memory) or "replicated" (all of them)."""
+        """How this rank holds the routed experts: "dep" (split, all-to-all), "tep" (every
+        expert, a slice of its intermediate columns), "dwdp" (split, fetched one-sided from the
+        peers' shared memory) or "replicated" (all of them)."""
         from tokenspeed.parallel.dwdp import DwdpExperts
 
         if self.lockstep is not None:
-            return "dep"
+            return "tep" if self.groups.dims.tep > 1 else "dep"
         split = any(isinstance(m, DwdpExperts) for m in self.engine.model.modules())
         return "dwdp" if split else "replicated"
 
     def step(self, commands: int = 0) -> list:
         """One step of this rank: with its peers (DEP, collective) or alone (DWDP). commands:
-        the commands received so far (a DCP leader's count is agreed with its members)."""
+        the commands received so far (a replica group leader's count is agreed with its
+        members)."""
         return self.engine.step() if self.lockstep is None else self.lockstep.step(commands)
 
     @property
@@ -192,16 +205,27 @@ def build_rank(spec: WorkerSpec, rank: int, init_method: str, local_rank: int) -
         control = Group(handle, ranks, rank)
     model, tokenizer = _rank_model(spec, groups, device)
     config = spec.config.evolve(device=str(device))
-    dcp = groups["dcp"] if dims.dcp > 1 else None
-    if dcp is not None and device.type == "cuda":
+    replicas, kind = replica_group(groups)
+    if kind == "DCP" and device.type == "cuda":
         # DCP attention (the torch reference) syncs with the host: no graph can capture it.
         config = config.evolve(enable_cuda_graph=False)
     l2 = shared_l2(spec)
     # The engine sizes its cache from the model: a DCP member's pages hold page_size / dcp
-    # MLA rows (runtime/cache_sizing.py).
+    # MLA rows, a TEP rank's KDA slots its heads' state (runtime/cache_sizing.py).
     engine = Engine(model, tokenizer, config, l2=l2)
-    lockstep = None if control is None else LockstepEngine(engine, control, dcp)
-    return Rank(rank, world, device, groups, control, engine, lockstep, l2, dcp)
+    lockstep = None if control is None else LockstepEngine(engine, control, replicas, kind)
+    return Rank(rank, world, device, groups, control, engine, lockstep, l2, replicas)
+
+
+def replica_group(groups: ParallelGroups) -> tuple[Group | None, str]:
+    """This rank's replica group (ranks running the same requests) and its kind: the DCP
+    group, the TEP group, or (None, "") when the rank runs its own requests."""
+    dims = groups.dims
+    if dims.dcp > 1:
+        return groups["dcp"], "DCP"
+    if dims.tep > 1:
+        return groups["tep"], "TEP"
+    return None, ""
 
 
 def _transform(spec: WorkerSpec, model, groups: ParallelGroups, *, loaded: bool) -> None:
@@ -222,6 +246,8 @@ def _rank_model(spec: WorkerSpec, groups: ParallelGroups, device: torch.device):
     from .llm import load_model  # llm imports the front end, which imports this module
 
     if spec.model in PRESETS:
+        if draws_per_rank(spec.model):
+            return _rank_random_model(spec, groups, device)
         model, tokenizer = load_model(spec.model, dtype=spec.dtype, device=device, seed=spec.seed)
         _transform(spec, model, groups, loaded=False)
         _transform(spec, model, groups, loaded=True)
@@ -245,6 +271,38 @@ def _rank_model(spec: WorkerSpec, groups: ParallelGroups, device: torch.device):
     load_rank_checkpoint(path, model, dtype=spec.dtype, device=device)
     _transform(spec, model, groups, loaded=True)
     return model, load_tokenizer(path, config.eos_token_ids)
+
+
+def draws_per_rank(preset: str) -> bool:
+    """Whether a preset's random weights are drawn per rank (over PER_RANK_INIT_BYTES in fp32)."""
+    from tokenspeed.model import get_preset
+    from tokenspeed.model.loader import weight_footprint
+
+    return weight_footprint(get_preset(preset), torch.float32).nbytes > PER_RANK_INIT_BYTES
+
+
+def _rank_random_model(spec: WorkerSpec, groups: ParallelGroups, device: torch.device):
+    """A large preset's share for this rank: a meta model, split, then this rank's slices of
+    the seeded random single-device model drawn on its device (the same model whatever the
+    layout: DEP and TEP over the same weights)."""
+    from tokenspeed.model import get_preset
+    from tokenspeed.parallel import init_rank_random_weights
+
+    from .llm import _DTYPES, keeps_fp32
+    from .tokenizer import ByteTokenizer
+
+    dtype = spec.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    config = get_preset(spec.model)
+    with torch.device("meta"):
+        model = KimiForCausalLM(config)
+    _transform(spec, model, groups, loaded=False)
+    init_rank_random_weights(
+        model, seed=spec.seed, dtype=_DTYPES[dtype], device=device, keep_fp32=keeps_fp32
+    )
+    _transform(spec, model, groups, loaded=True)
+    return model, ByteTokenizer(config.vocab_size, eos_token_ids=config.eos_token_ids)
 
 
 class _Sender:
@@ -281,12 +339,14 @@ class _Shutdown(Exception):
 
 class _Inbox:
     """The front end's commands to one rank, applied in the order they came: each as soon as
-    it is read, or on a DCP member, up to the count its group's leader agreed (waiting up to
-    `wait_s` for one not yet read: the front end sends each command to every member)."""
+    it is read, or on a replica group's member, up to the count its group's leader agreed
+    (waiting up to `wait_s` for one not yet read: the front end sends each command to every
+    member). kind: the replica group's kind, for errors ("DCP", "TEP")."""
 
-    def __init__(self, conn, wait_s: float) -> None:
+    def __init__(self, conn, wait_s: float, kind: str = "DCP") -> None:
         self._conn = conn
         self._wait_s = wait_s
+        self._kind = kind
         self._pending: deque = deque()
         self.count = 0  # commands read so far
         self.applied = 0
@@ -309,8 +369,8 @@ class _Inbox:
             left = deadline - time.monotonic()
             if left <= 0 or not self._conn.poll(left):
                 raise RuntimeError(
-                    f"command {self.count + 1} of the front end, which this rank's DCP leader "
-                    f"has, did not arrive within {self._wait_s} s"
+                    f"command {self.count + 1} of the front end, which this rank's "
+                    f"{self._kind} leader has, did not arrive within {self._wait_s} s"
                 )
             self._take(self._conn.recv())
         while self.applied < upto:
@@ -319,7 +379,7 @@ class _Inbox:
 
 
 def _unsent(message) -> None:
-    """Where a DCP member that is not its group's leader sends its answers: nowhere."""
+    """Where a replica group's member that is not its leader sends its answers: nowhere."""
 
 
 def _handle(command, engine: Engine, send) -> None:
@@ -353,7 +413,8 @@ def cache_counts(engine: Engine) -> dict[str, int]:
 
 def cache_layout(engine: Engine) -> dict[str, int]:
     """The rank's device cache: pages of page_size tokens (the sink page not counted), the MLA
-    rows and bytes of one page (page_size / dcp rows on a DCP member), the tokens it holds."""
+    rows and bytes of one page (page_size / dcp rows on a DCP member), the tokens it holds,
+    and one request's KDA state (a live slot: its heads' share on a TEP rank)."""
     geometry, sizes = engine.cache.geometry, engine.cache.sizes
     pages = sizes.num_pages - 1
     return {
@@ -362,24 +423,27 @@ def cache_layout(engine: Engine) -> dict[str, int]:
         "mla_rows_per_page": geometry.mla_rows_per_page,
         "mla_page_bytes": geometry.mla_page_bytes,
         "token_capacity": pages * geometry.page_size,
+        "kda_state_bytes": geometry.kda_state_bytes,
     }
 
 
 def serve(built: Rank, commands, send, wait_s: float = 60.0) -> None:
     """The step loop of a spawned rank, until a shutdown command (or EOFError when the front
-    end's pipe closes). wait_s: how long a DCP member waits for a command its leader has."""
+    end's pipe closes). wait_s: how long a replica group's member waits for a command its
+    leader has."""
     engine = built.engine
-    inbox = _Inbox(commands, wait_s)
+    replicated = built.replicas is not None
+    inbox = _Inbox(commands, wait_s, built.lockstep.kind if replicated else "DCP")
     reply = send if built.answers else _unsent
     idle = 0.0
     while True:
         inbox.read()
-        agreed = inbox.count if built.dcp is None else built.lockstep.commands_agreed
+        agreed = built.lockstep.commands_agreed if replicated else inbox.count
         inbox.apply(agreed, engine, reply)
         outputs = built.step(inbox.count)
         if outputs and built.answers:
             send(("out", outputs, cache_counts(engine)))
-        waiting = built.dcp is not None and built.lockstep.commands_agreed > inbox.applied
+        waiting = replicated and built.lockstep.commands_agreed > inbox.applied
         if built.busy or waiting:
             idle = 0.0
         else:  # nobody has anything to do: wait for a command, a little longer each time
@@ -441,6 +505,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=None, help="default: the world size")
     parser.add_argument("--dcp", type=int, default=1, help="DCP group size (default: none)")
+    parser.add_argument("--tep", type=int, default=1, help="TEP over every rank (the world size)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -483,7 +548,12 @@ def run_torchrun(argv: list[str] | None = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     parallel = ParallelConfig(
-        world_size=world, tp=args.tp, ep=args.ep, dcp=args.dcp, timeout_s=args.timeout_s
+        world_size=world,
+        tp=args.tp,
+        ep=args.ep,
+        dcp=args.dcp,
+        tep=args.tep,
+        timeout_s=args.timeout_s,
     )
     parallel.check_model(model_config_of(args.model))
     options = {"max_num_seqs": args.max_num_seqs, "decode_steps": args.decode_steps}
@@ -498,7 +568,7 @@ def run_torchrun(argv: list[str] | None = None) -> None:
     engine, control = built.engine, built.control
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     # Rank 0 is the front end: it reads the prompts and places them by least outstanding work,
-    # on a rank (or on a DCP group: every member runs it).
+    # on a rank (or on a replica group, DCP or TEP: every member runs it).
     groups = parallel.attention_dp
     placed: list = [None]
     if rank == 0:
@@ -527,7 +597,7 @@ def run_torchrun(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
         raise SystemExit(placed[0])
     for target, index, text, ids in placed[0]:
-        if target == rank // parallel.dcp:
+        if target == rank // parallel.replicas:
             engine.add_request(index, ids, params, prompt=text)
     finished = {}
     flag = torch.zeros(1, dtype=torch.int32)
