@@ -1,7 +1,8 @@
 """The expert-parallel layers on the one-device grouped expert kernels (a GPU in half
 precision; here the Triton interpreter on the CPU, fp16) compute their torch references' sums:
 a DEP rank's local experts over the rows it received (slots held by other ranks, -1, skipped;
-the same load counted), and DWDP experts over the block held here plus the staging buffer.
+the same load counted), DWDP experts over the block held here plus the staging buffer, and a
+TEP MoE over its experts' intermediate slice.
 In a fresh process: Triton decides between compiling and interpreting at import."""
 
 import json
@@ -60,7 +61,25 @@ dwdp = full._forward_fused(x, weights, ids8, staged)
 dwdp_ref = routed_experts_split(
     x, weights, ids8, (full.w1, full.w2, full.w3), staged, (start, stop), full.glu
 )
-print(json.dumps({"fused": fused.tolist(), "reference": reference.tolist(),
+# TEP: a MoE whose experts hold an intermediate slice (a group of one: no all-reduce), its
+# grouped-kernel forward against its reference forward.
+from tokenspeed.parallel.groups import Group
+from tokenspeed.parallel.tp import TepMoE
+
+last = [m for m in model.modules() if isinstance(m, MoE) and m is not moe][-1].half()
+for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+    p = getattr(last.experts, name)
+    p.data = p.data.narrow(dim, 0, p.shape[dim] // 2).clone()
+tep = TepMoE(last, Group(None, (0,), 0), None)
+hidden_in = (torch.randn(rows, model.config.hidden_size, generator=gen) * 0.5).half()
+tep_fused = tep(hidden_in)
+real = dispatch.fused_moe
+dispatch.fused_moe = lambda x: False
+tep_ref = tep(hidden_in)
+dispatch.fused_moe = real
+
+print(json.dumps({"tep": tep_fused.float().tolist(), "tep_reference": tep_ref.float().tolist(),
+                  "fused": fused.tolist(), "reference": reference.tolist(),
                   "load": load, "want_load": want, "dtype": str(fused.dtype),
                   "dwdp": dwdp.float().tolist(), "dwdp_reference": dwdp_ref.float().tolist(),
                   "dwdp_dtype": str(dwdp.dtype)}))
@@ -88,6 +107,10 @@ def got() -> dict:
 def test_dwdp_experts_over_block_and_staging_buffer(got):
     assert got["dwdp_dtype"] == "torch.float16"
     close(got, "dwdp", "dwdp_reference")
+
+
+def test_tep_moe_on_an_intermediate_slice(got):
+    close(got, "tep", "tep_reference")
 
 
 def test_dep_local_experts_compute_the_reference_sums(got):

@@ -215,3 +215,13 @@ def test_dep_layers_never_take_the_one_device_fused_path(monkeypatch):
     moe.fused_routed = False
     assert torch.equal(moe(x), want)
     assert DepMoE.fused_routed is False and MoE.fused_routed is True
+
+
+def test_a_bare_moe_is_refused_by_apply_tp():
+    """apply_tp replaces MoE children by TepMoE; a bare MoE would keep its class and return
+    partial sums without their all-reduce."""
+    moe = next(m for m in _tiny().modules() if isinstance(m, MoE))
+    before = moe.experts.w1.shape
+    with pytest.raises(ParallelError, match="not a bare MoE"):
+        apply_tp(moe, _groups(ParallelDims(world_size=2, tep=2)))
+    assert moe.experts.w1.shape == before  # nothing sliced

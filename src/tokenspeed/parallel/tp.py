@@ -45,6 +45,7 @@ from ..model.layers.kda import KdaAttention
 from ..model.layers.mla import GatedMla
 from ..model.layers.mlp import GluMlp
 from ..model.layers.moe import Experts, MoE
+from ..model.ops import dispatch
 from .comm import CommLog, all_reduce_
 from .dims import ParallelError
 from .groups import Group, ParallelGroups
@@ -156,7 +157,22 @@ class TepMoE(MoE):
             self.routed_expert_up_proj,
             self.routed_expert_norm,
         )
-        y = self.experts(x if down is None else down(x), weights, ids)  # partial sum
+        h = x if down is None else down(x)
+        if dispatch.fused_moe(h) and h.shape[0]:
+            # The grouped expert kernels on this rank's intermediate slice, without the latent
+            # norm (it needs the full sum, after the all-reduce).
+            act = self.experts.act
+            y = dispatch.fused_experts(
+                h.contiguous(),
+                weights.float(),
+                ids.to(torch.int32),
+                self.experts.kernel_weights(),
+                activation=act.kind,
+                beta=act.situ_beta,
+                linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
+            )
+        else:
+            y = self.experts(h, weights, ids)  # partial sum
         shared = None if self.shared_experts is None else self.shared_experts(x)  # partial
         if norm is None:
             if up is not None:
@@ -240,13 +256,21 @@ def apply_tp(
 
     At run time every member runs the same batch (same tokens, same requests) and gets the full
     logits; the state it passes is sized for its local heads (`model.empty_state`, see the
-    module docstring); the routed experts run on the reference path (the fused kernel's latent
-    norm would need the full sum).
+    module docstring); the routed experts run the grouped expert kernels on a GPU in half
+    precision (the reference elsewhere) without the latent norm, which needs the full sum
+    and follows the all-reduce.
     """
     group = groups["tep"]
     before = tensor_bytes(model)
     if group.size == 1:
         return TransformReport("tep", before, before)
+    if isinstance(model, MoE):
+        # Its experts would be sharded but the module itself never swapped for a `TepMoE`
+        # (only children are replaced): partial sums without their all-reduce.
+        raise ParallelError(
+            "apply_tp transforms a model that contains MoE layers, not a bare MoE: wrap it "
+            "(e.g. in nn.Sequential) so that it can be replaced by a TepMoE"
+        )
     _check(model, group.size)
     full = getattr(model, "config", None)
     for prefix, module in list(model.named_modules()):
