@@ -128,6 +128,25 @@ def test_bench_agentx_reports_throughput_and_hit_rate(capsys):
     assert "AgentX replay" in out and "hit_rate" in out
 
 
+def test_bench_agentx_through_pd(capsys):
+    """--pd: a prefill and a decode engine (two CPU engines here), the cache moved between
+    them; the same requests and generated tokens as one engine."""
+    argv = ["bench", "agentx", "--sessions", "3", "--concurrency", "2", "--max-turns", "2"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    one = capsys.readouterr().out
+    assert main([*argv, "--pd", "cpu,cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "P/D: prefill cpu, decode cpu" in out and "P/D handoffs:" in out
+
+    def field(text, key):
+        return next(line.split()[-1] for line in text.splitlines() if line.split()[:1] == [key])
+
+    for key in ("requests", "generated_tokens"):
+        assert field(out, key) == field(one, key)
+    assert main([*argv, "--pd", "cpu,cpu", "--speculative", "ngram"]) == 2
+    assert "--pd takes neither" in capsys.readouterr().err
+
+
 def test_bench_agentx_replays_an_aiperf_dataset(capsys, tmp_path):
     from tokenspeed.workload import AgentXWorkload, write_aiperf_dataset
     from tokenspeed.workload.agentx import AgentXConfig
@@ -221,6 +240,8 @@ def no_model_loads(monkeypatch):
         (["generate", "--parallel", "dcp=2,dwdp=2"], "dcp=2 members run the same tokens"),
         (["generate", "--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice"),
         (["bench", "agentx", "--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid"),
+        (["bench", "agentx", "--pd", "cpu"], "argument --pd: expected PREFILL,DECODE devices"),
+        (["bench", "agentx", "--pd", "cpu,cuda:99"], "argument --pd: 'cuda:99' is not available"),
         (["serve", "--kv-cache-dtype", "e4m3"], "argument --kv-cache-dtype: invalid choice"),
         (["generate", "--kda-checkpoint-dtype", "float16"], "--kda-checkpoint-dtype: invalid"),
         (["bench", "agentx", "--kda-checkpoint-dtype", "fp8"], "--kda-checkpoint-dtype: invalid"),

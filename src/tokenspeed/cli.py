@@ -127,6 +127,14 @@ def _device(text: str) -> str:
     return text
 
 
+def _pd_devices(text: str) -> tuple[str, str]:
+    """--pd: the prefill and the decode engine's devices, "PREFILL,DECODE"."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected PREFILL,DECODE devices, got {text!r}")
+    return _device(parts[0].strip()), _device(parts[1].strip())
+
+
 def _model(text: str) -> str:
     from tokenspeed.model import PRESETS
 
@@ -360,7 +368,16 @@ def bench_agentx(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps or 1,
         speculative=speculative,
     )
-    if args.parallel is None:
+    if args.pd is not None:
+        if args.parallel is not None or speculative is not None:
+            print(
+                "tokenspeed bench agentx: error: --pd takes neither --parallel nor --speculative",
+                file=sys.stderr,
+            )
+            return 2
+        engine = _pd_pair(args, config, load_model)
+        name = engine.model.config.name
+    elif args.parallel is None:
         from tokenspeed.runtime.device import resolve_device
 
         device = resolve_device(config.device)
@@ -390,6 +407,7 @@ def bench_agentx(args: argparse.Namespace) -> int:
         )
         if args.parallel is None:
             engine.check_integrity()
+        stats = engine.prefill.transfer_stats if args.pd is not None else None
     finally:
         if bar is not None:
             bar.close()
@@ -403,7 +421,14 @@ def bench_agentx(args: argparse.Namespace) -> int:
         f"{'aiperf trace' if args.trace is not None else 'AgentX'} replay: model {name}, "
         f"{source}, concurrency {args.concurrency}"
         + ("" if args.parallel is None else f", {_layout(args.parallel)}")
+        + ("" if args.pd is None else f", P/D: prefill {args.pd[0]}, decode {args.pd[1]}")
     )
+    if stats is not None:
+        rate = stats.bandwidth
+        print(
+            f"  P/D handoffs: {stats.writes} writes, {stats.bytes / 1e9:.3f} GB"
+            + ("" if rate is None else f", {rate / 1e9:.2f} GB/s while writing")
+        )
     if speculative is not None:
         print(f"  speculative decoding: {_describe_speculative(speculative)}")
     ranks = result.pop("ranks", None)
@@ -416,6 +441,27 @@ def bench_agentx(args: argparse.Namespace) -> int:
     if ranks is not None:
         _print_ranks(ranks)
     return 0
+
+
+def _pd_pair(args: argparse.Namespace, config, load_model):
+    """bench agentx --pd: a `PDPair` of a prefill engine and a decode engine on the two
+    devices, over the same weights (copied to the decode device when it is another)."""
+    import copy
+
+    from tokenspeed.runtime.device import resolve_device
+    from tokenspeed.runtime.pd import DecodeEngine, PrefillEngine
+    from tokenspeed.runtime.pd.pair import PDPair
+
+    first, second = (resolve_device(d) for d in args.pd)
+    model, tokenizer = load_model(args.model, args.dtype, first, args.seed)
+    other = model if second == first else copy.deepcopy(model).to(second)
+    prefill = PrefillEngine(model, tokenizer, config.evolve(device=str(first)))
+    try:
+        decode = DecodeEngine(other, tokenizer, config.evolve(device=str(second)))
+    except BaseException:
+        prefill.close()
+        raise
+    return PDPair(prefill, decode)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -707,6 +753,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="BENCHMARK ONLY: accept exactly N drafts per step whatever the model says (the "
         "output is not the model's), to time the engine at acceptance length N + 1",
+    )
+    agentx.add_argument(
+        "--pd",
+        type=_pd_devices,
+        default=None,
+        metavar="PREFILL,DECODE",
+        help="prefill/decode disaggregation in this process: prefill on the first device, "
+        "decode on the second (e.g. cuda:0,cuda:1; cpu,cpu), the cache moved between them",
     )
     agentx.set_defaults(func=bench_agentx)
     _serve_parser(sub)
