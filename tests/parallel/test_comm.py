@@ -65,7 +65,7 @@ def _die_or_reduce(rank, world):
 
 
 def test_a_dead_rank_makes_the_others_fail_in_bounded_time():
-    results = run_ranks_status(_die_or_reduce, 3, timeout=90)
+    results = run_ranks_status(_die_or_reduce, 3, timeout=90, fresh=True)
     assert results[1][0] == "died"
     for rank in (0, 2):
         status, (what, seconds, message) = results[rank]

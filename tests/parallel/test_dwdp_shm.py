@@ -154,7 +154,7 @@ def _shm_ranks(rank, world):
 @pytest.mark.skipif(not os.path.isdir(SHM), reason="needs /dev/shm (Linux)")
 @pytest.mark.parametrize("world", [2, 4])
 def test_shared_memory_dwdp_is_one_sided_and_exact(world):
-    results = run_ranks(_shm_ranks, world, timeout=300)
+    results = run_ranks(_shm_ranks, world, timeout=300, fresh=True)
     config = get_preset("tiny")
     layers = sum(kind == "moe" for kind in config.mlp_kinds)
     moe = config.moe

@@ -1,4 +1,5 @@
-"""Engine fixtures: the tiny model, and a reference of what each request alone must produce."""
+"""Engine fixtures: the tiny model, a reference of what each request alone must produce, the
+multi-rank scenario's single-rank reference, and the rank processes of a module stopped after it."""
 
 import pytest
 import torch
@@ -60,3 +61,13 @@ def multirank_single() -> dict:
         got["pages"] = llm.engine.cache.sizes.num_pages - 1
         got["mla_page_bytes"] = llm.engine.cache.geometry.mla_page_bytes
     return got
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _rank_pool():
+    """The warm rank processes a module's `run_ranks` calls started (tests/parallel/harness.py)
+    serve that module only: stopped (by PID) after its last test."""
+    yield
+    from ..parallel.harness import stop_pool  # here: decode_worker.py imports this module
+
+    stop_pool()

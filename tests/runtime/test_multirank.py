@@ -4,8 +4,9 @@ on the CPU, requests placed by least outstanding work, ranks stepping in lockste
 Greedy outputs must be token-identical to the single-rank engine's over one scenario: a batch of
 mixed-length prompts, second turns that extend the first (prefix hits), a cache small enough to
 preempt, and fewer requests than ranks. A worker killed mid-run fails `generate` within 30 s and
-leaves no process behind; bad layouts are refused before any process starts. Every test runs
-under a deadline (SIGALRM), and every engine is closed (its workers stopped by PID).
+leaves no process behind (the world-2 engine's last test); bad layouts are refused before any
+process starts. Every test runs under a deadline (SIGALRM), and every engine is closed (its
+workers stopped by PID).
 """
 
 from __future__ import annotations
@@ -62,21 +63,30 @@ def _as_prompts(ids):
     return [{"prompt_token_ids": p} for p in ids]
 
 
-def scenario(llm: LLM) -> dict:
+def scenario(llm: LLM, second_turns: bool = True) -> dict:
     """Twelve mixed-length prompts; their second turns (prompt + reply + more); one prompt
-    alone (idle ranks). Greedy token ids of every output, preemptions, prefix-hit tokens."""
+    alone (idle ranks). Greedy token ids of every output, preemptions, prefix-hit tokens.
+    second_turns=False: the first turn and the prompt alone only (their tokens are those of
+    the whole scenario without its second turns: `first_and_alone`)."""
     first = prompt_ids(12, 3, 60, 140)
     one = llm.generate(_as_prompts(first), GREEDY, use_tqdm=False)
-    second = [
-        p + o.token_ids + e for p, o, e in zip(first, one, prompt_ids(12, 4, 10, 40), strict=True)
-    ]
-    two = llm.generate(_as_prompts(second), GREEDY, use_tqdm=False)
+    two = []
+    if second_turns:
+        more = prompt_ids(12, 4, 10, 40)
+        second = [p + o.token_ids + e for p, o, e in zip(first, one, more, strict=True)]
+        two = llm.generate(_as_prompts(second), GREEDY, use_tqdm=False)
     alone = llm.generate(_as_prompts(prompt_ids(1, 5, 20, 30)), GREEDY, use_tqdm=False)
     return {
         "tokens": [o.token_ids for o in one + two + alone],
         "preemptions": sum(o.metrics.preemptions for o in one + two),
         "second_turn_hits": sum(o.metrics.cached_tokens for o in two),
     }
+
+
+def first_and_alone(tokens: list) -> list:
+    """Of the whole scenario's token ids, those of its first turn (12) and its prompt alone."""
+    assert len(tokens) == 25
+    return tokens[:12] + tokens[24:]
 
 
 @contextlib.contextmanager
@@ -90,8 +100,9 @@ def multirank(world: int, tp: int = 1, dwdp: int | None = None, **options):
 
 
 @pytest.fixture(scope="module")
-def single():
-    return scenario(LLM("tiny", **OPTIONS))
+def single(multirank_single):
+    """The scenario on the single-rank engine (tests/runtime/conftest.py, shared with DCP)."""
+    return multirank_single
 
 
 @pytest.fixture(scope="module")
@@ -180,15 +191,14 @@ def kill_rank_1_mid_run(llm: LLM) -> None:
 
 
 @deadline(90)
-@pytest.mark.parametrize("dwdp", [None, 2], ids=["dep", "dwdp"])
-def test_a_killed_worker_fails_generate_and_stops_every_worker(dwdp):
-    """DEP ranks (coupled: the survivor's collectives fail) and DWDP ranks (independent: the
-    survivor would go on alone) both end with the front end's WorkerError and no worker left."""
-    before = set(multiprocessing.active_children())  # another test's engine may be running
-    with multirank(2, dwdp=dwdp, decode_steps=1) as llm:
-        kill_rank_1_mid_run(llm)
-        assert not llm.engine.abort(0)
-    assert set(multiprocessing.active_children()) <= before
+def test_a_killed_worker_fails_generate_and_stops_every_worker(llm2):
+    """DEP ranks (coupled: the survivor's collectives fail) end with the front end's
+    WorkerError and no worker left. The world-2 engine's last test: it kills a worker of it.
+    (DWDP ranks, independent ones, in test_multirank_dwdp; a DCP pair in test_multirank_dcp.)"""
+    pids = set(llm2.engine.worker_pids)
+    kill_rank_1_mid_run(llm2)
+    assert not llm2.engine.abort(0)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
 
 
 @pytest.mark.parametrize(

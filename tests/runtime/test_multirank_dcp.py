@@ -2,16 +2,17 @@
 
 A DCP group of C ranks serves each of its requests on every member, each member holding 1/C of
 every request's MLA rows: the cache's pages stay `page_size` tokens, a member's device page
-holds `page_size / C` rows. On the CPU over gloo, world 2 (one DCP pair, DEP over both) and
-world 4 (two DCP pairs, DEP over the 4 ranks; with TP pairs too, marked slow) give greedy
-outputs token-identical to the single-rank engine over test_multirank's scenario (mixed
+holds `page_size / C` rows. On the CPU over gloo, world 2 (one DCP pair, DEP over both) gives
+greedy outputs token-identical to the single-rank engine over test_multirank's scenario (mixed
 lengths, second turns with prefix hits, preemption: the DCP budget is cut so that a member
-holds as many pages as the single rank, and preempts too). For one budget a member's MLA page
-is half the bytes and the cache holds twice the tokens (the scenario then runs without
-preemption; a budget refused for one rank serves a whole max_model_len request on a pair).
-Members that would run different steps are stopped by the lockstep all-reduce; bad layouts are
-refused before any process starts; a killed member fails `generate` cleanly. Every test runs
-under a deadline (SIGALRM), and every engine is closed.
+holds as many pages as the single rank, and preempts too); world 4 (two DCP pairs, DEP over
+the 4 ranks) over the scenario's first turn and its prompt alone, each pair a load entry of
+its own (the whole scenario in world 4, and with TP pairs too, are marked slow). For one budget
+a member's MLA page is half the bytes and the cache holds twice the tokens (the scenario then
+runs without preemption; a budget refused for one rank serves a whole max_model_len request on
+a pair, whose follower is then killed: `generate` fails cleanly). Members that would run
+different steps are stopped by the lockstep all-reduce; bad layouts are refused before any
+process starts. Every test runs under a deadline (SIGALRM), and every engine is closed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
 
 from ..parallel.harness import run_ranks
 from ..processes import alarm, prompt_ids
-from .test_multirank import OPTIONS, _as_prompts, deadline, kill_rank_1_mid_run, scenario
+from .test_multirank import (
+    OPTIONS,
+    _as_prompts,
+    deadline,
+    first_and_alone,
+    kill_rank_1_mid_run,
+    scenario,
+)
 
 # The single rank's 560_000 bytes hold 34 pages of 16 tokens (and preempt in the scenario).
 # A DCP pair's page is half the MLA bytes: this budget gives each member the same 34 pages.
@@ -60,18 +68,27 @@ def dcp_llm(world: int, dcp: int = 2, tp: int = 1, **options):
 
 
 @pytest.fixture(scope="module")
-def single():
-    with LLM("tiny", **OPTIONS) as llm:
-        got = scenario(llm)
-        got["pages"] = llm.engine.cache.sizes.num_pages - 1
-        got["mla_page_bytes"] = llm.engine.cache.geometry.mla_page_bytes
-    return got
+def single(multirank_single):
+    """The scenario on the single-rank engine, its pages and MLA page bytes (conftest.py)."""
+    return multirank_single
+
+
+def _check_caches(engine, single) -> None:
+    """Every member holds the single rank's pages, each page half its MLA rows and bytes."""
+    for cache in engine.rank_caches:
+        assert cache["num_pages"] == single["pages"]
+        assert cache["page_size"] == 16 and cache["mla_rows_per_page"] == 8
+        assert 2 * cache["mla_page_bytes"] == single["mla_page_bytes"]
 
 
 @deadline(150)
 @pytest.mark.parametrize(
     ("world", "tp"),
-    [(2, 1), (4, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
+    [
+        (2, 1),
+        pytest.param(4, 1, marks=pytest.mark.slow),
+        pytest.param(4, 2, marks=pytest.mark.slow),
+    ],
     ids=["world2", "world4", "world4-tp2"],
 )
 def test_dcp_matches_single_rank(single, world, tp):
@@ -90,10 +107,26 @@ def test_dcp_matches_single_rank(single, world, tp):
         assert all(r.outstanding_requests == r.outstanding_tokens == 0 for r in report.ranks)
         assert sum(r.cache_hit_tokens for r in report.ranks) >= got["second_turn_hits"]
         assert engine.mode == "dep" and engine.rank_experts == ["dep"] * world
-        for cache in engine.rank_caches:
-            assert cache["num_pages"] == single["pages"]
-            assert cache["page_size"] == 16 and cache["mla_rows_per_page"] == 8
-            assert 2 * cache["mla_page_bytes"] == single["mla_page_bytes"]
+        _check_caches(engine, single)
+
+
+@deadline(150)
+def test_two_dcp_pairs_in_world_4_each_serve_their_requests_as_the_single_rank(single):
+    """World 4: two DCP pairs, DEP over the 4 ranks, over the scenario's first turn and its
+    prompt alone (one pair then idle). The single rank's tokens; one load entry per pair (its
+    leader), both pairs served. (Preemption and prefix hits on a pair: world 2 above; the
+    whole scenario in world 4: the slow test above.)"""
+    with dcp_llm(4, cache_budget_bytes=DCP_BUDGET) as llm:
+        engine = llm.engine
+        got = scenario(llm, second_turns=False)
+        assert got["tokens"] == first_and_alone(single["tokens"])
+        report = engine.load_report()
+        assert [r.rank for r in report.ranks] == [0, 2]
+        assert sum(r.finished for r in report.ranks) == 13
+        assert all(r.requests > 0 for r in report.ranks)
+        assert all(r.outstanding_requests == r.outstanding_tokens == 0 for r in report.ranks)
+        assert engine.mode == "dep" and engine.rank_experts == ["dep"] * 4
+        _check_caches(engine, single)
 
 
 @deadline(90)
@@ -114,38 +147,49 @@ def test_one_budget_holds_twice_the_tokens_on_a_dcp_pair(single):
         assert single["preemptions"] > 0 and got["preemptions"] == 0
 
 
+SMALL_BUDGET = {**OPTIONS, "cache_budget_bytes": 450_000}
+
+
+@pytest.fixture(scope="module")
+def small_budget_pair():
+    """A DCP pair on a budget too small for one rank, shared by the two tests below (the last
+    one kills a member); closed whatever happened."""
+    with dcp_llm(2, decode_steps=1, **SMALL_BUDGET) as llm:
+        yield llm
+
+
 @deadline(90)
-def test_a_budget_too_small_for_one_rank_serves_a_whole_request_on_a_dcp_pair():
+def test_a_budget_too_small_for_one_rank_serves_a_whole_request_on_a_dcp_pair(
+    small_budget_pair,
+):
     """450_000 bytes cannot hold one request of max_model_len=512 tokens on one rank (refused
     before any process starts), but they hold it on a DCP pair, which serves it."""
-    options = {**OPTIONS, "cache_budget_bytes": 450_000}
     before = multiprocessing.active_children()
     with pytest.raises(EngineConfigError, match="cannot hold one request of max_model_len=512"):
-        LLM("tiny", parallel=ParallelConfig(world_size=2), **options)
+        LLM("tiny", parallel=ParallelConfig(world_size=2), **SMALL_BUDGET)
     assert multiprocessing.active_children() == before
     prompt = prompt_ids(1, 9, 400, 401)
     params = SamplingParams(temperature=0, max_tokens=112, ignore_eos=True)
-    with dcp_llm(2, **options) as llm:
-        assert llm.engine.rank_caches[0]["token_capacity"] >= 512
-        (out,) = llm.generate(_as_prompts(prompt), params, use_tqdm=False)
-        assert len(out.token_ids) == 112 and out.outputs[0].finish_reason == "length"
-        # A rank named by the caller places the request on its group (the leader's rank).
-        engine = llm.engine
-        assert engine.add_request("pinned", [5, 6, 7], params, rank=1) == 0
-        assert engine.abort("pinned")
-        ended = [o for _ in range(200) for o in engine.step() if o.finished]
-        assert [o.outputs[0].finish_reason for o in ended] == ["abort"]
-        assert not engine.has_unfinished()
+    llm = small_budget_pair
+    assert llm.engine.rank_caches[0]["token_capacity"] >= 512
+    (out,) = llm.generate(_as_prompts(prompt), params, use_tqdm=False)
+    assert len(out.token_ids) == 112 and out.outputs[0].finish_reason == "length"
+    # A rank named by the caller places the request on its group (the leader's rank).
+    engine = llm.engine
+    assert engine.add_request("pinned", [5, 6, 7], params, rank=1) == 0
+    assert engine.abort("pinned")
+    ended = [o for _ in range(200) for o in engine.step() if o.finished]
+    assert [o.outputs[0].finish_reason for o in ended] == ["abort"]
+    assert not engine.has_unfinished()
 
 
 @deadline(90)
-def test_a_killed_member_fails_generate_and_stops_every_worker():
+def test_a_killed_member_fails_generate_and_stops_every_worker(small_budget_pair):
     """Rank 1, the follower of the pair: its leader's collectives fail, the front end names
-    the rank that died and no worker is left."""
-    before = set(multiprocessing.active_children())  # another test's engine may be running
-    with dcp_llm(2, decode_steps=1) as llm:
-        kill_rank_1_mid_run(llm)
-    assert set(multiprocessing.active_children()) <= before
+    the rank that died and no worker is left. The small-budget pair's last test."""
+    pids = set(small_budget_pair.engine.worker_pids)
+    kill_rank_1_mid_run(small_budget_pair)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
 
 
 @pytest.mark.parametrize(
@@ -217,6 +261,8 @@ def _members(rank: int, world: int, same: bool):
                 break
     except LockstepError as exc:
         return "refused", str(exc)
+    finally:
+        engine.close()
     return "ran", (agreed, tokens[-1])
 
 

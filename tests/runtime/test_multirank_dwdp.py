@@ -7,9 +7,13 @@ request's cached tokens and rank 1's L2 hit counter), and the greedy tokens of b
 equal the single-rank engine's. The ranks step independently: running different amounts of work
 they all finish. Closing the engine leaves no worker and no Mooncake service alive (by PID).
 
+With local host tiers instead (no Mooncake), the other rank misses the conversation's prefix;
+that engine's last test kills a rank mid-run: `generate` fails with the front end's WorkerError
+(the survivor, independent, would go on alone) and no worker is left.
+
 The Mooncake services run on loopback free ports: started by the engine, or (one test) by the
-test as a user's running master. Skipped where mooncake is not installed (the reason is given);
-every test under a deadline (SIGALRM).
+test as a user's running master. The tests that use them are skipped where mooncake is not
+installed (the reason is given); every test under a deadline (SIGALRM).
 """
 
 from __future__ import annotations
@@ -30,8 +34,7 @@ from tokenspeed.runtime.worker import dwdp_one_sided
 
 from ..cache.l2.mooncake_env import needs_mooncake, require_mooncake
 from ..processes import alarm, pid_gone, prompt_ids
-
-pytestmark = needs_mooncake
+from .test_multirank import kill_rank_1_mid_run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 OPTIONS = {
@@ -104,6 +107,7 @@ def _second_turn_on_the_other_rank(engine: MultiRankEngine, single) -> None:
     assert [r.requests for r in report.ranks] == [1, 1]
 
 
+@needs_mooncake
 def test_second_turn_on_another_dwdp_rank_hits_the_shared_l2(single):
     require_mooncake()
     before = set(multiprocessing.active_children())
@@ -136,6 +140,7 @@ def _user_cluster():
         master.stop()
 
 
+@needs_mooncake
 def test_ranks_join_a_given_master_and_run_different_work_independently(single):
     require_mooncake()
     with _user_cluster() as (master, owner):
@@ -171,6 +176,7 @@ def test_one_sided_fetch_is_used_when_dwdp_offers_it():
     assert dwdp_one_sided() == ("transport" in inspect.signature(apply_dwdp).parameters)
 
 
+@needs_mooncake
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -203,19 +209,37 @@ def test_bad_dwdp_configs_are_refused_before_any_process_starts(make, message):
     assert multiprocessing.active_children() == before
 
 
-def test_local_tiers_miss_on_the_other_rank_and_bad_ranks_are_refused(single):
+@pytest.fixture(scope="module")
+def local_tiers():
+    """World 2 DWDP ranks, each with a local host tier (no Mooncake), shared by the two tests
+    below (the last one kills a worker); closed whatever happened."""
     parallel = ParallelConfig(world_size=2, dwdp=2, l2="local")
-    engine = MultiRankEngine("tiny", parallel, EngineConfig(**OPTIONS))
+    llm = LLM("tiny", parallel=parallel, decode_steps=1, **OPTIONS)
+    pids = list(llm.engine.worker_pids)
     try:
-        for bad in (2, -1, True, "0"):
-            with pytest.raises(RequestError, match="rank must be None or an int in"):
-                engine.add_request("x", [5, 6, 7], GREEDY, rank=bad)
-        assert engine.service_pids == [] and engine.l2_master is None
-        # Local tiers: the other rank misses the conversation's prefix.
-        one = _run(engine, {"t1": (FIRST, 0)})["t1"]
-        two = _run(engine, {"t2": (FIRST + one.token_ids + MORE, 1)})["t2"]
-        assert two.token_ids == single["turns"][1] and two.metrics.cached_tokens == 0
+        yield llm
     finally:
-        pids = engine.worker_pids
-        engine.close()
-    assert all(pid_gone(pid) for pid in pids)
+        llm.engine.close()
+    assert all(pid_gone(pid) for pid in pids), pids
+
+
+def test_local_tiers_miss_on_the_other_rank_and_bad_ranks_are_refused(local_tiers, single):
+    engine = local_tiers.engine
+    for bad in (2, -1, True, "0"):
+        with pytest.raises(RequestError, match="rank must be None or an int in"):
+            engine.add_request("x", [5, 6, 7], GREEDY, rank=bad)
+    assert engine.service_pids == [] and engine.l2_master is None
+    # Local tiers: the other rank misses the conversation's prefix.
+    one = _run(engine, {"t1": (FIRST, 0)})["t1"]
+    two = _run(engine, {"t2": (FIRST + one.token_ids + MORE, 1)})["t2"]
+    assert two.token_ids == single["turns"][1] and two.metrics.cached_tokens == 0
+
+
+def test_a_killed_dwdp_worker_fails_generate_and_stops_every_worker(local_tiers):
+    """DWDP ranks are independent (the survivor would go on alone), yet a killed one ends
+    `generate` with the front end's WorkerError naming it, and no worker is left. The local
+    tiers engine's last test."""
+    pids = set(local_tiers.engine.worker_pids)
+    kill_rank_1_mid_run(local_tiers)
+    assert not local_tiers.engine.abort(0)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]

@@ -274,7 +274,9 @@ def test_requests_that_end_at_their_first_token(tiny_served, offline):
     body = {"model": "tiny", "temperature": 0, "return_token_ids": True, "prompt": prompt}
 
     async def main():
-        async with Pair(tiny_served) as pair:
+        # Rooms of these requests stay open on the prefill side until the timeout, which
+        # wait_idle waits for: 2 s here, not 4 (the late half comes 0.2 s after the other).
+        async with Pair(tiny_served, timeout_s=2.0) as pair:
             local = []  # the requests the decode worker computed itself
             computed_here = pair.d_role._local
 

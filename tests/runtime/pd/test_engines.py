@@ -34,18 +34,27 @@ def pair(tiny, request):
 
 # Lengths off and on the page grid (P = 16), one above the prefill budget (48: chunked).
 LENGTHS = (37, 5, 120, 16, 64, 1, 100)
+REQUESTS = [(f"r{n}", tokens(n, seed=n), GREEDY) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def aggregated(tiny):
+    """Per request of REQUESTS: (one aggregated engine's token ids, the model's own greedy
+    decoding of it alone); computed once for every transport and admission order below."""
+    agg = run_engine(Engine(tiny, None, CONFIG), REQUESTS)
+    return {rid: (agg[rid].token_ids, reference(tiny, prompt, 12)) for rid, prompt, _ in REQUESTS}
 
 
 @pytest.mark.parametrize("pair", ["mooncake", "socket"], indirect=True)
 @pytest.mark.parametrize("admit_early", [False, True])
-def test_pd_gives_the_tokens_of_one_aggregated_engine(tiny, pair, admit_early):
+def test_pd_gives_the_tokens_of_one_aggregated_engine(aggregated, pair, admit_early):
     p, d = pair
-    requests = [(f"r{n}", tokens(n, seed=n), GREEDY) for n in LENGTHS]
-    agg = run_engine(Engine(tiny, None, CONFIG), requests)
+    requests = REQUESTS
     done, dests = run_pd(p, d, requests, admit_early=admit_early)
-    for rid, prompt, _ in requests:
-        assert done[rid].token_ids == agg[rid].token_ids, rid
-        assert done[rid].token_ids == reference(tiny, prompt, 12), rid
+    for rid, _, _ in requests:
+        agg, alone = aggregated[rid]
+        assert done[rid].token_ids == agg, rid
+        assert done[rid].token_ids == alone, rid
         assert done[rid].outputs[0].finish_reason == "length"
         assert len(done[rid].token_ids) == 12  # the first token came from the prefill side
     # The state at the prompt's end is not page-aligned for most of them; a long one was
