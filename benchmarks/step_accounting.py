@@ -411,7 +411,7 @@ def roofline_report(
         span = _ratio(p.span, p.wall) if p.timed else "-"
         busy = _ratio(*prof[phase]) if phase in prof else "-"
         lines.append(
-            f"| {names[phase]} | {p.steps} | {p.forwards} | {p.wall:.3f} | {r.seconds:.3f} "
+            f"| {names[phase]} | {p.steps} | {p.forwards} | {p.wall:.3f} | {r.seconds:.4g} "
             f"| {_ratio(r.seconds, p.wall)} | {span} | {busy} |"
         )
     timed = any(stats[p].timed for p in PHASES)
@@ -419,7 +419,7 @@ def roofline_report(
     wall = sum(stats[p].wall for p in PHASES)
     lines.append(
         f"| run (end to end) | {sum(stats[p].steps for p in PHASES)} "
-        f"| {sum(stats[p].forwards for p in PHASES)} | {run.seconds:.3f} | {total.seconds:.3f} "
+        f"| {sum(stats[p].forwards for p in PHASES)} | {run.seconds:.3f} | {total.seconds:.4g} "
         f"| **{_ratio(total.seconds, run.seconds)}** "
         f"| {_ratio(span, wall) if timed else '-'} "
         f"| {_ratio(*prof['total']) if 'total' in prof else '-'} |"
