@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.layers.moe import Experts, MoE, Mxfp4Experts
+from ..model.layers.moe import Experts, MoE, Mxfp4Experts, grouped_experts
 from ..model.ops import dispatch
 from .comm import CommLog, all_to_all_rows, exchange_counts
 from .dims import ParallelError
@@ -193,17 +193,7 @@ class DepMoE(MoE):
         return self._local_experts_reference(x, weights, ids)
 
     def _local_experts_fused(self, x, weights, ids) -> torch.Tensor:
-        act = self.experts.act
-        y = dispatch.fused_experts(
-            x.contiguous(),
-            weights.float(),
-            ids.to(torch.int32),
-            self.experts.kernel_weights(),
-            activation=act.kind,
-            beta=act.situ_beta,
-            linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
-        )
-        return y.float()
+        return grouped_experts(self.experts, x, weights, ids).float()
 
     def _local_experts_reference(self, x, weights, ids) -> torch.Tensor:
         experts = self.experts

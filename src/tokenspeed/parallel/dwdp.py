@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.layers.moe import Experts, MoE
+from ..model.layers.moe import Experts, MoE, grouped_experts
 from ..model.ops import dispatch
 from .comm import CommLog
 from .dims import ParallelError
@@ -417,17 +417,10 @@ class DwdpExperts(Experts):
         local_ids = torch.where(inside, ids - start, -1).to(torch.int32)
         remote_ids = torch.where(ids < start, ids, ids - (stop - start))
         remote_ids = torch.where(inside, -1, remote_ids).to(torch.int32)
-        act = self.act
-        options = dict(
-            activation=act.kind,
-            beta=act.situ_beta,
-            linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
-        )
-        x, w = x.contiguous(), weights.float()
         here = ExpertWeights(format="dense", w1=self.w1, w2=self.w2, w3=self.w3)
         staged = ExpertWeights(format="dense", w1=remote["w1"], w2=remote["w2"], w3=remote["w3"])
-        a = dispatch.fused_experts(x, w, local_ids, here, **options)
-        b = dispatch.fused_experts(x, w, remote_ids, staged, **options)
+        a = grouped_experts(self, x, weights, local_ids, here)
+        b = grouped_experts(self, x, weights, remote_ids, staged)
         return (a.float() + b.float()).to(x.dtype)
 
     def kernel_tensors(self):

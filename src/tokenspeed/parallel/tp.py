@@ -44,7 +44,7 @@ from ..model.config import ModelConfig
 from ..model.layers.kda import KdaAttention
 from ..model.layers.mla import GatedMla
 from ..model.layers.mlp import GluMlp
-from ..model.layers.moe import Experts, MoE
+from ..model.layers.moe import Experts, MoE, grouped_experts
 from ..model.ops import dispatch
 from .comm import CommLog, all_reduce_
 from .dims import ParallelError
@@ -161,16 +161,7 @@ class TepMoE(MoE):
         if dispatch.fused_moe(h) and h.shape[0]:
             # The grouped expert kernels on this rank's intermediate slice, without the latent
             # norm (it needs the full sum, after the all-reduce).
-            act = self.experts.act
-            y = dispatch.fused_experts(
-                h.contiguous(),
-                weights.float(),
-                ids.to(torch.int32),
-                self.experts.kernel_weights(),
-                activation=act.kind,
-                beta=act.situ_beta,
-                linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
-            )
+            y = grouped_experts(self.experts, h, weights, ids)
         else:
             y = self.experts(h, weights, ids)  # partial sum
         shared = None if self.shared_experts is None else self.shared_experts(x)  # partial

@@ -61,6 +61,25 @@ class Experts(nn.Module):
         return ExpertWeights(format="dense", w1=self.w1, w2=self.w2, w3=self.w3)
 
 
+def grouped_experts(experts, x, weights, ids, kernel_weights=None) -> torch.Tensor:
+    """The grouped expert kernels (`dispatch.fused_experts`) with `experts`' activation: the
+    weighted sum over each row's experts of `kernel_weights` (default: `experts`' own), ids
+    outside them (-1) skipped, no latent norm. x: [T, W] half precision on the GPU (or under
+    the Triton interpreter); weights, ids: [T, k]. Returns [T, W] in x's dtype. For layers
+    that run experts over part of a stack (DEP's received rows, TEP's intermediate slice,
+    DWDP's block and staging buffer)."""
+    act = experts.act
+    return dispatch.fused_experts(
+        x.contiguous(),
+        weights.float(),
+        ids.to(torch.int32),
+        experts.kernel_weights() if kernel_weights is None else kernel_weights,
+        activation=act.kind,
+        beta=act.situ_beta,
+        linear_beta=act.situ_linear_beta if act.kind == "situ" else None,
+    )
+
+
 # (name, rows, columns) of each projection's [E, rows, columns] weight, for width D, inter I.
 def _projections(width: int, intermediate: int) -> tuple[tuple[str, int, int], ...]:
     return (("w1", intermediate, width), ("w2", width, intermediate), ("w3", intermediate, width))
