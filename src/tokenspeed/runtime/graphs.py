@@ -69,6 +69,15 @@ def fill_split_plan(plan, context_lens: Sequence[int], size: int, parallelism: i
     )
 
 
+def fill_tables(pools, slots: torch.Tensor, page_table: torch.Tensor, handles) -> None:
+    """Refill a graph's static live-slot [size] and page-table [size, max_pages] rows for the
+    batch `handles` (rows past it, and columns past a request's pages: the sink)."""
+    size, cols = page_table.shape
+    device = slots.device
+    slots.copy_(pools.live_slot_tensor(handles, num_rows=size, device=device))
+    page_table.copy_(pools.page_table_tensor(handles, num_rows=size, num_cols=cols, device=device))
+
+
 def capture_graphs(forward, sizes: Sequence[int]) -> tuple[dict, dict]:
     """Capture `forward(size)` for every size into one memory pool: (graphs, outputs) keyed by
     size, the outputs being the static tensors each replay rewrites."""
@@ -155,7 +164,6 @@ class DecodeGraphs:
         device tensor (copied on the device, in stream order)."""
         n = len(tokens)
         size = next(s for s in self.sizes if s >= n)
-        device = self.ids.device
         if isinstance(tokens, torch.Tensor):
             self.ids[:n].copy_(tokens)
         else:
@@ -166,12 +174,7 @@ class DecodeGraphs:
         self.positions[n:size].zero_()
         copy_into(self.context_lens[:n], prefix + 1)
         self.context_lens[n:size].fill_(1)
-        self.slots[:size].copy_(self.pools.live_slot_tensor(handles, num_rows=size, device=device))
-        self.page_table[:size].copy_(
-            self.pools.page_table_tensor(
-                handles, num_rows=size, num_cols=self.max_pages, device=device
-            )
-        )
+        fill_tables(self.pools, self.slots[:size], self.page_table[:size], handles)
         plan = self.plans.get(size)
         if plan is not None:
             lens = [p + 1 for p in prefix_lens]

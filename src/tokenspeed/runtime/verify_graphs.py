@@ -32,7 +32,7 @@ from tokenspeed.cache import RequestCache
 from tokenspeed.cache.host_copy import copy_into
 from tokenspeed.model import ForwardBatch
 
-from .graphs import capture_graphs, fill_split_plan, split_plans
+from .graphs import capture_graphs, fill_split_plan, fill_tables, split_plans
 
 
 class VerifyGraphs:
@@ -148,7 +148,6 @@ class VerifyGraphs:
         size = next(s for s in self.sizes if s >= n)
         if any(not 1 <= len(row) <= width for row in tokens):
             raise ValueError(f"verify rows feed 1..{width} tokens each")
-        device = self.ids.device
         ids = torch.zeros(size, width, dtype=torch.long)
         for i, row in enumerate(tokens):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
@@ -159,12 +158,7 @@ class VerifyGraphs:
         offsets = torch.arange(width, dtype=torch.long)
         copy_into(self.positions[: size * width], (prefix[:, None] + offsets).view(-1))
         copy_into(self.context_lens[:size], prefix + width)
-        self.slots[:size].copy_(self.pools.live_slot_tensor(handles, num_rows=size, device=device))
-        self.page_table[:size].copy_(
-            self.pools.page_table_tensor(
-                handles, num_rows=size, num_cols=self.max_pages, device=device
-            )
-        )
+        fill_tables(self.pools, self.slots[:size], self.page_table[:size], handles)
         plan = self.plans.get(size)
         if plan is not None:
             lens = [p + width for p in prefix_lens]
