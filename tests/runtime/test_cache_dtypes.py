@@ -15,7 +15,7 @@ from tokenspeed.runtime.cache_sizing import cache_geometry
 from tokenspeed.runtime.config import EngineConfigError
 
 from .conftest import tokens
-from .test_engine import run
+from .test_engine import run, small_engine
 
 NARROW = dict(kv_cache_dtype="fp8_e4m3", kda_checkpoint_dtype="bfloat16")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -30,16 +30,8 @@ BF16_CHECKPOINT_MEAN_TOLERANCE = 0.008
 
 
 def engine(model, **options):
-    base = dict(
-        page_size=16,
-        max_num_seqs=4,
-        max_model_len=400,
-        prefill_token_budget=48,
-        checkpoint_interval_pages=2,
-        **NARROW,
-    )
-    base.update(options)
-    return Engine(model, None, EngineConfig(**base))
+    """test_engine's small engine with the narrow cache dtypes (`options` override)."""
+    return small_engine(model, **{**NARROW, **options})
 
 
 def alone(model, prompt, params=GREEDY):

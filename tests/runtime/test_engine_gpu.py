@@ -18,8 +18,9 @@ from .conftest import tokens
 pytestmark = pytest.mark.gpu
 
 
-def _engine(model, graphs: bool, decode_steps: int) -> Engine:
-    """Up to eight sequences of 512 tokens, prefill chunks of 128 tokens."""
+def gpu_engine(model, graphs: bool, decode_steps: int = 1, **options) -> Engine:
+    """Up to eight sequences of 512 tokens, prefill chunks of 128 tokens (`options`: other
+    `EngineConfig` fields; the FP8 and speculative GPU tests use it too)."""
     return Engine(
         model,
         None,
@@ -31,13 +32,14 @@ def _engine(model, graphs: bool, decode_steps: int) -> Engine:
             prefill_token_budget=128,
             enable_cuda_graph=graphs,
             decode_steps=decode_steps,
+            **options,
         ),
     )
 
 
 def _generate(model, graphs: bool, decode_steps: int = 1, stops=None):
     """Greedy outputs of six mixed-length prompts; stops: per prompt, stop token ids."""
-    engine = _engine(model, graphs, decode_steps)
+    engine = gpu_engine(model, graphs, decode_steps)
     assert engine.runner.graphs.captured == graphs
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9)]
     for i, p in enumerate(prompts):
@@ -141,7 +143,7 @@ def test_failing_steps_under_graphs_cost_only_their_batch(decode_steps):
     model = init_random_weights(KimiForCausalLM(get_preset("tiny")), seed=4).to(
         "cuda", torch.float32
     )
-    engine = _engine(model, graphs=True, decode_steps=decode_steps)
+    engine = gpu_engine(model, graphs=True, decode_steps=decode_steps)
     idle = engine.cache.available_pages
     injected = inject_failures(engine, random.Random(decode_steps), 0.1)
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9, 50, 33)]

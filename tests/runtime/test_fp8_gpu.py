@@ -40,6 +40,7 @@ from tokenspeed.runtime.llm import _keep_fp32
 
 from .conftest import steady_model, tokens
 from .test_engine import run, small_engine
+from .test_engine_gpu import gpu_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -147,20 +148,7 @@ def check_same_up_to_a_near_tie(want, got, tol: Tol, what: str) -> int | None:
 
 def generate(model, graphs: bool, decode_steps: int = 1) -> list[list[int]]:
     """Greedy outputs of six mixed-length prompts over an FP8 cache (test_engine_gpu's set)."""
-    e = Engine(
-        model,
-        None,
-        EngineConfig(
-            device="cuda",
-            page_size=16,
-            max_num_seqs=8,
-            max_model_len=512,
-            prefill_token_budget=128,
-            enable_cuda_graph=graphs,
-            decode_steps=decode_steps,
-            **FP8,
-        ),
-    )
+    e = gpu_engine(model, graphs, decode_steps, **FP8)
     assert e.runner.graphs.captured == graphs
     assert e.cache.storage.mla.dtype == FP8_DTYPE and e.cache.storage.mla_scales is not None
     prompts = [tokens(n, seed=n) for n in (5, 40, 77, 130, 16, 9)]

@@ -268,29 +268,15 @@ def test_workers_load_their_share_of_a_checkpoint(tmp_path):
     assert got == want
 
 
-@pytest.mark.slow
-def test_torchrun_runs_the_worker_loop():
+def check_torchrun_worker(*layout: str) -> None:
+    """`python -m tokenspeed.runtime.worker` under torchrun on 2 CPU ranks with the `layout`
+    flags (none: DEP; `--dcp 2`, `--tep 2`): each prompt's outputs printed once, in order,
+    the single-rank engine's greedy tokens."""
     prompts = [[5, 6, 7, 8, 9], list(range(10, 60)), [100, 101]]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "tokenspeed.runtime.worker",
-        "--model",
-        "tiny",
-        "--device",
-        "cpu",
-        "--max-model-len",
-        "256",
-        "--max-tokens",
-        "12",
-        "--prompt-ids",
-        str(prompts),
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "tokenspeed.runtime.worker", "--model", "tiny"]
+    command += [*layout, "--device", "cpu", "--max-model-len", "256", "--max-tokens", "12"]
+    command += ["--prompt-ids", str(prompts)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
@@ -298,7 +284,12 @@ def test_torchrun_runs_the_worker_loop():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     params = SamplingParams(temperature=0, max_tokens=12)
-    llm = LLM("tiny", device="cpu", max_model_len=256)
-    want = [o.token_ids for o in llm.generate(_as_prompts(prompts), params, use_tqdm=False)]
+    with LLM("tiny", device="cpu", max_model_len=256) as llm:
+        want = [o.token_ids for o in llm.generate(_as_prompts(prompts), params, use_tqdm=False)]
     assert [r["index"] for r in rows] == [0, 1, 2]
     assert [r["token_ids"] for r in rows] == want
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_worker_loop():
+    check_torchrun_worker()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 
 import attrs
 import pytest
@@ -39,6 +38,7 @@ from ..processes import alarm, prompt_ids
 from .test_multirank import (
     OPTIONS,
     _as_prompts,
+    check_torchrun_worker,
     deadline,
     first_and_alone,
     kill_rank_1_mid_run,
@@ -283,24 +283,4 @@ def test_members_agree_on_commands_and_steps_or_stop(same):
 def test_torchrun_runs_dcp_ranks():
     """`python -m tokenspeed.runtime.worker --dcp 2` under torchrun: one DCP pair, every prompt
     on it, its leader's outputs printed once, the single-rank engine's tokens."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    prompts = [[5, 6, 7, 8, 9], list(range(10, 60)), [100, 101]]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", "-m", "tokenspeed.runtime.worker", "--model", "tiny"]
-    command += ["--dcp", "2", "--device", "cpu", "--max-model-len", "256", "--max-tokens", "12"]
-    command += ["--prompt-ids", str(prompts)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=100, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    with LLM("tiny", device="cpu", max_model_len=256) as llm:
-        want = [o.token_ids for o in llm.generate(_as_prompts(prompts), params, use_tqdm=False)]
-    assert [r["index"] for r in rows] == [0, 1, 2]
-    assert [r["token_ids"] for r in rows] == want
+    check_torchrun_worker("--dcp", "2")

@@ -40,7 +40,13 @@ from tokenspeed.runtime.parallel_config import ParallelConfig, ParallelError
 
 from ..parallel.harness import run_ranks
 from ..processes import alarm
-from .test_multirank import OPTIONS, deadline, kill_rank_1_mid_run, scenario
+from .test_multirank import (
+    OPTIONS,
+    check_torchrun_worker,
+    deadline,
+    kill_rank_1_mid_run,
+    scenario,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -344,26 +350,4 @@ def test_per_rank_random_weights_are_slices_of_one_model():
 def test_torchrun_runs_tep_ranks():
     """`python -m tokenspeed.runtime.worker --tep 2` under torchrun: every prompt on both
     ranks, rank 0's outputs printed once, the single-rank engine's tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    prompts = [[5, 6, 7, 8, 9], list(range(10, 60)), [100, 101]]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", "-m", "tokenspeed.runtime.worker", "--model", "tiny"]
-    command += ["--tep", "2", "--device", "cpu", "--max-model-len", "256", "--max-tokens", "12"]
-    command += ["--prompt-ids", str(prompts)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=100, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    with LLM("tiny", device="cpu", max_model_len=256) as llm:
-        prompt_list = [{"prompt_token_ids": p} for p in prompts]
-        want = [o.token_ids for o in llm.generate(prompt_list, params, use_tqdm=False)]
-    assert [r["index"] for r in rows] == [0, 1, 2]
-    assert [r["token_ids"] for r in rows] == want
+    check_torchrun_worker("--tep", "2")

@@ -16,6 +16,7 @@ from tokenspeed.runtime.spec import SpeculativeConfig
 
 from .conftest import tokens
 from .spec.helpers import drafter_config, write_drafter
+from .test_engine_gpu import gpu_engine
 from .test_spec_engine import Oracle
 
 pytestmark = pytest.mark.gpu
@@ -33,16 +34,7 @@ def _model(dtype):
 def _generate(model, graphs: bool, spec=None, proposer=None):
     """Greedy outputs of PROMPTS (request i stops after 14 + 2 i tokens, so batches shrink
     step by step) and the engine, checked after every step."""
-    config = EngineConfig(
-        device="cuda",
-        page_size=16,
-        max_num_seqs=8,
-        max_model_len=512,
-        prefill_token_budget=128,
-        enable_cuda_graph=graphs,
-        speculative=spec,
-    )
-    engine = Engine(model, None, config)
+    engine = gpu_engine(model, graphs, speculative=spec)
     if proposer is not None:
         engine.proposer = proposer
     for i, prompt in PROMPTS.items():
