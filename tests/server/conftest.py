@@ -100,6 +100,27 @@ async def gateway_outputs(url: str, body: dict, prompts, messages) -> dict[str, 
     return out
 
 
+def check_gateway_outputs(out: dict, completions, chats) -> None:
+    """`gateway_outputs`' answers against the offline API's outputs (`LLM.generate`, one per
+    prompt, and `LLM.chat`, one per conversation): the same token ids and text, whole and
+    streamed, usage and finish reasons."""
+    for want, whole, events in zip(completions, out["whole"], out["streamed"], strict=True):
+        choice = whole["choices"][0]
+        assert choice["token_ids"] == want.token_ids
+        assert choice["text"] == want.text
+        assert whole["usage"]["completion_tokens"] == len(want.token_ids)
+        assert events[-1] == "[DONE]"
+        got = joined(events)[0]
+        assert got["token_ids"] == want.token_ids and got["text"] == want.text
+        assert got["finish_reason"] == want.outputs[0].finish_reason
+    for want, whole, events in zip(chats, out["chat"], out["chat_streamed"], strict=True):
+        choice = whole["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": want.text}
+        assert choice["token_ids"] == want.token_ids
+        got = joined(events, key="delta")[0]
+        assert got["text"] == want.text and got["token_ids"] == want.token_ids
+
+
 def joined(events: list, key: str = "text") -> dict[int, dict]:
     """Per choice index: the streamed text and token ids joined, and the finish reason."""
     choices: dict[int, dict] = {}

@@ -32,7 +32,16 @@ from tokenspeed.server.admission import Admission
 from tokenspeed.server.role import make_engine, make_role
 
 from . import processes
-from .conftest import ENGINE, TEMPLATE, gateway_outputs, joined, run, sse_events, wait_until
+from .conftest import (
+    ENGINE,
+    TEMPLATE,
+    check_gateway_outputs,
+    gateway_outputs,
+    joined,
+    run,
+    sse_events,
+    wait_until,
+)
 from .processes import (
     WORKER_OPTIONS,
     Gateway,
@@ -490,21 +499,7 @@ def test_greedy_outputs_through_smg_equal_the_offline_api(pd_gateway, text_refer
     body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
 
     out = run(gateway_outputs(smg.url, body, TEXT_PROMPTS, MESSAGES))
-    for want, whole, events in zip(completions, out["whole"], out["streamed"], strict=True):
-        choice = whole["choices"][0]
-        assert choice["token_ids"] == want.token_ids
-        assert choice["text"] == want.text
-        assert whole["usage"]["completion_tokens"] == len(want.token_ids)
-        assert events[-1] == "[DONE]"
-        got = joined(events)[0]
-        assert got["token_ids"] == want.token_ids and got["text"] == want.text
-        assert got["finish_reason"] == want.outputs[0].finish_reason
-    for want, whole, events in zip(chats, out["chat"], out["chat_streamed"], strict=True):
-        choice = whole["choices"][0]
-        assert choice["message"] == {"role": "assistant", "content": want.text}
-        assert choice["token_ids"] == want.token_ids
-        got = joined(events, key="delta")[0]
-        assert got["text"] == want.text and got["token_ids"] == want.token_ids
+    check_gateway_outputs(out, completions, chats)
     for worker in (prefill, decode):
         settled(worker, 10)
 
